@@ -1,0 +1,316 @@
+"""Wire codec: a batch <-> a ``Value`` tree plus one payload of array bytes.
+
+A batch is whatever collation produced: nested dicts, lists, tuples and
+namedtuples of tensors, numpy arrays and Python scalars. Arrays travel as
+dtype, shape and strides plus raw bytes, never as pickle. Each array's bytes
+sit at a 64-byte aligned offset of the batch payload, so the same layout
+serves a socket stream and a shared-memory slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaderd.errors import TransportError
+from loaderd.v1 import loaderd_pb2 as pb
+
+ALIGN = 64
+
+# Every plain torch dtype by the name the wire uses ("float32"); quantized
+# dtypes have no raw-bytes meaning and are left out.
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in vars(torch).values()
+    if isinstance(dt, torch.dtype) and not str(dt).startswith(("torch.q", "torch.quint"))
+}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ------------------------------------------------------------------ encode
+
+
+@dataclass
+class EncodedBatch:
+    """A batch ready for the wire: its layout and the arrays' bytes by offset."""
+
+    value: pb.Value
+    buffers: list[tuple[int, memoryview]] = field(default_factory=list)
+    payload_bytes: int = 0
+
+
+def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(f"tensor layout {t.layout} cannot cross the wire")
+    if t.device.type != "cpu":
+        raise TypeError(f"tensor on {t.device} cannot cross the wire; return CPU tensors")
+    return t.detach().resolve_conj().resolve_neg().contiguous()
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.buffers: list[tuple[int, memoryview]] = []
+        self.offset = 0
+
+    def _add_buffer(self, raw: memoryview, ref: pb.ArrayRef) -> None:
+        ref.offset = self.offset
+        ref.nbytes = raw.nbytes
+        if raw.nbytes:
+            self.buffers.append((self.offset, raw))
+            self.offset = _align(self.offset + raw.nbytes)
+
+    def encode(self, obj: Any, path: str) -> pb.Value:
+        if isinstance(obj, torch.Tensor):
+            t = _tensor_bytes(obj)
+            ref = pb.ArrayRef(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, strides=t.stride())
+            flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+            self._add_buffer(memoryview(flat.numpy()), ref)
+            return pb.Value(tensor=ref)
+        if isinstance(obj, (np.ndarray, np.generic)):
+            arr = np.ascontiguousarray(obj)
+            if arr.dtype.hasobject:
+                raise TypeError(f"numpy array of dtype {arr.dtype} (Python objects) cannot cross the wire")
+            ref = pb.ArrayRef(
+                dtype=arr.dtype.str,
+                shape=arr.shape,
+                strides=[s // max(arr.itemsize, 1) for s in arr.strides],
+                scalar=isinstance(obj, np.generic),
+            )
+            self._add_buffer(memoryview(arr.reshape(-1).view(np.uint8)), ref)
+            return pb.Value(ndarray=ref)
+        if obj is None:
+            return pb.Value(none=True)
+        if isinstance(obj, bool):
+            return pb.Value(bool_value=obj)
+        if isinstance(obj, int):
+            if -(2**63) <= obj < 2**63:
+                return pb.Value(int_value=obj)
+            return pb.Value(big_int=str(int(obj)))
+        if isinstance(obj, float):
+            return pb.Value(float_value=obj)
+        if isinstance(obj, str):
+            return pb.Value(str_value=obj)
+        if isinstance(obj, (bytes, bytearray)):
+            return pb.Value(bytes_value=bytes(obj))
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            cls = type(obj)
+            return pb.Value(
+                named_tuple=pb.NamedTuple(
+                    module=cls.__module__,
+                    qualname=cls.__qualname__,
+                    fields=list(obj._fields),
+                    items=[self.encode(v, f"{path}.{name}") for name, v in zip(obj._fields, obj)],
+                )
+            )
+        if isinstance(obj, Mapping):
+            cls = type(obj)
+            type_name = "" if cls is dict else f"{cls.__module__}:{cls.__qualname__}"
+            keys, values = [], []
+            for k, v in obj.items():
+                keys.append(self.encode(k, f"{path} key {k!r}"))
+                values.append(self.encode(v, f"{path}[{k!r}]"))
+            return pb.Value(mapping=pb.Mapping(type=type_name, keys=keys, values=values))
+        if isinstance(obj, tuple):
+            return pb.Value(tuple=pb.Sequence(items=[self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]))
+        if isinstance(obj, Sequence):
+            return pb.Value(list=pb.Sequence(items=[self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]))
+        cls = type(obj)
+        raise TypeError(
+            f"{path} is a {cls.__module__}.{cls.__qualname__}, which cannot cross the wire "
+            "(tensors, numpy arrays, Python scalars, str, bytes and dict/list/tuple/namedtuple "
+            "of them can); convert it in the dataset or the config's collate_fn"
+        )
+
+
+def encode_batch(batch: Any) -> EncodedBatch:
+    """Lay a collated batch out for the wire. Raises ``TransportError`` naming the culprit."""
+    encoder = _Encoder()
+    try:
+        value = encoder.encode(batch, "batch")
+    except TypeError as exc:
+        raise TransportError(str(exc)) from None
+    payload = encoder.buffers[-1][0] + encoder.buffers[-1][1].nbytes if encoder.buffers else 0
+    return EncodedBatch(value=value, buffers=encoder.buffers, payload_bytes=payload)
+
+
+# ------------------------------------------------------------------ decode
+
+
+_namedtuple_cache: dict[tuple[str, str, tuple[str, ...]], type] = {}
+
+
+def _namedtuple_type(nt: pb.NamedTuple) -> type:
+    """The client's own class when it has it loaded, else an equivalent namedtuple."""
+    fields = tuple(nt.fields)
+    owner: object | None = sys.modules.get(nt.module)
+    for part in nt.qualname.split("."):
+        owner = getattr(owner, part, None) if owner is not None else None
+    if isinstance(owner, type) and issubclass(owner, tuple) and getattr(owner, "_fields", None) == fields:
+        return owner
+    key = (nt.module, nt.qualname, fields)
+    if key not in _namedtuple_cache:
+        name = nt.qualname.rsplit(".", 1)[-1]
+        _namedtuple_cache[key] = collections.namedtuple(name if name.isidentifier() else "Batch", fields)
+    return _namedtuple_cache[key]
+
+
+def _mapping_type(type_name: str) -> type | None:
+    module, _, qualname = type_name.partition(":")
+    owner: object | None = sys.modules.get(module)
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None) if owner is not None else None
+    return owner if isinstance(owner, type) and issubclass(owner, Mapping) else None
+
+
+@dataclass
+class _Slot:
+    offset: int
+    nbytes: int
+    target: memoryview
+
+
+class BatchAssembler:
+    """Rebuilds one batch from its header and the payload bytes that follow.
+
+    Each array gets its own storage (as torch's collation gives each tensor
+    its own), so keeping one tensor of a batch does not keep the others alive.
+    With ``pin_memory`` tensors are allocated page-locked and filled in place.
+    """
+
+    def __init__(self, header: pb.BatchHeader, pin_memory: bool = False) -> None:
+        self.seq = header.seq
+        self.payload_bytes = header.payload_bytes
+        self._pin = pin_memory
+        self._slots: list[_Slot] = []
+        # Arrays in depth-first order of the Value tree; build() walks it the same way.
+        self._arrays: list[Any] = []
+        self._received = 0
+        self._slot_index = 0
+        self._value = header.value
+        self._allocate(header.value)
+        self._slots.sort(key=lambda s: s.offset)
+        if header.data:
+            self.feed(header.data)
+
+    @property
+    def complete(self) -> bool:
+        return self._received >= self.payload_bytes
+
+    def _check_ref(self, ref: pb.ArrayRef, itemsize: int) -> None:
+        expected = math.prod(ref.shape) * itemsize
+        if ref.nbytes != expected or ref.offset + ref.nbytes > self.payload_bytes or any(d < 0 for d in ref.shape):
+            raise TransportError(f"malformed array in batch {self.seq}: {ref}")
+
+    def _allocate(self, value: pb.Value) -> None:
+        kind = value.WhichOneof("kind")
+        if kind == "tensor":
+            ref = value.tensor
+            dtype = _TORCH_DTYPES.get(ref.dtype)
+            if dtype is None:
+                raise TransportError(f"unknown tensor dtype {ref.dtype!r} in batch {self.seq}")
+            self._check_ref(ref, dtype.itemsize)
+            t = torch.empty(tuple(ref.shape), dtype=dtype, pin_memory=self._pin)
+            self._arrays.append(t)
+            if ref.nbytes:
+                self._slots.append(_Slot(ref.offset, ref.nbytes, memoryview(t.view(-1).view(torch.uint8).numpy())))
+        elif kind == "ndarray":
+            ref = value.ndarray
+            try:
+                dtype_np = np.dtype(ref.dtype)
+            except TypeError:
+                raise TransportError(f"unknown numpy dtype {ref.dtype!r} in batch {self.seq}") from None
+            if dtype_np.hasobject:
+                raise TransportError(f"object dtype in batch {self.seq}")
+            self._check_ref(ref, dtype_np.itemsize)
+            arr = np.empty(tuple(ref.shape), dtype=dtype_np)
+            self._arrays.append(arr)
+            if ref.nbytes:
+                self._slots.append(_Slot(ref.offset, ref.nbytes, memoryview(arr.reshape(-1).view(np.uint8))))
+        elif kind in ("list", "tuple"):
+            for item in getattr(value, kind).items:
+                self._allocate(item)
+        elif kind == "named_tuple":
+            for item in value.named_tuple.items:
+                self._allocate(item)
+        elif kind == "mapping":
+            for k, v in zip(value.mapping.keys, value.mapping.values):
+                self._allocate(k)
+                self._allocate(v)
+
+    def feed(self, data: bytes) -> None:
+        """Copy the next payload bytes into the arrays they belong to."""
+        start = self._received
+        end = start + len(data)
+        if end > self.payload_bytes:
+            raise TransportError(f"batch {self.seq} carries more payload than announced")
+        src = memoryview(data)
+        slots = self._slots
+        i = self._slot_index
+        while i < len(slots) and slots[i].offset < end:
+            slot = slots[i]
+            lo = max(slot.offset, start)
+            hi = min(slot.offset + slot.nbytes, end)
+            if hi > lo:
+                slot.target[lo - slot.offset : hi - slot.offset] = src[lo - start : hi - start]
+            if slot.offset + slot.nbytes <= end:
+                i += 1
+            else:
+                break
+        self._slot_index = i
+        self._received = end
+
+    def build(self) -> Any:
+        """The batch, once every payload byte arrived."""
+        if not self.complete:
+            raise TransportError(f"batch {self.seq} ended after {self._received} of {self.payload_bytes} bytes")
+        self._next_array = iter(self._arrays)
+        return self._build(self._value)
+
+    def _build(self, value: pb.Value) -> Any:
+        kind = value.WhichOneof("kind")
+        if kind == "tensor":
+            return next(self._next_array)
+        if kind == "ndarray":
+            arr = next(self._next_array)
+            return arr[()] if value.ndarray.scalar else arr
+        if kind == "none":
+            return None
+        if kind == "bool_value":
+            return value.bool_value
+        if kind == "int_value":
+            return value.int_value
+        if kind == "big_int":
+            return int(value.big_int)
+        if kind == "float_value":
+            return value.float_value
+        if kind == "str_value":
+            return value.str_value
+        if kind == "bytes_value":
+            return value.bytes_value
+        if kind == "list":
+            return [self._build(v) for v in value.list.items]
+        if kind == "tuple":
+            return tuple(self._build(v) for v in value.tuple.items)
+        if kind == "named_tuple":
+            return _namedtuple_type(value.named_tuple)(*(self._build(v) for v in value.named_tuple.items))
+        if kind == "mapping":
+            m = value.mapping
+            d = {self._build(k): self._build(v) for k, v in zip(m.keys, m.values)}
+            cls = _mapping_type(m.type) if m.type else None
+            if cls is not None:
+                try:
+                    return cls(d)
+                except Exception:  # a mapping type that can't be built from a dict
+                    return d
+            return d
+        raise TransportError(f"batch {self.seq} holds a value of unknown kind {kind!r}")

@@ -1,0 +1,129 @@
+"""Every error loaderd raises, and the one place where errors are translated.
+
+Errors cross two boundaries as data: a worker process turns a user exception
+into a ``RemoteError`` message (:func:`capture_exception`), and the client turns
+that message back into an exception of the original type where it can
+(:func:`exception_from_remote`) and gRPC status codes into loaderd errors
+(:func:`error_from_rpc`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import traceback
+
+import grpc
+
+from loaderd.v1 import loaderd_pb2 as pb
+
+
+class LoaderdError(Exception):
+    """Base class of every error loaderd itself raises."""
+
+
+class DaemonUnavailableError(LoaderdError, ConnectionError):
+    """The daemon could not be reached, or went away mid-stream."""
+
+
+class DatasetNotFoundError(LoaderdError, LookupError):
+    """The daemon's config defines no dataset of that name."""
+
+
+class InvalidRequestError(LoaderdError, ValueError):
+    """The daemon rejected a request as malformed."""
+
+
+class ConfigOnlyArgumentError(LoaderdError, ValueError):
+    """A DataLoader argument that names code: it belongs in the daemon's config."""
+
+
+class BatchTimeoutError(LoaderdError, TimeoutError):
+    """A batch was not delivered within the loader's ``timeout``."""
+
+
+class RemoteWorkerError(LoaderdError, RuntimeError):
+    """User code failed in the daemon with an exception type the client cannot rebuild."""
+
+
+class WorkerCrashedError(LoaderdError, RuntimeError):
+    """A pool worker died (signal, segfault) every time it ran a batch."""
+
+
+class TransportError(LoaderdError, ValueError):
+    """A batch cannot be encoded for, or decoded from, the wire."""
+
+
+class _KeyErrorMessage(str):
+    """KeyError reprs its message; keep the remote traceback readable (as torch does)."""
+
+    def __repr__(self) -> str:
+        return self
+
+
+# ----------------------------------------------------------- worker side
+
+
+def capture_exception(exc: BaseException, where: str, seq: int = 0) -> pb.RemoteError:
+    """Turn an exception raised by user code into wire data."""
+    cls = type(exc)
+    return pb.RemoteError(
+        seq=seq,
+        type_module=cls.__module__,
+        type_qualname=cls.__qualname__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(exc)),
+        where=where,
+    )
+
+
+# ----------------------------------------------------------- client side
+
+
+def _resolve_exception_type(module: str, qualname: str) -> type[BaseException] | None:
+    """Find the remote exception's class among what the client already imported.
+
+    Nothing is imported on the server's say-so: builtins and modules already in
+    ``sys.modules`` (the user's dataset module usually is) are searched.
+    """
+    owner: object | None = builtins if module == "builtins" else sys.modules.get(module)
+    for part in qualname.split("."):
+        if owner is None:
+            return None
+        owner = getattr(owner, part, None)
+    if isinstance(owner, type) and issubclass(owner, Exception):
+        return owner
+    return None
+
+
+def exception_from_remote(err: pb.RemoteError) -> Exception:
+    """Rebuild a worker's exception with the remote traceback in its message."""
+    message = f"Caught {err.type_qualname} {err.where}.\nOriginal {err.traceback}"
+    cls = _resolve_exception_type(err.type_module, err.type_qualname)
+    if cls is not None:
+        try:
+            return cls(_KeyErrorMessage(message) if issubclass(cls, KeyError) else message)
+        except Exception:  # a constructor that wants other arguments
+            pass
+    remote = RemoteWorkerError(f"{err.type_module}.{err.type_qualname}: {message}")
+    remote.remote_type = f"{err.type_module}.{err.type_qualname}"  # type: ignore[attr-defined]
+    return remote
+
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[LoaderdError]] = {
+    grpc.StatusCode.NOT_FOUND: DatasetNotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
+    grpc.StatusCode.UNAVAILABLE: DaemonUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: BatchTimeoutError,
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
+    """Map a failed gRPC call to the loaderd error a user can act on."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    cls = _STATUS_ERRORS.get(code, LoaderdError) if code is not None else LoaderdError
+    if cls is DaemonUnavailableError:
+        return cls(f"loaderd at {address} is unavailable: {details}")
+    return cls(details)

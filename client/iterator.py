@@ -1,0 +1,229 @@
+"""RemoteLoaderIter: one epoch of a RemoteDataLoader.
+
+It plays the part of torch's ``_MultiProcessingDataLoaderIter``: it draws the
+epoch's base seed and walks the index sampler in the caller's thread (so the
+client's RNG is consumed exactly as torch consumes it), keeps the daemon
+``window`` batches of plan ahead of what the caller consumed, and hands out
+batches in order. A receiver thread reassembles batches off the gRPC stream
+while the caller trains.
+"""
+
+from __future__ import annotations
+
+import operator
+import queue
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from loaderd.codec import BatchAssembler
+from loaderd.errors import (
+    BatchTimeoutError,
+    DaemonUnavailableError,
+    LoaderdError,
+    error_from_rpc,
+    exception_from_remote,
+)
+from loaderd.v1 import loaderd_pb2 as pb
+
+if TYPE_CHECKING:
+    from loaderd.loader import RemoteDataLoader
+
+# How often blocked waits re-check that the stream is still alive.
+_POLL_S = 0.25
+# Finished batches the receiver thread may hold ahead of the caller.
+_RECEIVED_AHEAD = 2
+
+
+@dataclass(frozen=True)
+class _Item:
+    kind: str  # "batch" | "error" | "end" | "failed"
+    payload: Any = None
+
+
+class _Receiver:
+    """Reads the response stream on its own thread and queues whole batches."""
+
+    def __init__(self, call: Any, pin_memory: bool, address: str, stop: threading.Event) -> None:
+        self.items: queue.Queue[_Item] = queue.Queue(maxsize=_RECEIVED_AHEAD)
+        self.stop = stop
+        self._call = call
+        self._pin = pin_memory
+        self._address = address
+        self.thread = threading.Thread(target=self._run, name="loaderd-receiver", daemon=True)
+
+    def _put(self, item: _Item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.items.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        assembler: BatchAssembler | None = None
+        try:
+            for response in self._call:
+                kind = response.WhichOneof("kind")
+                if kind == "batch":
+                    assembler = BatchAssembler(response.batch, pin_memory=self._pin)
+                elif kind == "chunk":
+                    if assembler is None:
+                        raise LoaderdError("daemon sent a data chunk outside a batch")
+                    assembler.feed(response.chunk.data)
+                elif kind == "error":
+                    if not self._put(_Item("error", response.error)):
+                        return
+                    continue
+                elif kind == "end":
+                    self._put(_Item("end"))
+                    return
+                if assembler is not None and assembler.complete:
+                    batch, assembler = assembler.build(), None
+                    if not self._put(_Item("batch", batch)):
+                        return
+            self._put(_Item("failed", DaemonUnavailableError(f"loaderd at {self._address} ended the stream early")))
+        except grpc.RpcError as exc:
+            if not self.stop.is_set():
+                self._put(_Item("failed", error_from_rpc(exc, self._address)))
+        except Exception as exc:  # a decoding error: surface it to the caller
+            self._put(_Item("failed", exc))
+
+
+def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[pb.StreamRequest | None]) -> None:
+    stop.set()
+    requests.put(None)
+    call.cancel()
+
+
+class RemoteLoaderIter:
+    """Iterator over one epoch; created by ``iter(RemoteDataLoader)``."""
+
+    def __init__(self, loader: RemoteDataLoader) -> None:
+        self._loader = loader
+        self._timeout = loader.timeout
+        self._iterable = loader._iterable
+        self._auto_collation = loader._plan.batch_size is not None or loader._plan.batch_sampler is not None
+        # The same order of RNG draws as torch: sampler iterator, then the base seed.
+        self._sampler_iter: Iterator[Any] | None = None if self._iterable else iter(loader._plan._index_sampler)
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        self._window = loader._window
+        self._planned = 0
+        self._consumed = 0
+        self._plan_done = self._iterable
+        self._finished = False
+        self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        self._requests.put(
+            pb.StreamRequest(
+                open=pb.OpenStream(
+                    dataset=loader.dataset_name,
+                    auto_collation=self._auto_collation,
+                    batch_size=(loader.batch_size or 0) if self._iterable else 0,
+                    drop_last=loader.drop_last,
+                    num_workers=loader.num_workers,
+                    base_seed=self._base_seed,
+                    window=self._window,
+                )
+            )
+        )
+        self._top_up_plan()
+        self._stop = threading.Event()
+        call = loader._connection.stub.StreamBatches(self._request_stream())
+        self._receiver = _Receiver(call, loader._pin, loader.address, self._stop)
+        self._receiver.thread.start()
+        # Cancels the stream when the caller drops the iterator (break, del,
+        # exception) without relying on __del__; close() does it explicitly.
+        self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests)
+
+    # ------------------------------------------------------------ plan
+
+    def _request_stream(self) -> Iterator[pb.StreamRequest]:
+        while not self._stop.is_set():
+            try:
+                request = self._requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if request is None:
+                return
+            yield request
+
+    def _top_up_plan(self) -> None:
+        """Send index batches until the daemon holds ``window`` beyond what was consumed."""
+        if self._plan_done:
+            return
+        batches: list[pb.IndexBatch] = []
+        end = False
+        assert self._sampler_iter is not None
+        while self._planned - self._consumed < self._window:
+            try:
+                item = next(self._sampler_iter)
+            except StopIteration:
+                end = True
+                break
+            batches.append(pb.IndexBatch(indices=_as_indices(item, self._auto_collation)))
+            self._planned += 1
+        if batches or end:
+            self._requests.put(pb.StreamRequest(plan=pb.PlanBatches(batches=batches, end=end)))
+        if end:
+            self._plan_done = True
+            self._requests.put(None)  # half-close: nothing more to send
+
+    # ------------------------------------------------------------ iteration
+
+    def __iter__(self) -> RemoteLoaderIter:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        item = self._next_item()
+        if item.kind == "end":
+            self.close()
+            raise StopIteration
+        if item.kind == "failed":
+            self.close()
+            raise item.payload
+        self._consumed += 1
+        self._top_up_plan()
+        if item.kind == "error":
+            raise exception_from_remote(item.payload)
+        return item.payload
+
+    def _next_item(self) -> _Item:
+        waited = 0.0
+        while True:
+            step = _POLL_S if self._timeout <= 0 else min(_POLL_S, self._timeout - waited)
+            try:
+                return self._receiver.items.get(timeout=max(step, 0.001))
+            except queue.Empty:
+                waited += step
+            if self._timeout > 0 and waited >= self._timeout:
+                raise BatchTimeoutError(f"RemoteDataLoader timed out after {self._timeout} seconds")
+            if not self._receiver.thread.is_alive() and self._receiver.items.empty():
+                self._finished = True
+                raise DaemonUnavailableError("the stream's receiver stopped without a result")
+
+    def close(self) -> None:
+        """End the epoch early; the daemon stops working for this stream. Idempotent."""
+        self._finished = True
+        self._finalizer()
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+def _as_indices(item: Any, auto_collation: bool) -> list[int]:
+    try:
+        if auto_collation:
+            return [operator.index(i) for i in item]
+        return [operator.index(item)]
+    except TypeError:
+        raise TypeError(
+            f"loaderd sends integer indices to the daemon; the sampler produced {item!r}"
+        ) from None

@@ -1,0 +1,220 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("name", "kind", "has_length", "length")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[DatasetInfo.Kind]
+        MAP: _ClassVar[DatasetInfo.Kind]
+        ITERABLE: _ClassVar[DatasetInfo.Kind]
+    KIND_UNSPECIFIED: DatasetInfo.Kind
+    MAP: DatasetInfo.Kind
+    ITERABLE: DatasetInfo.Kind
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HAS_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: DatasetInfo.Kind
+    has_length: bool
+    length: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[DatasetInfo.Kind, str]] = ..., has_length: _Optional[bool] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets", "pool_workers")
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    POOL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    pool_workers: int
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
+
+class DescribeDatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DescribeDatasetResponse(_message.Message):
+    __slots__ = ("dataset", "pool_workers")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    POOL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    pool_workers: int
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
+
+class OpenStream(_message.Message):
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_SEED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    auto_collation: bool
+    batch_size: int
+    drop_last: bool
+    num_workers: int
+    base_seed: int
+    window: int
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
+
+class IndexBatch(_message.Message):
+    __slots__ = ("indices",)
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlanBatches(_message.Message):
+    __slots__ = ("batches", "end")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[IndexBatch]
+    end: bool
+    def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("open", "plan")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    open: OpenStream
+    plan: PlanBatches
+    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., plan: _Optional[_Union[PlanBatches, _Mapping]] = ...) -> None: ...
+
+class ArrayRef(_message.Message):
+    __slots__ = ("dtype", "shape", "strides", "offset", "nbytes", "scalar")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    scalar: bool
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., scalar: _Optional[bool] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class NamedTuple(_message.Message):
+    __slots__ = ("module", "qualname", "fields", "items")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    QUALNAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    qualname: str
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, module: _Optional[str] = ..., qualname: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class Mapping(_message.Message):
+    __slots__ = ("type", "keys", "values")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    keys: _containers.RepeatedCompositeFieldContainer[Value]
+    values: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, type: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[Value, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("tensor", "ndarray", "none", "bool_value", "int_value", "big_int", "float_value", "str_value", "bytes_value", "list", "tuple", "named_tuple", "mapping")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    NDARRAY_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BIG_INT_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    NAMED_TUPLE_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
+    tensor: ArrayRef
+    ndarray: ArrayRef
+    none: bool
+    bool_value: bool
+    int_value: int
+    big_int: str
+    float_value: float
+    str_value: str
+    bytes_value: bytes
+    list: Sequence
+    tuple: Sequence
+    named_tuple: NamedTuple
+    mapping: Mapping
+    def __init__(self, tensor: _Optional[_Union[ArrayRef, _Mapping]] = ..., ndarray: _Optional[_Union[ArrayRef, _Mapping]] = ..., none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTuple, _Mapping]] = ..., mapping: _Optional[_Union[Mapping, _Mapping]] = ...) -> None: ...
+
+class BatchHeader(_message.Message):
+    __slots__ = ("seq", "value", "payload_bytes", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    value: Value
+    payload_bytes: int
+    data: bytes
+    def __init__(self, seq: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., payload_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class RemoteError(_message.Message):
+    __slots__ = ("seq", "type_module", "type_qualname", "message", "traceback", "where")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TYPE_MODULE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_QUALNAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    type_module: str
+    type_qualname: str
+    message: str
+    traceback: str
+    where: str
+    def __init__(self, seq: _Optional[int] = ..., type_module: _Optional[str] = ..., type_qualname: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., where: _Optional[str] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    def __init__(self, batches: _Optional[int] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("batch", "chunk", "error", "end")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    batch: BatchHeader
+    chunk: DataChunk
+    error: RemoteError
+    end: StreamEnd
+    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The loaderd daemon: config, worker pool, scheduler and gRPC service."""

@@ -1,0 +1,194 @@
+"""The daemon's YAML config: parsed, validated, and every error naming its culprit."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_LISTEN = ("unix:///tmp/loaderd.sock",)
+
+
+class ConfigError(Exception):
+    """The config cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One entry of ``datasets:``: how to build a dataset and what runs beside it."""
+
+    name: str
+    factory: str  # "module:attr", a Dataset class or a callable returning one
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    collate_fn: str | None = None
+    worker_init_fn: str | None = None
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """The whole config, with paths already made absolute."""
+
+    path: Path
+    listen: tuple[str, ...]
+    workers: int
+    python_path: tuple[str, ...]
+    datasets: dict[str, DatasetSpec]
+    # Largest payload slice per gRPC message: gRPC Python is fastest with 1-8 MiB messages.
+    chunk_bytes: int = 4 << 20
+    # Server-side cap on a stream's prefetch window, in batches.
+    max_window: int = 64
+    log_level: str = "INFO"
+
+
+_TOP_KEYS = {"listen", "workers", "python_path", "datasets", "chunk_bytes", "max_window", "log_level"}
+_DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn"}
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _unknown_keys(got: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(got) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _import_path(value: Any, where: str) -> str:
+    _expect(value, str, where, "an import path 'module:attribute'")
+    module, sep, attr = value.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{where}: {value!r} is not of the form 'module:attribute'")
+    return value
+
+
+def _positive_int(raw: dict[str, Any], key: str, default: int) -> int:
+    value = _expect(raw.get(key, default), int, key, "an integer")
+    if value < 1:
+        raise ConfigError(f"{key}: must be at least 1, got {value}")
+    return value
+
+
+def parse_config(raw: Any, path: Path) -> LoaderConfig:
+    """Validate a parsed YAML document (no imports happen here)."""
+    if raw is None:
+        raw = {}
+    _expect(raw, dict, str(path), "a mapping at the top level")
+    _unknown_keys(raw, _TOP_KEYS, str(path))
+
+    listen_raw = raw.get("listen", list(DEFAULT_LISTEN))
+    if isinstance(listen_raw, str):
+        listen_raw = [listen_raw]
+    _expect(listen_raw, list, "listen", "an address or a list of addresses")
+    if not listen_raw:
+        raise ConfigError("listen: needs at least one address")
+    listen = tuple(_expect(a, str, f"listen[{i}]", "an address string") for i, a in enumerate(listen_raw))
+
+    python_path_raw = raw.get("python_path", [])
+    _expect(python_path_raw, list, "python_path", "a list of directories")
+    base = path.parent
+    python_path = tuple(
+        str((base / _expect(p, str, f"python_path[{i}]", "a directory")).resolve())
+        for i, p in enumerate(python_path_raw)
+    )
+
+    datasets_raw = raw.get("datasets")
+    if not datasets_raw:
+        raise ConfigError("datasets: the config defines no dataset")
+    _expect(datasets_raw, dict, "datasets", "a mapping of name to dataset")
+    datasets: dict[str, DatasetSpec] = {}
+    for name, entry in datasets_raw.items():
+        where = f"datasets.{name}"
+        _expect(name, str, where, "a string name")
+        _expect(entry, dict, where, "a mapping with at least 'dataset'")
+        _unknown_keys(entry, _DATASET_KEYS, where)
+        if "dataset" not in entry:
+            raise ConfigError(f"{where}: missing required key 'dataset'")
+        args = entry.get("args") or []
+        kwargs = entry.get("kwargs") or {}
+        _expect(args, list, f"{where}.args", "a list")
+        _expect(kwargs, dict, f"{where}.kwargs", "a mapping")
+        datasets[name] = DatasetSpec(
+            name=name,
+            factory=_import_path(entry["dataset"], f"{where}.dataset"),
+            args=tuple(args),
+            kwargs=dict(kwargs),
+            collate_fn=_import_path(entry["collate_fn"], f"{where}.collate_fn") if entry.get("collate_fn") else None,
+            worker_init_fn=(
+                _import_path(entry["worker_init_fn"], f"{where}.worker_init_fn")
+                if entry.get("worker_init_fn")
+                else None
+            ),
+        )
+    log_level = _expect(raw.get("log_level", "INFO"), str, "log_level", "a logging level name").upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"log_level: {log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    return LoaderConfig(
+        path=path,
+        listen=listen,
+        workers=_positive_int(raw, "workers", 2),
+        python_path=python_path,
+        datasets=datasets,
+        chunk_bytes=_positive_int(raw, "chunk_bytes", 4 << 20),
+        max_window=_positive_int(raw, "max_window", 64),
+        log_level=log_level,
+    )
+
+
+def load_config(path: str | Path) -> LoaderConfig:
+    """Read and validate a config file."""
+    path = Path(path).resolve()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    return parse_config(raw, path)
+
+
+def apply_python_path(config: LoaderConfig) -> None:
+    """Prepend the config's python_path to sys.path (daemon and workers alike)."""
+    for entry in reversed(config.python_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def resolve(import_path: str) -> Callable[..., Any]:
+    """Import 'module:attr' (attr may be dotted). Raises ConfigError naming it."""
+    module_name, _, attr = import_path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(f"cannot import module {module_name!r} (from {import_path!r}): {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r} (from {import_path!r})") from None
+    if not callable(obj):
+        raise ConfigError(f"{import_path!r} is not callable")
+    return obj
+
+
+def check_imports(config: LoaderConfig) -> None:
+    """Import every callable the config names, so a typo fails before any worker starts."""
+    apply_python_path(config)
+    for spec in config.datasets.values():
+        for key, value in (("dataset", spec.factory), ("collate_fn", spec.collate_fn), ("worker_init_fn", spec.worker_init_fn)):
+            if value is None:
+                continue
+            try:
+                resolve(value)
+            except ConfigError as exc:
+                raise ConfigError(f"datasets.{spec.name}.{key}: {exc}") from None

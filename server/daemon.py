@@ -1,0 +1,143 @@
+"""Daemon: starts the pool, then the gRPC server; one shutdown protocol for both.
+
+Startup order matters: the worker pool (and its fork server) exists before any
+gRPC server, so no process is ever forked from one running gRPC threads.
+
+Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
+  1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
+  2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
+  3. the gRPC server stops (grace period for in-flight replies);
+  4. workers get a stop message, then terminate/kill after a timeout;
+  5. unix socket files are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from loaderd.server.config import LoaderConfig, check_imports
+from loaderd.server.pool import WorkerPool
+from loaderd.server.scheduler import Scheduler
+from loaderd.server.servicer import LoaderServicer, method_handlers
+
+log = logging.getLogger("loaderd")
+
+SERVICE_NAME = "loaderd.v1.Loader"
+
+
+class ListenError(Exception):
+    """An address in ``listen:`` cannot be served."""
+
+
+def unix_path(address: str) -> str | None:
+    """The filesystem path of a unix: address, else None."""
+    if address.startswith("unix://"):
+        return address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address[len("unix:") :]
+    return None
+
+
+def _claim_unix_path(path: str) -> None:
+    """Remove a stale socket file left by a killed daemon; refuse a live one."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody answers: stale
+        return
+    finally:
+        probe.close()
+    raise ListenError(f"{path} is in use by a running process (another loaderd?)")
+
+
+@dataclass
+class Daemon:
+    config: LoaderConfig
+    startup_timeout: float = 600.0
+    bound: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.pool: WorkerPool | None = None
+        self.scheduler: Scheduler | None = None
+        self.server: grpc.Server | None = None
+        self.health = health.HealthServicer()
+        self._unix_paths: list[str] = []
+
+    def start(self) -> None:
+        """Import, start the warm pool, then serve. Raises ConfigError, PoolStartError, ListenError."""
+        check_imports(self.config)
+        self.pool = WorkerPool(self.config)
+        datasets = self.pool.start(timeout=self.startup_timeout)
+        log.info(
+            "pool of %d workers ready with datasets: %s",
+            self.pool.size,
+            ", ".join(f"{n} ({'iterable' if m.iterable else f'{m.length} items'})" for n, m in datasets.items()),
+        )
+        self.scheduler = Scheduler(self.pool, self.config)
+        self.scheduler.start()
+
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="loaderd-rpc"),
+            handlers=[method_handlers(LoaderServicer(self.scheduler, self.config.chunk_bytes))],
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", self.config.chunk_bytes + (1 << 20)),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for address in self.config.listen:
+            path = unix_path(address)
+            if path is not None:
+                _claim_unix_path(path)
+            try:
+                port = self.server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise ListenError(f"cannot listen on {address}: {exc}") from None
+            if path is not None:
+                self._unix_paths.append(path)
+                self.bound.append(address)
+            else:
+                host = address.rsplit(":", 1)[0]
+                self.bound.append(f"{host}:{port}")
+        self.server.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        for address in self.bound:
+            log.info("listening on %s", address)
+
+    def shutdown(self, grace: float = 2.0) -> None:
+        """The shutdown protocol in the module docstring. Safe to call twice or after a failed start."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        log.info("shutting down")
+        self.health.enter_graceful_shutdown()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.server is not None:
+            self.server.stop(grace).wait(grace + 1.0)
+        if self.pool is not None:
+            self.pool.shutdown()
+        for path in self._unix_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        log.info("stopped")

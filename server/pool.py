@@ -1,0 +1,197 @@
+"""WorkerPool: the daemon's persistent worker processes.
+
+Workers are forked from a fork server that is started (with torch and the
+config's modules preloaded) before any gRPC server exists, so replacing a dead
+worker later never forks a process that runs gRPC threads.
+
+The pool only moves messages: ``submit`` a task to a worker, ``poll`` for
+results and deaths, ``respawn`` a dead worker, ``shutdown``. Which task goes
+where is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from loaderd.server.config import LoaderConfig
+from loaderd.server.tasks import BatchDone, DatasetMeta, Result, Task, WorkerReady, WorkerStartFailed
+from loaderd.server.worker import WorkerSpec, run_worker
+
+log = logging.getLogger("loaderd.pool")
+
+
+class PoolStartError(Exception):
+    """A worker could not build the config's datasets; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """A message from a worker, with the raw array buffers of a ``BatchDone``."""
+
+    worker_id: int
+    result: Result
+    buffers: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerDied:
+    worker_id: int
+    exitcode: int | None
+
+
+PoolEvent = WorkerResult | WorkerDied
+
+
+@dataclass
+class _Worker:
+    worker_id: int
+    process: BaseProcess
+    tasks: Any  # multiprocessing.Queue
+    results: Connection
+    ready: bool = False
+    alive: bool = True
+
+
+class WorkerPool:
+    """A fixed number of worker processes, each replaceable when it dies."""
+
+    def __init__(self, config: LoaderConfig) -> None:
+        self.config = config
+        self.size = config.workers
+        self._ctx = mp.get_context("forkserver")
+        preload = ["torch", "numpy", "loaderd.server.worker"]
+        preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
+        self._ctx.set_forkserver_preload(preload)
+        self._workers: dict[int, _Worker] = {}
+        self.datasets: dict[str, DatasetMeta] = {}
+        self.restarts = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _spawn(self, worker_id: int) -> _Worker:
+        tasks = self._ctx.Queue()
+        recv_end, send_end = self._ctx.Pipe(duplex=False)
+        spec = WorkerSpec(worker_id=worker_id, pool_size=self.size, config=self.config, tasks=tasks, results=send_end)
+        process = self._ctx.Process(target=run_worker, args=(spec,), name=f"loaderd-worker-{worker_id}", daemon=True)
+        process.start()
+        send_end.close()  # the worker holds the only write end: EOF here means it died
+        worker = _Worker(worker_id=worker_id, process=process, tasks=tasks, results=recv_end)
+        self._workers[worker_id] = worker
+        return worker
+
+    def start(self, timeout: float) -> dict[str, DatasetMeta]:
+        """Start every worker and wait until each has built its datasets."""
+        for worker_id in range(self.size):
+            self._spawn(worker_id)
+        deadline = time.monotonic() + timeout
+        while not all(w.ready for w in self._workers.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.shutdown()
+                raise PoolStartError(f"workers did not build their datasets within {timeout:.0f}s")
+            for event in self.poll(min(remaining, 0.5)):
+                if isinstance(event, WorkerDied):
+                    self.shutdown()
+                    raise PoolStartError(f"worker {event.worker_id} died while starting (exit code {event.exitcode})")
+                if isinstance(event.result, WorkerStartFailed):
+                    self.shutdown()
+                    raise PoolStartError(event.result.message)
+        return self.datasets
+
+    def respawn(self, worker_id: int) -> None:
+        """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll."""
+        old = self._workers[worker_id]
+        self._close(old)
+        self.restarts += 1
+        self._spawn(worker_id)
+
+    def _close(self, worker: _Worker) -> None:
+        worker.alive = False
+        worker.ready = False
+        worker.results.close()
+        worker.tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
+        worker.tasks.close()
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Ask every worker to exit, then terminate and kill stragglers. Idempotent."""
+        live = [w for w in self._workers.values() if w.alive]
+        for w in live:
+            try:
+                w.tasks.put(None)
+            except (ValueError, OSError):  # queue already closed
+                pass
+        deadline = time.monotonic() + timeout
+        for w in live:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in live:
+            if w.process.is_alive():
+                w.process.terminate()
+                w.process.join(1.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1.0)
+            self._close(w)
+
+    # ------------------------------------------------------------ messaging
+
+    def is_ready(self, worker_id: int) -> bool:
+        return self._workers[worker_id].ready
+
+    def alive_workers(self) -> int:
+        return sum(w.alive and w.ready for w in self._workers.values())
+
+    def submit(self, worker_id: int, task: Task) -> None:
+        self._workers[worker_id].tasks.put(task)
+
+    def _receive(self, worker: _Worker) -> WorkerResult:
+        result: Result = worker.results.recv()
+        buffers: tuple[bytes, ...] = ()
+        if isinstance(result, BatchDone):
+            buffers = tuple(worker.results.recv_bytes() for _ in result.buffer_offsets)
+        elif isinstance(result, WorkerReady):
+            worker.ready = True
+            self.datasets = self.datasets or result.datasets
+        return WorkerResult(worker.worker_id, result, buffers)
+
+    def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
+        """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready)."""
+        live = [w for w in self._workers.values() if w.alive]
+        by_object: dict[Any, _Worker] = {}
+        for w in live:
+            by_object[w.results] = w
+            by_object[w.process.sentinel] = w
+        ready = wait([*by_object, *extra], timeout)
+        events: list[PoolEvent] = []
+        died: list[_Worker] = []
+        for obj in ready:
+            worker = by_object.get(obj)
+            if worker is None or not worker.alive:
+                continue
+            if obj is worker.results:
+                try:
+                    events.append(self._receive(worker))
+                except (EOFError, OSError):
+                    died.append(worker)
+            elif worker not in died:
+                died.append(worker)
+        for worker in died:
+            if not worker.alive:
+                continue
+            # Take what the worker finished before it died, then declare it dead.
+            try:
+                while worker.results.poll(0):
+                    events.append(self._receive(worker))
+            except (EOFError, OSError):
+                pass
+            worker.process.join(0.1)
+            worker.alive = False
+            worker.ready = False
+            events.append(WorkerDied(worker.worker_id, worker.process.exitcode))
+        return events

@@ -1,0 +1,172 @@
+"""LoaderServicer: the gRPC face of the daemon, kept thin.
+
+It validates requests, opens a BatchStream on the scheduler, and writes the
+stream's deliveries out as pre-serialized ``StreamResponse`` messages. A client
+that goes away (cancel, crash, closed channel) triggers the context callback
+that closes its stream, so the pool stops working for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from loaderd.server import framing
+from loaderd.server.scheduler import Scheduler, UnknownDatasetError
+from loaderd.server.stream import END, BatchStream, StreamFailed
+from loaderd.server.tasks import DatasetMeta
+from loaderd.v1 import loaderd_pb2 as pb
+
+log = logging.getLogger("loaderd.servicer")
+
+# How often a waiting stream re-checks that its client is still there.
+_POLL_S = 0.25
+# Upper bound on indices in one plan batch: keeps a malformed request from making a worker allocate without bound.
+_MAX_BATCH_INDICES = 1 << 24
+
+
+def _dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
+    return pb.DatasetInfo(
+        name=name,
+        kind=pb.DatasetInfo.ITERABLE if meta.iterable else pb.DatasetInfo.MAP,
+        has_length=meta.length is not None,
+        length=meta.length or 0,
+    )
+
+
+class LoaderServicer:
+    """Implements loaderd.v1.Loader."""
+
+    def __init__(self, scheduler: Scheduler, chunk_bytes: int) -> None:
+        self.scheduler = scheduler
+        self.chunk_bytes = chunk_bytes
+
+    @property
+    def _datasets(self) -> dict[str, DatasetMeta]:
+        return self.scheduler.pool.datasets
+
+    def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
+        return pb.ListDatasetsResponse(
+            datasets=[_dataset_info(n, m) for n, m in sorted(self._datasets.items())],
+            pool_workers=self.scheduler.pool.size,
+        )
+
+    def DescribeDataset(
+        self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeDatasetResponse:
+        meta = self._datasets.get(request.name)
+        if meta is None:
+            known = ", ".join(sorted(self._datasets)) or "none"
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no dataset named {request.name!r} in this daemon's config (it defines: {known})")
+        return pb.DescribeDatasetResponse(dataset=_dataset_info(request.name, meta), pool_workers=self.scheduler.pool.size)
+
+    def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "open":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
+        try:
+            stream = self.scheduler.open_stream(first.open, context.peer())
+        except UnknownDatasetError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        if stream.iterable and not stream.auto_collation and stream.batch_size:
+            self.scheduler.close_stream(stream)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch_size must be 0 without automatic batching")
+        log.info("stream %d opened by %s on %r (window %d)", stream.stream_id, context.peer(), stream.dataset, stream.window)
+        context.add_callback(lambda: self.scheduler.close_stream(stream))
+        reader = threading.Thread(
+            target=self._read_plan, args=(request_iterator, stream), name=f"loaderd-plan-{stream.stream_id}", daemon=True
+        )
+        reader.start()
+        try:
+            yield from self._deliver(stream, context)
+        except StreamFailed as failure:
+            log.info("stream %d failed: %s", stream.stream_id, failure)
+            context.abort(failure.code, str(failure))
+        finally:
+            self.scheduler.close_stream(stream)
+
+    def _deliver(self, stream: BatchStream, context: grpc.ServicerContext) -> Iterator[bytes]:
+        while True:
+            delivery = stream.next_delivery(_POLL_S)
+            if delivery is None:
+                if not context.is_active():
+                    return
+                continue
+            if delivery is END:
+                log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
+                yield framing.end_message(stream.delivered)
+                return
+            self.scheduler.wake()  # a window slot opened
+            if delivery.error is not None:
+                yield framing.error_message(delivery.error)
+                continue
+            done = delivery.batch
+            assert done is not None
+            yield from framing.batch_messages(
+                done.seq,
+                done.value,
+                done.payload_bytes,
+                list(zip(done.buffer_offsets, delivery.buffers)),
+                self.chunk_bytes,
+            )
+
+    def _read_plan(self, requests: Iterator[pb.StreamRequest], stream: BatchStream) -> None:
+        """Feed the client's index plan to the stream until it half-closes or goes away."""
+        try:
+            for request in requests:
+                if stream.closed:
+                    return
+                problem = self._plan_problem(request, stream)
+                if problem:
+                    self.scheduler.fail_stream(stream, StreamFailed(grpc.StatusCode.INVALID_ARGUMENT, problem))
+                    return
+                plan = request.plan
+                if stream.auto_collation:
+                    batches: list[tuple[int, ...] | int] = [tuple(b.indices) for b in plan.batches]
+                else:
+                    batches = [b.indices[0] for b in plan.batches]
+                self.scheduler.add_plan(stream, batches, plan.end)
+        except grpc.RpcError:
+            return  # the call ended; the context callback closes the stream
+
+    @staticmethod
+    def _plan_problem(request: pb.StreamRequest, stream: BatchStream) -> str | None:
+        if request.WhichOneof("kind") != "plan":
+            return "after 'open', a stream carries only 'plan' requests"
+        if stream.iterable:
+            return f"dataset {stream.dataset!r} is an IterableDataset: it takes no index plan"
+        if stream.plan_end:
+            return "plan received after the plan's end"
+        for i, batch in enumerate(request.plan.batches):
+            n = len(batch.indices)
+            if stream.auto_collation and not 0 < n <= _MAX_BATCH_INDICES:
+                return f"plan batch {stream.planned + i} has {n} indices"
+            if not stream.auto_collation and n != 1:
+                return f"plan item {stream.planned + i} must hold exactly one index without automatic batching, got {n}"
+        return None
+
+
+def method_handlers(servicer: LoaderServicer) -> grpc.GenericRpcHandler:
+    """Register the service by hand: StreamBatches yields pre-serialized bytes."""
+    identity = bytes
+    handlers = {
+        "ListDatasets": grpc.unary_unary_rpc_method_handler(
+            servicer.ListDatasets,
+            request_deserializer=pb.ListDatasetsRequest.FromString,
+            response_serializer=pb.ListDatasetsResponse.SerializeToString,
+        ),
+        "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeDataset,
+            request_deserializer=pb.DescribeDatasetRequest.FromString,
+            response_serializer=pb.DescribeDatasetResponse.SerializeToString,
+        ),
+        "StreamBatches": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamBatches,
+            request_deserializer=pb.StreamRequest.FromString,
+            response_serializer=identity,
+        ),
+    }
+    return grpc.method_handlers_generic_handler("loaderd.v1.Loader", handlers)

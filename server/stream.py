@@ -1,0 +1,223 @@
+"""BatchStream: one client's epoch as the daemon sees it.
+
+A stream turns the client's plan (map-style: index batches; iterable: replica
+round-robin) into tasks, collects results that arrive out of order, and hands
+them to the servicer strictly in order. It never holds more than ``window``
+batches between dispatch and delivery, which is what keeps a slow client from
+piling up memory or taking the pool from the others.
+
+All methods are called with the scheduler's lock held unless they say otherwise;
+``cond`` is a condition on that lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from loaderd.server.seeding import derive_seed
+from loaderd.server.tasks import BatchDone, FetchTask, IterTask, Task
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A resolved position of the stream: a batch, a user error, or nothing (a spent replica)."""
+
+    seq: int
+    batch: BatchDone | None = None
+    buffers: tuple[bytes, ...] = ()
+    error: bytes | None = None  # serialized RemoteError
+
+    @property
+    def skipped(self) -> bool:
+        return self.batch is None and self.error is None
+
+
+END = Delivery(seq=-1)
+
+
+class StreamFailed(Exception):
+    """The stream cannot go on; carries the gRPC status to end it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _ReplicaCursor:
+    next_batch: int = 0
+    exhausted_at: int | None = None
+
+
+@dataclass
+class BatchStream:
+    stream_id: int
+    dataset: str
+    iterable: bool
+    auto_collation: bool
+    batch_size: int
+    drop_last: bool
+    num_workers: int
+    base_seed: int
+    window: int
+    peer: str
+    cond: threading.Condition
+    pending: deque[tuple[int, tuple[int, ...] | int]] = field(default_factory=deque)
+    retries: list[Task] = field(default_factory=list)
+    plan_end: bool = False
+    planned: int = 0  # seqs assigned so far (map: plan items received; iterable: tasks dispatched)
+    outstanding: set[int] = field(default_factory=set)
+    ready: dict[int, Delivery] = field(default_factory=dict)
+    next_seq: int = 0
+    delivered: int = 0
+    failure: StreamFailed | None = None
+    closed: bool = False
+    replicas: list[_ReplicaCursor] = field(default_factory=list)
+    replica_turn: int = 0
+    slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.iterable:
+            self.replicas = [_ReplicaCursor() for _ in range(max(1, self.num_workers))]
+
+    # ------------------------------------------------------------ planning
+
+    def add_plan(self, batches: list[tuple[int, ...] | int], end: bool) -> None:
+        for indices in batches:
+            self.pending.append((self.planned, indices))
+            self.planned += 1
+        self.plan_end = self.plan_end or end
+        self.cond.notify_all()
+
+    def _active_replica(self) -> int | None:
+        """The replica whose turn it is in torch's round-robin, skipping spent ones."""
+        n = len(self.replicas)
+        for step in range(n):
+            r = (self.replica_turn + step) % n
+            if self.replicas[r].exhausted_at is None:
+                return r
+        return None
+
+    def wants_dispatch(self) -> bool:
+        if self.closed or self.failure is not None:
+            return False
+        if self.retries:
+            return True
+        if len(self.outstanding) + len(self.ready) >= self.window:
+            return False
+        if self.iterable:
+            return self._active_replica() is not None
+        return bool(self.pending)
+
+    def replica_owner(self, replica: int, pool_size: int) -> int:
+        """Iterable replicas live in one worker each, spread over the pool."""
+        return (self.stream_id + replica) % pool_size
+
+    def next_task(self, pool_size: int) -> tuple[Task, int | None]:
+        """The next task to run and the worker it must run on (None: any). Does not consume it."""
+        if self.retries:
+            task = self.retries[0]
+            return task, (self.replica_owner(task.replica, pool_size) if isinstance(task, IterTask) else None)
+        if self.iterable:
+            r = self._active_replica()
+            assert r is not None
+            task: Task = IterTask(
+                stream_id=self.stream_id,
+                seq=self.planned,
+                dataset=self.dataset,
+                replica=r,
+                num_replicas=self.num_workers,
+                batch_index=self.replicas[r].next_batch,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                base_seed=self.base_seed,
+            )
+            return task, self.replica_owner(r, pool_size)
+        seq, indices = self.pending[0]
+        task = FetchTask(
+            stream_id=self.stream_id,
+            seq=seq,
+            dataset=self.dataset,
+            indices=indices,
+            auto_collation=self.auto_collation,
+            seed=derive_seed(self.base_seed, seq),
+        )
+        return task, None
+
+    def commit(self, task: Task) -> None:
+        """``task`` (from next_task) was sent to a worker."""
+        if self.retries and self.retries[0] is task:
+            self.retries.pop(0)
+        elif isinstance(task, IterTask):
+            self.slot_replica[task.seq] = (task.replica, task.batch_index)
+            self.replicas[task.replica].next_batch += 1
+            self.replica_turn = (task.replica + 1) % len(self.replicas)
+            self.planned += 1
+        else:
+            self.pending.popleft()
+        self.outstanding.add(task.seq)
+
+    def retry(self, task: Task) -> None:
+        """A worker died holding ``task``: run it again before anything new."""
+        self.outstanding.discard(task.seq)
+        self.retries.append(task)
+        self.retries.sort(key=lambda t: t.seq)
+
+    # ------------------------------------------------------------ results
+
+    def resolve(self, delivery: Delivery) -> None:
+        seq = delivery.seq
+        if seq not in self.outstanding:
+            return  # a duplicate from a worker that was presumed dead
+        self.outstanding.discard(seq)
+        if self.iterable and seq in self.slot_replica:
+            replica, batch_index = self.slot_replica.pop(seq)
+            cursor = self.replicas[replica]
+            if cursor.exhausted_at is not None and batch_index >= cursor.exhausted_at:
+                delivery = Delivery(seq=seq)  # torch drops what a spent worker was still asked for
+        self.ready[seq] = delivery
+        self.cond.notify_all()
+
+    def replica_exhausted(self, seq: int) -> None:
+        if seq in self.slot_replica:
+            replica, batch_index = self.slot_replica[seq]
+            cursor = self.replicas[replica]
+            cursor.exhausted_at = batch_index if cursor.exhausted_at is None else min(cursor.exhausted_at, batch_index)
+        self.resolve(Delivery(seq=seq))
+
+    def fail(self, failure: StreamFailed) -> None:
+        if self.failure is None:
+            self.failure = failure
+        self.cond.notify_all()
+
+    def _finished(self) -> bool:
+        if self.outstanding or self.retries or self.ready:
+            return False
+        if self.iterable:
+            return self._active_replica() is None and self.next_seq == self.planned
+        return self.plan_end and not self.pending and self.next_seq == self.planned
+
+    def next_delivery(self, timeout: float) -> Delivery | None:
+        """The next batch in order, END, or None if none arrived within ``timeout``.
+
+        Called by the servicer without the lock; raises StreamFailed.
+        """
+        with self.cond:
+            while True:
+                if self.failure is not None:
+                    raise self.failure
+                delivery = self.ready.pop(self.next_seq, None)
+                if delivery is not None:
+                    self.next_seq += 1
+                    if delivery.skipped:
+                        continue
+                    self.delivered += 1
+                    return delivery
+                if self._finished():
+                    return END
+                if not self.cond.wait(timeout):
+                    return None

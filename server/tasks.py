@@ -1,0 +1,104 @@
+"""Messages between the daemon and its worker processes.
+
+These are pickled over the pool's own pipes: both ends are loaderd's code in
+processes the daemon started, never a client. Array bytes of a finished batch
+follow a ``BatchDone`` as raw buffers, not pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    """What the client needs to plan: the dataset's kind and length."""
+
+    iterable: bool
+    length: int | None
+
+
+# ------------------------------------------------------------- daemon -> worker
+
+
+@dataclass(frozen=True)
+class FetchTask:
+    """Fetch and collate one batch of a map-style dataset."""
+
+    stream_id: int
+    seq: int
+    dataset: str
+    # A list of indices to collate, or one index when auto_collation is off.
+    indices: tuple[int, ...] | int
+    auto_collation: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class IterTask:
+    """Produce batch ``batch_index`` of one replica of an iterable dataset."""
+
+    stream_id: int
+    seq: int
+    dataset: str
+    replica: int
+    # torch's num_workers for this stream; 0 means one replica that sees no worker info.
+    num_replicas: int
+    batch_index: int
+    batch_size: int  # 0 = no automatic batching
+    drop_last: bool
+    base_seed: int
+
+
+@dataclass(frozen=True)
+class ReleaseStream:
+    """Forget a finished stream's iterable replicas."""
+
+    stream_id: int
+
+
+Task = FetchTask | IterTask | ReleaseStream
+
+
+# ------------------------------------------------------------- worker -> daemon
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    worker_id: int
+    datasets: dict[str, DatasetMeta]
+
+
+@dataclass(frozen=True)
+class WorkerStartFailed:
+    worker_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """A batch is ready; ``len(buffer_offsets)`` raw buffers follow on the pipe."""
+
+    stream_id: int
+    seq: int
+    value: bytes  # serialized loaderd.v1.Value
+    payload_bytes: int
+    buffer_offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    stream_id: int
+    seq: int
+    error: bytes  # serialized loaderd.v1.RemoteError
+
+
+@dataclass(frozen=True)
+class ReplicaExhausted:
+    """The replica that ``seq`` asked for has no more batches."""
+
+    stream_id: int
+    seq: int
+
+
+Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted

@@ -1,0 +1,310 @@
+"""A pool worker process: builds the config's datasets once, then serves tasks.
+
+The entry point is :func:`run_worker`, a top-level function taking one frozen
+:class:`WorkerSpec`. A worker never talks to clients: it reads tasks from its
+queue and writes results to its pipe, and exits when it reads ``None``, when
+its pipe breaks, or when its parent (the daemon's fork server) goes away.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+import queue
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.utils.data._utils.worker as torch_worker
+from torch.utils.data import IterableDataset
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from loaderd.codec import encode_batch
+from loaderd.errors import TransportError, capture_exception
+from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
+from loaderd.server.seeding import derive_seed, seed_everything
+from loaderd.server.tasks import (
+    BatchDone,
+    BatchFailed,
+    DatasetMeta,
+    FetchTask,
+    IterTask,
+    ReleaseStream,
+    ReplicaExhausted,
+    Task,
+    WorkerReady,
+    WorkerStartFailed,
+)
+
+log = logging.getLogger("loaderd.worker")
+
+# How often a worker idle on its queue checks that its parent is still alive.
+_PARENT_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs, fixed at spawn time."""
+
+    worker_id: int
+    pool_size: int
+    config: LoaderConfig
+    tasks: Any  # multiprocessing.Queue of Task | None
+    results: Connection
+
+
+@dataclass
+class _Dataset:
+    spec: DatasetSpec
+    factory: Callable[..., Any]
+    dataset: Any
+    collate: Callable[[Any], Any]  # used with automatic batching
+    convert: Callable[[Any], Any]  # used per sample without it
+    worker_init_fn: Callable[[int], Any] | None
+
+    @property
+    def iterable(self) -> bool:
+        return isinstance(self.dataset, IterableDataset)
+
+    def meta(self) -> DatasetMeta:
+        try:
+            length: int | None = len(self.dataset)
+        except TypeError:  # no __len__ (allowed for iterable and sampler-driven datasets)
+            length = None
+        return DatasetMeta(iterable=self.iterable, length=length)
+
+
+@dataclass
+class _Replica:
+    """One replica of an iterable dataset for one stream (torch: one worker's copy)."""
+
+    iterator: Iterator[Any]
+    info: torch_worker.WorkerInfo | None
+    next_batch: int = 0
+
+
+def _set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
+    # torch has no public setter; get_worker_info() reads this module global.
+    torch_worker._worker_info = info
+
+
+def _build_dataset(spec: DatasetSpec) -> _Dataset:
+    factory = resolve(spec.factory)
+    dataset = factory(*spec.args, **spec.kwargs)
+    if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"{spec.factory} returned a {type(dataset).__name__}, which is neither a map-style nor an IterableDataset")
+    collate_fn = resolve(spec.collate_fn) if spec.collate_fn else None
+    return _Dataset(
+        spec=spec,
+        factory=factory,
+        dataset=dataset,
+        collate=collate_fn or default_collate,
+        convert=collate_fn or default_convert,
+        worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
+    )
+
+
+class WorkerRuntime:
+    """The state of one worker: its datasets and the iterable replicas it holds."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.datasets: dict[str, _Dataset] = {}
+        self.replicas: dict[tuple[int, int], _Replica] = {}
+
+    def build(self) -> None:
+        """Build every dataset and run map-style worker_init_fns, as torch does at worker start."""
+        for name, ds_spec in self.spec.config.datasets.items():
+            try:
+                ds = _build_dataset(ds_spec)
+            except Exception as exc:
+                raise RuntimeError(f"dataset {name!r}: building {ds_spec.factory} failed: {type(exc).__name__}: {exc}") from exc
+            self.datasets[name] = ds
+            if ds.worker_init_fn is not None and not ds.iterable:
+                seed = derive_seed(self.spec.worker_id, 0x1417)
+                seed_everything(seed)
+                _set_worker_info(self._pool_info(ds, seed))
+                try:
+                    ds.worker_init_fn(self.spec.worker_id)
+                except Exception as exc:
+                    raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {type(exc).__name__}: {exc}") from exc
+                finally:
+                    _set_worker_info(None)
+
+    def _pool_info(self, ds: _Dataset, seed: int) -> torch_worker.WorkerInfo:
+        return torch_worker.WorkerInfo(
+            id=self.spec.worker_id, num_workers=self.spec.pool_size, seed=seed, dataset=ds.dataset
+        )
+
+    # ------------------------------------------------------------ results
+
+    def _send_batch(self, stream_id: int, seq: int, batch: Any) -> None:
+        encoded = encode_batch(batch)
+        conn = self.spec.results
+        conn.send(
+            BatchDone(
+                stream_id=stream_id,
+                seq=seq,
+                value=encoded.value.SerializeToString(),
+                payload_bytes=encoded.payload_bytes,
+                buffer_offsets=tuple(offset for offset, _ in encoded.buffers),
+            )
+        )
+        for _, buf in encoded.buffers:
+            conn.send_bytes(buf)
+
+    def _send_error(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
+        err = capture_exception(exc, where, seq)
+        self.spec.results.send(BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
+
+    # ------------------------------------------------------------ map-style
+
+    def fetch(self, task: FetchTask) -> None:
+        ds = self.datasets[task.dataset]
+        where = f"in pool worker {self.spec.worker_id} while fetching batch {task.seq} of dataset {task.dataset!r}"
+        seed_everything(task.seed)
+        _set_worker_info(self._pool_info(ds, task.seed))
+        try:
+            if task.auto_collation:
+                getitems = getattr(ds.dataset, "__getitems__", None)
+                samples = getitems(list(task.indices)) if getitems else [ds.dataset[i] for i in task.indices]
+                # Collate without worker info: torch's default_collate would
+                # otherwise put every batch in a fresh shared-memory segment.
+                _set_worker_info(None)
+                batch = ds.collate(samples)
+            else:
+                sample = ds.dataset[task.indices]
+                _set_worker_info(None)
+                batch = ds.convert(sample)
+        except Exception as exc:
+            self._send_error(task.stream_id, task.seq, exc, where)
+            return
+        finally:
+            _set_worker_info(None)
+        self._send_encoded(task.stream_id, task.seq, batch, where)
+
+    def _send_encoded(self, stream_id: int, seq: int, batch: Any, where: str) -> None:
+        try:
+            self._send_batch(stream_id, seq, batch)
+        except TransportError as exc:
+            self._send_error(stream_id, seq, exc, where)
+
+    # ------------------------------------------------------------ iterable
+
+    def _new_replica(self, task: IterTask, ds: _Dataset) -> _Replica:
+        try:
+            dataset = copy.deepcopy(ds.dataset)
+        except Exception:  # unpicklable state (open files, locks): build a fresh one
+            dataset = ds.factory(*ds.spec.args, **ds.spec.kwargs)
+        info = None
+        if task.num_replicas > 0:
+            info = torch_worker.WorkerInfo(
+                id=task.replica, num_workers=task.num_replicas, seed=task.base_seed + task.replica, dataset=dataset
+            )
+        _set_worker_info(info)
+        try:
+            if info is not None and ds.worker_init_fn is not None:
+                seed_everything(derive_seed(task.base_seed, task.replica))
+                ds.worker_init_fn(task.replica)
+            iterator = iter(dataset)
+        finally:
+            _set_worker_info(None)
+        return _Replica(iterator=iterator, info=info)
+
+    def _next_batch(self, task: IterTask, ds: _Dataset, replica: _Replica) -> Any | None:
+        """Pull one batch's samples from the replica; None when it is exhausted."""
+        seed_everything(derive_seed(task.base_seed, task.replica, replica.next_batch))
+        _set_worker_info(replica.info)
+        try:
+            if task.batch_size:
+                samples = list(itertools.islice(replica.iterator, task.batch_size))
+                if not samples or (task.drop_last and len(samples) < task.batch_size):
+                    return None
+                return samples
+            sample = next(replica.iterator, _END)
+            return None if sample is _END else sample
+        finally:
+            replica.next_batch += 1
+            _set_worker_info(None)
+
+    def iterate(self, task: IterTask) -> None:
+        ds = self.datasets[task.dataset]
+        where = (
+            f"in pool worker {self.spec.worker_id} while producing batch {task.batch_index} "
+            f"of replica {task.replica} of dataset {task.dataset!r}"
+        )
+        key = (task.stream_id, task.replica)
+        try:
+            replica = self.replicas.get(key)
+            if replica is None or replica.next_batch > task.batch_index:
+                replica = self.replicas[key] = self._new_replica(task, ds)
+            # A replacement worker replays what its predecessor already
+            # delivered, under the same per-batch seeds, then carries on.
+            while replica.next_batch < task.batch_index:
+                if self._next_batch(task, ds, replica) is None:
+                    break
+            samples = self._next_batch(task, ds, replica)
+        except Exception as exc:
+            self._send_error(task.stream_id, task.seq, exc, where)
+            return
+        if samples is None:
+            self.spec.results.send(ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
+            return
+        try:
+            batch = ds.collate(samples) if task.batch_size else ds.convert(samples)
+        except Exception as exc:
+            self._send_error(task.stream_id, task.seq, exc, where)
+            return
+        self._send_encoded(task.stream_id, task.seq, batch, where)
+
+    def release(self, stream_id: int) -> None:
+        for key in [k for k in self.replicas if k[0] == stream_id]:
+            del self.replicas[key]
+
+    def handle(self, task: Task) -> None:
+        if isinstance(task, FetchTask):
+            self.fetch(task)
+        elif isinstance(task, IterTask):
+            self.iterate(task)
+        elif isinstance(task, ReleaseStream):
+            self.release(task.stream_id)
+
+
+_END = object()
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Worker process entry point."""
+    # The daemon owns shutdown; a terminal's Ctrl-C must not kill workers mid-batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
+    torch.set_num_threads(1)
+    apply_python_path(spec.config)
+    parent = os.getppid()
+    runtime = WorkerRuntime(spec)
+    try:
+        try:
+            runtime.build()
+        except Exception as exc:
+            spec.results.send(WorkerStartFailed(worker_id=spec.worker_id, message=str(exc)))
+            return
+        spec.results.send(
+            WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in runtime.datasets.items()})
+        )
+        while True:
+            try:
+                task = spec.tasks.get(timeout=_PARENT_CHECK_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the daemon (and its fork server) went away
+                    return
+                continue
+            if task is None:
+                return
+            runtime.handle(task)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return  # the daemon closed our pipe: it is shutting down or gone

@@ -1,0 +1,213 @@
+"""Datasets the tests' daemon configs name (importable from the tests/ directory).
+
+Each is cheap and deterministic; the same classes are built locally to feed
+torch's DataLoader as the oracle.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+class Squares(Dataset):
+    """Item i is (tensor([i, i*i]) float32, i)."""
+
+    def __init__(self, n: int = 100) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not -self.n <= i < self.n:
+            raise IndexError(f"Squares index {i} out of range for {self.n} items")
+        i %= self.n
+        return torch.tensor([i, i * i], dtype=torch.float32), i
+
+
+class Structured(Dataset):
+    """Nested samples: dicts, lists, tuples, namedtuples, strings, numpy arrays and scalars."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "image": torch.full((3, 4, 5), float(i), dtype=torch.float16),
+            "array": np.arange(6, dtype=np.int32).reshape(2, 3) + i,
+            "label": i % 7,
+            "weight": i / 3.0,
+            "flag": bool(i % 2),
+            "name": f"item-{i}",
+            "pair": Pair(torch.tensor(i), np.float64(i) / 2),
+            "nested": {"list": [i, torch.ones(2, dtype=torch.bool)], "tuple": (i * 2, f"t{i}")},
+            "bytes": bytes([i % 256]) * 3,
+        }
+
+
+class RandomAugment(Dataset):
+    """Random transforms from torch, numpy and random inside __getitem__."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "index": i,
+            "torch": torch.rand(3),
+            "numpy": np.random.rand(2),
+            "random": random.random(),
+        }
+
+
+class WorkerAware(Dataset):
+    """Reports get_worker_info() from inside __getitem__."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        info = get_worker_info()
+        return {"index": i, "has_info": info is not None, "pid": os.getpid()}
+
+
+class Failing(Dataset):
+    """Raises a chosen exception on chosen indices."""
+
+    def __init__(self, n: int = 20, bad: tuple[int, ...] = (5,), kind: str = "ValueError") -> None:
+        self.n = n
+        self.bad = set(bad)
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.bad:
+            if self.kind == "KeyError":
+                raise KeyError(f"no key for {i}")
+            if self.kind == "Custom":
+                raise CustomError(f"custom failure at {i}")
+            raise ValueError(f"bad item {i}")
+        return i
+
+
+class CustomError(Exception):
+    pass
+
+
+class Slow(Dataset):
+    """Sleeps ``delay`` seconds per item (for timeout and cancellation tests)."""
+
+    def __init__(self, n: int = 1000, delay: float = 0.05) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.delay)
+        return i
+
+
+class KillOnce(Dataset):
+    """SIGKILLs its own worker the first time it fetches ``victim`` (marker file makes it once)."""
+
+    def __init__(self, n: int = 60, victim: int = 17, marker: str = "") -> None:
+        self.n = n
+        self.victim = victim
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.victim and self.marker and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([i])
+
+
+class AlwaysCrash(Dataset):
+    """Segfault-like death on one index, every time."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class Stream(IterableDataset):
+    """range(n), sharded over workers with get_worker_info() as torch's docs show."""
+
+    def __init__(self, n: int = 50) -> None:
+        self.n = n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        if info is None:
+            yield from ({"x": i, "wid": -1} for i in range(self.n))
+            return
+        for i in range(info.id, self.n, info.num_workers):
+            yield {"x": i, "wid": info.id}
+
+
+class UnevenStream(IterableDataset):
+    """Worker w yields (w + 1) * 3 items: replicas run dry at different times."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        wid = -1 if info is None else info.id
+        count = 5 if info is None else (info.id + 1) * 3
+        for i in range(count):
+            yield torch.tensor([wid, i])
+
+
+class SizedStream(Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+def sum_collate(batch: list[Any]) -> dict[str, Any]:
+    """A config collate_fn: sums a batch of Squares items."""
+    xs = torch.stack([x for x, _ in batch])
+    return {"sum": xs.sum(0), "count": len(batch), "pid": os.getpid()}
+
+
+def broken_factory() -> Dataset:
+    raise RuntimeError("factory exploded on purpose")
+
+
+def record_init(worker_id: int) -> None:
+    """A worker_init_fn that leaves a trace the dataset can report."""
+    os.environ["LOADERD_TEST_INIT"] = str(worker_id)
+
+
+class InitAware(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> str:
+        return os.environ.get("LOADERD_TEST_INIT", "none")
