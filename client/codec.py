@@ -10,6 +10,7 @@ serves a socket stream and a shared-memory slot.
 from __future__ import annotations
 
 import collections
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,12 +50,31 @@ class EncodedBatch:
     payload_bytes: int = 0
 
 
-def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+def _tensor_bytes(t: torch.Tensor, path: str) -> torch.Tensor:
     if t.layout != torch.strided or t.is_quantized:
-        raise TypeError(f"tensor layout {t.layout} cannot cross the wire")
+        raise TypeError(f"{path}: a tensor of layout {t.layout} cannot cross the wire; make it dense")
     if t.device.type != "cpu":
-        raise TypeError(f"tensor on {t.device} cannot cross the wire; return CPU tensors")
+        raise TypeError(f"{path}: a tensor on {t.device} cannot cross the wire; return CPU tensors")
     return t.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _numpy_dtype_name(dtype: np.dtype) -> str:
+    # Structured dtypes need their fields; plain ones their portable str ("<f4").
+    return "json:" + json.dumps(dtype.descr) if dtype.fields else dtype.str
+
+
+def _descr_field(item: list[Any]) -> tuple[Any, ...]:
+    """One field of a JSON-decoded dtype.descr: [name, type(, shape)] with nested lists for sub-structs."""
+    name, kind, *shape = item
+    if isinstance(kind, list):
+        kind = [_descr_field(sub) for sub in kind]
+    return (name, kind, *(tuple(s) for s in shape))
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name.startswith("json:"):
+        return np.dtype([_descr_field(item) for item in json.loads(name[len("json:") :])])
+    return np.dtype(name)
 
 
 class _Encoder:
@@ -63,25 +83,27 @@ class _Encoder:
         self.offset = 0
 
     def _add_buffer(self, raw: memoryview, ref: pb.ArrayRef) -> None:
-        ref.offset = self.offset
         ref.nbytes = raw.nbytes
-        if raw.nbytes:
+        if raw.nbytes:  # empty arrays take no payload (offset 0)
+            ref.offset = self.offset
             self.buffers.append((self.offset, raw))
             self.offset = _align(self.offset + raw.nbytes)
 
     def encode(self, obj: Any, path: str) -> pb.Value:
         if isinstance(obj, torch.Tensor):
-            t = _tensor_bytes(obj)
+            t = _tensor_bytes(obj, path)
             ref = pb.ArrayRef(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, strides=t.stride())
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
             self._add_buffer(memoryview(flat.numpy()), ref)
             return pb.Value(tensor=ref)
         if isinstance(obj, (np.ndarray, np.generic)):
-            arr = np.ascontiguousarray(obj)
+            arr = np.asarray(obj)
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
             if arr.dtype.hasobject:
-                raise TypeError(f"numpy array of dtype {arr.dtype} (Python objects) cannot cross the wire")
+                raise TypeError(f"{path}: a numpy array of dtype {arr.dtype} (Python objects) cannot cross the wire")
             ref = pb.ArrayRef(
-                dtype=arr.dtype.str,
+                dtype=_numpy_dtype_name(arr.dtype),
                 shape=arr.shape,
                 strides=[s // max(arr.itemsize, 1) for s in arr.strides],
                 scalar=isinstance(obj, np.generic),
@@ -226,8 +248,8 @@ class BatchAssembler:
         elif kind == "ndarray":
             ref = value.ndarray
             try:
-                dtype_np = np.dtype(ref.dtype)
-            except TypeError:
+                dtype_np = _numpy_dtype(ref.dtype)
+            except (TypeError, ValueError):
                 raise TransportError(f"unknown numpy dtype {ref.dtype!r} in batch {self.seq}") from None
             if dtype_np.hasobject:
                 raise TransportError(f"object dtype in batch {self.seq}")

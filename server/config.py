@@ -43,10 +43,21 @@ class LoaderConfig:
     chunk_bytes: int = 4 << 20
     # Server-side cap on a stream's prefetch window, in batches.
     max_window: int = 64
+    # Shared memory each worker may fill with batches waiting to be sent; 0 sends payloads over pipes.
+    shm_bytes_per_worker: int = 1 << 30
     log_level: str = "INFO"
 
 
-_TOP_KEYS = {"listen", "workers", "python_path", "datasets", "chunk_bytes", "max_window", "log_level"}
+_TOP_KEYS = {
+    "listen",
+    "workers",
+    "python_path",
+    "datasets",
+    "chunk_bytes",
+    "max_window",
+    "shm_bytes_per_worker",
+    "log_level",
+}
 _DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn"}
 
 
@@ -74,6 +85,13 @@ def _positive_int(raw: dict[str, Any], key: str, default: int) -> int:
     value = _expect(raw.get(key, default), int, key, "an integer")
     if value < 1:
         raise ConfigError(f"{key}: must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(raw: dict[str, Any], key: str, default: int) -> int:
+    value = _expect(raw.get(key, default), int, key, "an integer")
+    if value < 0:
+        raise ConfigError(f"{key}: must not be negative, got {value}")
     return value
 
 
@@ -112,8 +130,9 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         _unknown_keys(entry, _DATASET_KEYS, where)
         if "dataset" not in entry:
             raise ConfigError(f"{where}: missing required key 'dataset'")
-        args = entry.get("args") or []
-        kwargs = entry.get("kwargs") or {}
+        # An empty `args:` (YAML null) means none; anything else must have the right type.
+        args = entry.get("args") if entry.get("args") is not None else []
+        kwargs = entry.get("kwargs") if entry.get("kwargs") is not None else {}
         _expect(args, list, f"{where}.args", "a list")
         _expect(kwargs, dict, f"{where}.kwargs", "a mapping")
         datasets[name] = DatasetSpec(
@@ -139,6 +158,7 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         datasets=datasets,
         chunk_bytes=_positive_int(raw, "chunk_bytes", 4 << 20),
         max_window=_positive_int(raw, "max_window", 64),
+        shm_bytes_per_worker=_non_negative_int(raw, "shm_bytes_per_worker", 1 << 30),
         log_level=log_level,
     )
 
@@ -153,7 +173,10 @@ def load_config(path: str | Path) -> LoaderConfig:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
     return parse_config(raw, path)
 
 

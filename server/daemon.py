@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from loaderd.server.arena import sweep_stale
 from loaderd.server.config import LoaderConfig, check_imports
 from loaderd.server.pool import WorkerPool
 from loaderd.server.scheduler import Scheduler
@@ -81,6 +82,9 @@ class Daemon:
     def start(self) -> None:
         """Import, start the warm pool, then serve. Raises ConfigError, PoolStartError, ListenError."""
         check_imports(self.config)
+        swept = sweep_stale()
+        if swept:
+            log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
         self.pool = WorkerPool(self.config)
         datasets = self.pool.start(timeout=self.startup_timeout)
         log.info(
@@ -127,7 +131,9 @@ class Daemon:
             if self._stopped:
                 return
             self._stopped = True
-        log.info("shutting down")
+        # A start that failed is reported by the caller in one line; stay quiet here.
+        say = log.info if self.server is not None else log.debug
+        say("shutting down")
         self.health.enter_graceful_shutdown()
         if self.scheduler is not None:
             self.scheduler.stop()
@@ -140,4 +146,4 @@ class Daemon:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        log.info("stopped")
+        say("stopped")

@@ -38,7 +38,7 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _payload_parts(buffers: Sequence[tuple[int, bytes]], start: int, end: int) -> list[bytes | memoryview]:
+def _payload_parts(buffers: Sequence[tuple[int, bytes | memoryview]], start: int, end: int) -> list[bytes | memoryview]:
     """The payload bytes [start, end): buffer slices and zero padding between them."""
     parts: list[bytes | memoryview] = []
     pos = start
@@ -61,7 +61,7 @@ def _payload_parts(buffers: Sequence[tuple[int, bytes]], start: int, end: int) -
 
 
 def batch_messages(
-    seq: int, value: bytes, payload_bytes: int, buffers: Sequence[tuple[int, bytes]], chunk_bytes: int
+    seq: int, value: bytes, payload_bytes: int, buffers: Sequence[tuple[int, bytes | memoryview]], chunk_bytes: int
 ) -> Iterator[bytes]:
     """A batch as a header (carrying the payload's first chunk) and data chunks."""
     first = min(payload_bytes, chunk_bytes)

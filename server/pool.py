@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +22,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from loaderd.server.arena import SlotReader, SlotRef, daemon_prefix, shm_available, unlink_segments, worker_prefix
 from loaderd.server.config import LoaderConfig
-from loaderd.server.tasks import BatchDone, DatasetMeta, Result, Task, WorkerReady, WorkerStartFailed
+from loaderd.server.tasks import BatchDone, DatasetMeta, ReleaseSlot, Result, Task, WorkerReady, WorkerStartFailed
 from loaderd.server.worker import WorkerSpec, run_worker
 
 log = logging.getLogger("loaderd.pool")
@@ -33,11 +36,17 @@ class PoolStartError(Exception):
 
 @dataclass(frozen=True)
 class WorkerResult:
-    """A message from a worker, with the raw array buffers of a ``BatchDone``."""
+    """A message from a worker; for a ``BatchDone``, its payload as (offset, bytes) buffers.
+
+    A payload in shared memory is one buffer at offset 0 that stays valid until
+    ``WorkerPool.release(result)``.
+    """
 
     worker_id: int
     result: Result
-    buffers: tuple[bytes, ...] = ()
+    buffers: tuple[tuple[int, bytes | memoryview], ...] = ()
+    slot: SlotRef | None = None
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class _Worker:
     process: BaseProcess
     tasks: Any  # multiprocessing.Queue
     results: Connection
+    generation: int
+    shm_prefix: str | None
     ready: bool = False
     alive: bool = True
 
@@ -70,19 +81,43 @@ class WorkerPool:
         preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
         self._ctx.set_forkserver_preload(preload)
         self._workers: dict[int, _Worker] = {}
+        self._generations: dict[int, int] = {}
         self.datasets: dict[str, DatasetMeta] = {}
         self.restarts = 0
+        self.shm_prefix = (
+            daemon_prefix(os.getpid(), secrets.token_hex(8))
+            if config.shm_bytes_per_worker > 0 and shm_available()
+            else None
+        )
+        self._slots = SlotReader()
 
     # ------------------------------------------------------------ lifecycle
 
     def _spawn(self, worker_id: int) -> _Worker:
         tasks = self._ctx.Queue()
         recv_end, send_end = self._ctx.Pipe(duplex=False)
-        spec = WorkerSpec(worker_id=worker_id, pool_size=self.size, config=self.config, tasks=tasks, results=send_end)
+        generation = self._generations[worker_id] = self._generations.get(worker_id, -1) + 1
+        prefix = worker_prefix(self.shm_prefix, worker_id, generation) if self.shm_prefix else None
+        spec = WorkerSpec(
+            worker_id=worker_id,
+            pool_size=self.size,
+            config=self.config,
+            tasks=tasks,
+            results=send_end,
+            shm_prefix=prefix,
+            shm_cap_bytes=self.config.shm_bytes_per_worker,
+        )
         process = self._ctx.Process(target=run_worker, args=(spec,), name=f"loaderd-worker-{worker_id}", daemon=True)
         process.start()
         send_end.close()  # the worker holds the only write end: EOF here means it died
-        worker = _Worker(worker_id=worker_id, process=process, tasks=tasks, results=recv_end)
+        worker = _Worker(
+            worker_id=worker_id,
+            process=process,
+            tasks=tasks,
+            results=recv_end,
+            generation=generation,
+            shm_prefix=prefix,
+        )
         self._workers[worker_id] = worker
         return worker
 
@@ -118,6 +153,10 @@ class WorkerPool:
         worker.results.close()
         worker.tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
         worker.tasks.close()
+        if worker.shm_prefix:
+            # Views of batches still being sent keep their mappings alive; the names go now.
+            unlink_segments(worker.shm_prefix)
+            self._slots.forget(worker.shm_prefix)
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Ask every worker to exit, then terminate and kill stragglers. Idempotent."""
@@ -138,6 +177,11 @@ class WorkerPool:
                 w.process.kill()
                 w.process.join(1.0)
             self._close(w)
+        for w in self._workers.values():
+            if w.alive:
+                self._close(w)
+        if self.shm_prefix:
+            unlink_segments(self.shm_prefix)
 
     # ------------------------------------------------------------ messaging
 
@@ -152,13 +196,27 @@ class WorkerPool:
 
     def _receive(self, worker: _Worker) -> WorkerResult:
         result: Result = worker.results.recv()
-        buffers: tuple[bytes, ...] = ()
         if isinstance(result, BatchDone):
-            buffers = tuple(worker.results.recv_bytes() for _ in result.buffer_offsets)
-        elif isinstance(result, WorkerReady):
+            if result.slot is not None:
+                view = self._slots.view(result.slot, result.payload_bytes)
+                return WorkerResult(worker.worker_id, result, ((0, view),), result.slot, worker.generation)
+            buffers = tuple((offset, worker.results.recv_bytes()) for offset in result.buffer_offsets)
+            return WorkerResult(worker.worker_id, result, buffers)
+        if isinstance(result, WorkerReady):
             worker.ready = True
             self.datasets = self.datasets or result.datasets
-        return WorkerResult(worker.worker_id, result, buffers)
+        return WorkerResult(worker.worker_id, result)
+
+    def release(self, result: WorkerResult) -> None:
+        """The daemon is done with a result's shared-memory payload: let its worker reuse the segment."""
+        if result.slot is None:
+            return
+        worker = self._workers.get(result.worker_id)
+        if worker is not None and worker.alive and worker.generation == result.generation:
+            try:
+                worker.tasks.put(ReleaseSlot(result.slot.name))
+            except (ValueError, OSError):  # closed: the worker died meanwhile
+                pass
 
     def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
         """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready)."""

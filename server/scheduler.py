@@ -108,6 +108,7 @@ class Scheduler:
                 window=max(1, window),
                 peer=peer,
                 cond=threading.Condition(self.lock),
+                release=self.pool.release,
             )
             self._streams[stream.stream_id] = stream
         self.wake()
@@ -128,6 +129,7 @@ class Scheduler:
             if stream.closed:
                 return
             stream.closed = True
+            stream.discard()
             stream.cond.notify_all()
             self._streams.pop(stream.stream_id, None)
             owners = {stream.replica_owner(r, self.pool.size) for r in range(len(stream.replicas))}
@@ -231,9 +233,10 @@ class Scheduler:
             self._attempts.pop(key, None)
             stream = self._streams.get(result.stream_id)
             if stream is None:
+                self.pool.release(event)
                 return  # the client left; drop what was still in flight for it
             if isinstance(result, BatchDone):
-                stream.resolve(Delivery(seq=result.seq, batch=result, buffers=event.buffers))
+                stream.resolve(Delivery(seq=result.seq, batch=event))
             elif isinstance(result, BatchFailed):
                 stream.resolve(Delivery(seq=result.seq, error=result.error))
             elif isinstance(result, ReplicaExhausted):

@@ -17,7 +17,7 @@ import grpc
 from loaderd.server import framing
 from loaderd.server.scheduler import Scheduler, UnknownDatasetError
 from loaderd.server.stream import END, BatchStream, StreamFailed
-from loaderd.server.tasks import DatasetMeta
+from loaderd.server.tasks import BatchDone, DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
 
 log = logging.getLogger("loaderd.servicer")
@@ -103,15 +103,15 @@ class LoaderServicer:
             if delivery.error is not None:
                 yield framing.error_message(delivery.error)
                 continue
-            done = delivery.batch
-            assert done is not None
-            yield from framing.batch_messages(
-                done.seq,
-                done.value,
-                done.payload_bytes,
-                list(zip(done.buffer_offsets, delivery.buffers)),
-                self.chunk_bytes,
-            )
+            received = delivery.batch
+            assert received is not None and isinstance(received.result, BatchDone)
+            done = received.result
+            try:
+                yield from framing.batch_messages(
+                    done.seq, done.value, done.payload_bytes, received.buffers, self.chunk_bytes
+                )
+            finally:
+                self.scheduler.pool.release(received)
 
     def _read_plan(self, requests: Iterator[pb.StreamRequest], stream: BatchStream) -> None:
         """Feed the client's index plan to the stream until it half-closes or goes away."""

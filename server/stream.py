@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from loaderd.server.pool import WorkerResult
 from loaderd.server.seeding import derive_seed
-from loaderd.server.tasks import BatchDone, FetchTask, IterTask, Task
+from loaderd.server.tasks import FetchTask, IterTask, Task
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,7 @@ class Delivery:
     """A resolved position of the stream: a batch, a user error, or nothing (a spent replica)."""
 
     seq: int
-    batch: BatchDone | None = None
-    buffers: tuple[bytes, ...] = ()
+    batch: WorkerResult | None = None  # a BatchDone and its payload
     error: bytes | None = None  # serialized RemoteError
 
     @property
@@ -66,6 +67,8 @@ class BatchStream:
     window: int
     peer: str
     cond: threading.Condition
+    # Gives a batch's shared-memory payload back to its worker once it is sent or dropped.
+    release: Callable[[WorkerResult], None]
     pending: deque[tuple[int, tuple[int, ...] | int]] = field(default_factory=deque)
     retries: list[Task] = field(default_factory=list)
     plan_end: bool = False
@@ -172,12 +175,14 @@ class BatchStream:
     def resolve(self, delivery: Delivery) -> None:
         seq = delivery.seq
         if seq not in self.outstanding:
-            return  # a duplicate from a worker that was presumed dead
+            self._drop(delivery)  # a duplicate from a worker that was presumed dead
+            return
         self.outstanding.discard(seq)
         if self.iterable and seq in self.slot_replica:
             replica, batch_index = self.slot_replica.pop(seq)
             cursor = self.replicas[replica]
             if cursor.exhausted_at is not None and batch_index >= cursor.exhausted_at:
+                self._drop(delivery)
                 delivery = Delivery(seq=seq)  # torch drops what a spent worker was still asked for
         self.ready[seq] = delivery
         self.cond.notify_all()
@@ -188,6 +193,16 @@ class BatchStream:
             cursor = self.replicas[replica]
             cursor.exhausted_at = batch_index if cursor.exhausted_at is None else min(cursor.exhausted_at, batch_index)
         self.resolve(Delivery(seq=seq))
+
+    def _drop(self, delivery: Delivery) -> None:
+        if delivery.batch is not None:
+            self.release(delivery.batch)
+
+    def discard(self) -> None:
+        """The stream is closed: give back every payload it still holds."""
+        for delivery in self.ready.values():
+            self._drop(delivery)
+        self.ready.clear()
 
     def fail(self, failure: StreamFailed) -> None:
         if self.failure is None:

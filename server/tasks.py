@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loaderd.server.arena import SlotRef
+
 
 @dataclass(frozen=True)
 class DatasetMeta:
@@ -57,7 +59,14 @@ class ReleaseStream:
     stream_id: int
 
 
-Task = FetchTask | IterTask | ReleaseStream
+@dataclass(frozen=True)
+class ReleaseSlot:
+    """The daemon is done with a shared-memory segment: the worker may reuse it."""
+
+    name: str
+
+
+Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot
 
 
 # ------------------------------------------------------------- worker -> daemon
@@ -77,13 +86,15 @@ class WorkerStartFailed:
 
 @dataclass(frozen=True)
 class BatchDone:
-    """A batch is ready; ``len(buffer_offsets)`` raw buffers follow on the pipe."""
+    """A batch is ready: its payload is in ``slot``, or (no room in shared
+    memory) ``len(buffer_offsets)`` raw buffers follow on the pipe."""
 
     stream_id: int
     seq: int
     value: bytes  # serialized loaderd.v1.Value
     payload_bytes: int
-    buffer_offsets: tuple[int, ...]
+    slot: SlotRef | None
+    buffer_offsets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from loaderd.codec import encode_batch
 from loaderd.errors import TransportError, capture_exception
+from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
 from loaderd.server.seeding import derive_seed, seed_everything
 from loaderd.server.tasks import (
@@ -34,6 +35,7 @@ from loaderd.server.tasks import (
     DatasetMeta,
     FetchTask,
     IterTask,
+    ReleaseSlot,
     ReleaseStream,
     ReplicaExhausted,
     Task,
@@ -56,6 +58,9 @@ class WorkerSpec:
     config: LoaderConfig
     tasks: Any  # multiprocessing.Queue of Task | None
     results: Connection
+    # Name prefix of this worker's shared-memory segments; None sends payloads over the pipe.
+    shm_prefix: str | None
+    shm_cap_bytes: int
 
 
 @dataclass
@@ -116,6 +121,7 @@ class WorkerRuntime:
         self.spec = spec
         self.datasets: dict[str, _Dataset] = {}
         self.replicas: dict[tuple[int, int], _Replica] = {}
+        self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes) if spec.shm_prefix else None
 
     def build(self) -> None:
         """Build every dataset and run map-style worker_init_fns, as torch does at worker start."""
@@ -145,6 +151,7 @@ class WorkerRuntime:
 
     def _send_batch(self, stream_id: int, seq: int, batch: Any) -> None:
         encoded = encode_batch(batch)
+        slot = self.slots.write(encoded) if self.slots is not None else None
         conn = self.spec.results
         conn.send(
             BatchDone(
@@ -152,11 +159,13 @@ class WorkerRuntime:
                 seq=seq,
                 value=encoded.value.SerializeToString(),
                 payload_bytes=encoded.payload_bytes,
-                buffer_offsets=tuple(offset for offset, _ in encoded.buffers),
+                slot=slot,
+                buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
             )
         )
-        for _, buf in encoded.buffers:
-            conn.send_bytes(buf)
+        if slot is None:
+            for _, buf in encoded.buffers:
+                conn.send_bytes(buf)
 
     def _send_error(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
         err = capture_exception(exc, where, seq)
@@ -273,6 +282,8 @@ class WorkerRuntime:
             self.iterate(task)
         elif isinstance(task, ReleaseStream):
             self.release(task.stream_id)
+        elif isinstance(task, ReleaseSlot) and self.slots is not None:
+            self.slots.release(task.name)
 
 
 _END = object()
@@ -308,3 +319,6 @@ def run_worker(spec: WorkerSpec) -> None:
             runtime.handle(task)
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return  # the daemon closed our pipe: it is shutting down or gone
+    finally:
+        if runtime.slots is not None:
+            runtime.slots.close()

@@ -1,0 +1,192 @@
+"""Shared-memory segments that carry batch payloads out of the workers.
+
+Each worker writes a finished batch into one of its own reusable segments
+(``SlotWriter``) and sends only a ``SlotRef`` over its pipe; the daemon maps
+the segment (``SlotReader``) and serves the bytes from there, then hands the
+segment back to the worker. Segments are created once, pre-allocated with
+``posix_fallocate`` (so a full /dev/shm is an error at creation, never a
+SIGBUS on write) and reused, so the page-fault cost of a fresh mapping is paid
+once per segment, not once per batch.
+
+Names are ``loaderd-<daemon pid>-<random token>-w<worker>g<generation>-<n>``,
+mode 0600. The daemon unlinks a dead worker's segments, every segment at
+shutdown, and at start sweeps what a killed daemon (pid no longer alive) left.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+
+from loaderd.codec import EncodedBatch
+
+log = logging.getLogger("loaderd.arena")
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "loaderd-"
+MIN_SEGMENT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Where a worker left a batch payload."""
+
+    name: str
+    size: int  # the segment's size (>= payload)
+
+
+def daemon_prefix(pid: int, token: str) -> str:
+    return f"{NAME_PREFIX}{pid}-{token}-"
+
+
+def worker_prefix(daemon: str, worker_id: int, generation: int) -> str:
+    return f"{daemon}w{worker_id}g{generation}-"
+
+
+def _segment_size(nbytes: int) -> int:
+    size = MIN_SEGMENT
+    while size < nbytes:
+        size <<= 1
+    return size
+
+
+def shm_available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class SlotWriter:
+    """A worker's reusable segments: one batch per segment at a time."""
+
+    def __init__(self, prefix: str, cap_bytes: int) -> None:
+        self.prefix = prefix
+        self.cap_bytes = cap_bytes
+        self._maps: dict[str, mmap.mmap] = {}
+        self._free: list[str] = []
+        self._counter = 0
+        self._total = 0
+        self._disabled = False
+
+    def _create(self, size: int) -> str | None:
+        name = f"{self.prefix}{self._counter}"
+        self._counter += 1
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            log.warning("cannot create shared memory %s (%s); sending batches over the pipe", path, exc)
+            self._disabled = True
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._maps[name] = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                log.warning("%s is full; batches of %d bytes go over the pipe", SHM_DIR, size)
+            else:
+                log.warning("cannot size shared memory %s (%s); sending batches over the pipe", path, exc)
+            return None
+        finally:
+            os.close(fd)
+        self._total += size
+        return name
+
+    def write(self, batch: EncodedBatch) -> SlotRef | None:
+        """Copy the batch payload into a free segment; None if there is no room (use the pipe)."""
+        need = batch.payload_bytes
+        if self._disabled or need == 0:
+            return None
+        fitting = [n for n in self._free if len(self._maps[n]) >= need]
+        if fitting:
+            name = min(fitting, key=lambda n: len(self._maps[n]))
+            self._free.remove(name)
+        else:
+            size = _segment_size(need)
+            if self._total + size > self.cap_bytes:
+                return None
+            created = self._create(size)
+            if created is None:
+                return None
+            name = created
+        target = memoryview(self._maps[name])
+        for offset, buf in batch.buffers:
+            target[offset : offset + buf.nbytes] = buf
+        return SlotRef(name=name, size=len(self._maps[name]))
+
+    def release(self, name: str) -> None:
+        if name in self._maps and name not in self._free:
+            self._free.append(name)
+
+    def close(self) -> None:
+        """Unlink every segment (the daemon's own mappings stay valid until it drops them)."""
+        for name, mapping in self._maps.items():
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+            try:
+                mapping.close()
+            except BufferError:  # a view is still alive; the mapping goes with the process
+                pass
+        self._maps.clear()
+        self._free.clear()
+
+
+class SlotReader:
+    """The daemon's read-only mappings of worker segments, opened once and reused."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def view(self, slot: SlotRef, nbytes: int) -> memoryview:
+        mapping = self._maps.get(slot.name)
+        if mapping is None:
+            fd = os.open(os.path.join(SHM_DIR, slot.name), os.O_RDONLY)
+            try:
+                mapping = self._maps[slot.name] = mmap.mmap(fd, slot.size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return memoryview(mapping)[:nbytes]
+
+    def forget(self, prefix: str) -> None:
+        """Drop mappings of a dead worker's segments (closed once no view uses them)."""
+        for name in [n for n in self._maps if n.startswith(prefix)]:
+            del self._maps[name]
+
+
+def unlink_segments(prefix: str) -> int:
+    """Remove every segment whose name starts with ``prefix``; returns how many."""
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def sweep_stale() -> int:
+    """Remove segments left by daemons that no longer run (killed with SIGKILL)."""
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, NAME_PREFIX + "*")):
+        pid_text = os.path.basename(path)[len(NAME_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # that daemon is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            os.unlink(path)
+            removed += 1
+        except (FileNotFoundError, PermissionError):
+            pass
+    return removed

@@ -1,0 +1,412 @@
+"""Unit tests of the daemon's config: parsing, validation messages, and import checks."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from loaderd.server.config import (
+    DEFAULT_LISTEN,
+    ConfigError,
+    DatasetSpec,
+    check_imports,
+    load_config,
+    parse_config,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str, name: str = "ds.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def minimal(**top: Any) -> dict[str, Any]:
+    return {"datasets": {"sq": {"dataset": "datasets:Squares"}}, **top}
+
+
+@pytest.fixture
+def isolated_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_imports prepends python_path to sys.path: keep that inside the test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+# ------------------------------------------------------------------ valid configs
+
+
+@pytest.mark.timeout(30)
+def test_valid_config_with_relative_python_path(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    path = write(
+        tmp_path,
+        """
+        listen:
+          - unix:///tmp/x.sock
+          - 127.0.0.1:7070
+        workers: 3
+        python_path: [., sub, /abs/dir]
+        chunk_bytes: 1024
+        max_window: 8
+        log_level: debug
+        datasets:
+          train:
+            dataset: mymod:Train
+            args: [1, two]
+            kwargs: {split: train, size: 10}
+            collate_fn: mymod:collate
+            worker_init_fn: mymod.sub:init
+          val:
+            dataset: mymod:Make.nested
+        """,
+    )
+    config = load_config(path)
+    assert config.path == path.resolve()
+    assert config.listen == ("unix:///tmp/x.sock", "127.0.0.1:7070")
+    assert config.workers == 3
+    assert config.python_path == (str(tmp_path.resolve()), str((tmp_path / "sub").resolve()), "/abs/dir")
+    assert config.chunk_bytes == 1024
+    assert config.max_window == 8
+    assert config.log_level == "DEBUG"
+    assert list(config.datasets) == ["train", "val"]
+    assert config.datasets["train"] == DatasetSpec(
+        name="train",
+        factory="mymod:Train",
+        args=(1, "two"),
+        kwargs={"split": "train", "size": 10},
+        collate_fn="mymod:collate",
+        worker_init_fn="mymod.sub:init",
+    )
+    assert config.datasets["val"] == DatasetSpec(name="val", factory="mymod:Make.nested")
+
+
+@pytest.mark.timeout(30)
+def test_relative_python_path_resolves_against_config_dir_not_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = write(conf_dir, "python_path: [., ../lib]\ndatasets: {a: {dataset: 'm:A'}}\n")
+    config = load_config(path)
+    assert config.python_path == (str(conf_dir.resolve()), str((tmp_path / "lib").resolve()))
+    # A relative config path is resolved too.
+    config2 = load_config(Path("..") / "conf" / "ds.yaml")
+    assert config2.python_path == config.python_path
+    assert config2.path == path.resolve()
+
+
+@pytest.mark.timeout(30)
+def test_listen_as_string(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "listen: unix:///tmp/one.sock\ndatasets: {a: {dataset: 'm:A'}}\n"))
+    assert config.listen == ("unix:///tmp/one.sock",)
+
+
+@pytest.mark.timeout(30)
+def test_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "datasets:\n  a:\n    dataset: m:A\n"))
+    assert config.listen == DEFAULT_LISTEN == ("unix:///tmp/loaderd.sock",)
+    assert config.workers == 2
+    assert config.python_path == ()
+    assert config.chunk_bytes == 4 << 20
+    assert config.max_window == 64
+    assert config.log_level == "INFO"
+    spec = config.datasets["a"]
+    assert (spec.args, spec.kwargs, spec.collate_fn, spec.worker_init_fn) == ((), {}, None, None)
+
+
+@pytest.mark.timeout(30)
+def test_parse_config_directly() -> None:
+    config = parse_config(minimal(workers=5, listen=["a:1"]), Path("/etc/loaderd/ds.yaml"))
+    assert config.workers == 5
+    assert config.listen == ("a:1",)
+    assert config.datasets["sq"].factory == "datasets:Squares"
+
+
+@pytest.mark.timeout(30)
+def test_deploy_config_loads() -> None:
+    config = load_config(REPO / "deploy" / "ds.yaml")
+    assert config.listen == ("unix:///tmp/loaderd.sock", "127.0.0.1:7070")
+    assert config.workers == 2
+    assert config.python_path == (str((REPO / "deploy").resolve()),)
+    assert set(config.datasets) == {"digits-train", "digits-val", "counting"}
+    assert config.datasets["digits-train"].factory == "example_datasets:SyntheticDigits"
+    assert config.datasets["digits-train"].kwargs == {"split": "train", "size": 60000}
+    assert config.datasets["digits-val"].kwargs == {"split": "val", "size": 10000, "jitter": 0.0}
+    assert config.datasets["counting"].kwargs == {"n": 1000}
+
+
+@pytest.mark.timeout(60)
+def test_deploy_config_imports_check(isolated_sys_path: None) -> None:
+    config = load_config(REPO / "deploy" / "ds.yaml")
+    check_imports(config)  # raises ConfigError on failure
+    assert sys.path[0] == str((REPO / "deploy").resolve())
+
+
+# ------------------------------------------------------------------ errors
+
+
+def config_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert message.strip(), "empty ConfigError message"
+    return message
+
+
+@pytest.mark.timeout(30)
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config") as info:
+        load_config(tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "workers: 2\ndatasets: [a, b\nlisten: x\n")
+    assert "invalid YAML" in message
+    assert "ds.yaml" in message
+    assert "line" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_top_level_not_a_mapping(tmp_path: Path, text: str) -> None:
+    message = config_error(tmp_path, text)
+    assert "ds.yaml" in message
+    assert "mapping at the top level" in message
+
+
+@pytest.mark.timeout(30)
+def test_empty_file_says_no_dataset(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "")
+    assert "datasets" in message
+
+
+@pytest.mark.timeout(30)
+def test_unknown_top_key(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "worker: 4\ndatasets: {a: {dataset: 'm:A'}}\n")
+    assert "unknown key 'worker'" in message
+    assert "workers" in message  # the allowed keys are listed, so the typo is obvious
+
+
+@pytest.mark.timeout(30)
+def test_unknown_dataset_key(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "datasets:\n  train:\n    dataset: m:A\n    kwarg: {a: 1}\n")
+    assert "datasets.train" in message
+    assert "unknown key 'kwarg'" in message
+    assert "kwargs" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [("-1", "at least 1"), ("0", "at least 1"), ("four", "expected an integer"), ("true", "expected an integer"),
+     ("2.5", "expected an integer"), ("null", "expected an integer")],
+)  # fmt: skip
+def test_bad_workers(tmp_path: Path, value: str, expect: str) -> None:
+    message = config_error(tmp_path, f"workers: {value}\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
+    assert message.startswith("workers:"), message
+    assert expect in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("key", ["chunk_bytes", "max_window"])
+def test_bad_positive_ints(tmp_path: Path, key: str) -> None:
+    message = config_error(tmp_path, f"{key}: 0\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
+    assert message.startswith(f"{key}:") and "at least 1" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text", ["listen: x\n", "datasets:\n", "datasets: {}\n", "datasets: []\n"])
+def test_datasets_missing_or_empty(tmp_path: Path, text: str) -> None:
+    message = config_error(tmp_path, text)
+    assert message.startswith("datasets:"), message
+    assert "no dataset" in message
+
+
+@pytest.mark.timeout(30)
+def test_datasets_not_a_mapping(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "datasets: [a, b]\n")
+    assert message.startswith("datasets:")
+    assert "mapping" in message
+
+
+@pytest.mark.timeout(30)
+def test_dataset_entry_missing_dataset(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "datasets:\n  train:\n    kwargs: {a: 1}\n")
+    assert "datasets.train" in message
+    assert "'dataset'" in message
+
+
+@pytest.mark.timeout(30)
+def test_dataset_entry_not_a_mapping(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "datasets:\n  train: m:A\n")
+    assert "datasets.train" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["mod.Class", "mod", ":Class", "mod:"])
+def test_bad_import_path(tmp_path: Path, bad: str) -> None:
+    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: '{bad}'\n")
+    assert "datasets.train.dataset" in message
+    assert repr(bad) in message
+    assert "module:attribute" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("key", ["collate_fn", "worker_init_fn"])
+def test_bad_import_path_in_optional_callables(tmp_path: Path, key: str) -> None:
+    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    {key}: m.collate\n")
+    assert f"datasets.train.{key}" in message
+    assert "'m.collate'" in message
+
+
+@pytest.mark.timeout(30)
+def test_import_path_not_a_string(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "datasets:\n  train:\n    dataset: 42\n")
+    assert "datasets.train.dataset" in message
+    assert "42" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["5", "abc", "{a: 1}"])
+def test_args_not_a_list(tmp_path: Path, value: str) -> None:
+    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    args: {value}\n")
+    assert "datasets.train.args" in message
+    assert "a list" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["[1, 2]", "5", "abc"])
+def test_kwargs_not_a_mapping(tmp_path: Path, value: str) -> None:
+    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    kwargs: {value}\n")
+    assert "datasets.train.kwargs" in message
+    assert "a mapping" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("key", "value"), [("args", "{}"), ("args", "false"), ("kwargs", "[]"), ("kwargs", "0")])
+def test_empty_values_of_the_wrong_type_are_rejected(tmp_path: Path, key: str, value: str) -> None:
+    """A wrong type is a config mistake even when the value happens to be empty or falsy."""
+    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    {key}: {value}\n")
+    assert f"datasets.train.{key}" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text", ["listen: []\n", "listen: {a: 1}\n", "listen: [1]\n"])
+def test_bad_listen(tmp_path: Path, text: str) -> None:
+    message = config_error(tmp_path, text + "datasets: {a: {dataset: 'm:A'}}\n")
+    assert message.startswith("listen"), message
+
+
+@pytest.mark.timeout(30)
+def test_bad_log_level(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "log_level: LOUD\ndatasets: {a: {dataset: 'm:A'}}\n")
+    assert message.startswith("log_level:") and "'LOUD'" in message
+
+
+@pytest.mark.timeout(30)
+def test_bad_python_path(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "python_path: .\ndatasets: {a: {dataset: 'm:A'}}\n")
+    assert message.startswith("python_path")
+
+
+# ------------------------------------------------------------------ check_imports
+
+
+def module_dir(tmp_path: Path) -> tuple[Path, str]:
+    """A directory with a uniquely named module (so no test sees another's sys.modules entry)."""
+    name = f"ld_cfg_mod_{uuid.uuid4().hex[:10]}"
+    d = tmp_path / "mods"
+    d.mkdir()
+    (d / f"{name}.py").write_text(
+        "class Good:\n    pass\n\nclass Outer:\n    class Inner:\n        pass\n\nNOT_CALLABLE = 3\n\n"
+        "def collate(batch):\n    return batch\n"
+    )
+    return d, name
+
+
+def imports_config(tmp_path: Path, entry: dict[str, Any], mods: Path) -> Path:
+    text = yaml.safe_dump({"python_path": [str(mods)], "datasets": {"train": entry}})
+    return write(tmp_path, text)
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_ok(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, name = module_dir(tmp_path)
+    config = load_config(
+        imports_config(tmp_path, {"dataset": f"{name}:Outer.Inner", "collate_fn": f"{name}:collate"}, mods)
+    )
+    check_imports(config)
+    assert str(mods.resolve()) in sys.path
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_module_does_not_import(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, _ = module_dir(tmp_path)
+    missing = f"ld_no_such_module_{uuid.uuid4().hex[:8]}"
+    config = load_config(imports_config(tmp_path, {"dataset": f"{missing}:Thing"}, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    message = str(info.value)
+    assert message.startswith("datasets.train.dataset:"), message
+    assert missing in message
+    assert "ModuleNotFoundError" in message
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_module_raises_on_import(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, _ = module_dir(tmp_path)
+    name = f"ld_broken_{uuid.uuid4().hex[:8]}"
+    (mods / f"{name}.py").write_text("raise RuntimeError('import-time failure')\n")
+    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:X"}, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    message = str(info.value)
+    assert message.startswith("datasets.train.dataset:"), message
+    assert name in message and "import-time failure" in message
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_attribute_does_not_exist(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, name = module_dir(tmp_path)
+    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Goood"}, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    message = str(info.value)
+    assert message.startswith("datasets.train.dataset:"), message
+    assert "'Goood'" in message and name in message
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_nested_attribute_does_not_exist(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, name = module_dir(tmp_path)
+    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Good", "collate_fn": f"{name}:Outer.Nope"}, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    message = str(info.value)
+    assert message.startswith("datasets.train.collate_fn:"), message
+    assert "Outer.Nope" in message
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(30)
+def test_check_imports_not_callable(tmp_path: Path, isolated_sys_path: None) -> None:
+    mods, name = module_dir(tmp_path)
+    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Good", "worker_init_fn": f"{name}:NOT_CALLABLE"}, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    message = str(info.value)
+    assert message.startswith("datasets.train.worker_init_fn:"), message
+    assert "not callable" in message
+    sys.modules.pop(name, None)

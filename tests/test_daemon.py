@@ -1,0 +1,493 @@
+"""`loaderd serve` as a real subprocess: startup errors, shutdown, sockets, TCP, health."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import yaml
+from conftest import STARTUP_TIMEOUT_S, RunningDaemon, serve_command, wait_serving, write_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import loaderd
+from loaderd import RemoteDataLoader
+
+REPO = Path(__file__).resolve().parent.parent
+# Config errors are found before any worker starts: the time is Python's and torch's import.
+CONFIG_ERROR_EXIT_S = 20.0
+SHUTDOWN_S = 5.0
+
+SQUARES = {"sq": {"dataset": "datasets:Squares", "kwargs": {"n": 50}}}
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks (tells a live pid from a reused one); None if gone/zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # zombie or dead: not running
+        return None
+    return int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live descendant of ``pid`` (children of every thread, recursively): pid -> start time."""
+    found: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                start = _proc_start_time(child)
+                if start is not None and child not in found:
+                    found[child] = start
+                    todo.append(child)
+    return found
+
+
+def still_running(procs: dict[int, int]) -> list[str]:
+    alive = []
+    for pid, start in procs.items():
+        if _proc_start_time(pid) == start:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            alive.append(f"{pid}: {cmd[:150]}")
+    return alive
+
+
+def wait_gone(procs: dict[int, int], deadline: float) -> list[str]:
+    """Wait until none of ``procs`` runs (orphaned helpers may take a moment to exit); what still runs."""
+    while True:
+        alive = still_running(procs)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def health_status(address: str, service: str = "", timeout: float = 2.0) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        return reply.status
+
+
+def first_batches(loader: RemoteDataLoader, n: int | None = None) -> list[Any]:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if n is not None and len(out) >= n:
+            break
+    return out
+
+
+def run_serve(config_path: Path, *extra: str, timeout: float = 90.0) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run(serve_command(config_path, *extra), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
+
+
+def assert_one_clear_line(stderr: str, *must_contain: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
+    for text in must_contain:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def spawn(short_tmp: Path) -> Iterator[Callable[..., RunningDaemon]]:
+    """Start a daemon with an explicit listen list (the socket path is the test's choice)."""
+    started: list[RunningDaemon] = []
+
+    def start(
+        datasets: dict[str, Any], socket_path: Path, workers: int = 2, extra_listen: tuple[str, ...] = (), wait: bool = True
+    ) -> RunningDaemon:
+        config_dir = short_tmp / f"spawn{len(started)}"
+        config_dir.mkdir()
+        listen = [f"unix://{socket_path}", *extra_listen]
+        config_path = write_config(config_dir, datasets, workers=workers, listen=listen)
+        log_path = config_dir / "daemon.log"
+        with open(log_path, "w") as log_file:
+            process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
+        started.append(daemon)
+        if wait:
+            wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.process.poll() is None:
+            daemon.process.kill()
+            daemon.process.wait(10)
+
+
+# ------------------------------------------------------------------ startup errors
+
+
+def bad_config(short_tmp: Path, text: str) -> Path:
+    path = short_tmp / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def _listen(short_tmp: Path) -> str:
+    return f"listen: unix://{short_tmp}/never.sock\n"
+
+
+@pytest.mark.timeout(60)
+def test_yaml_syntax_error_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = bad_config(short_tmp, _listen(short_tmp) + "workers: 2\ndatasets: [a, b\n")
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    line = assert_one_clear_line(stderr, "config error", "YAML")
+    assert "bad.yaml" in line
+    assert not (short_tmp / "never.sock").exists()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_key_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = bad_config(short_tmp, _listen(short_tmp) + "worker: 2\ndatasets: {a: {dataset: 'datasets:Squares'}}\n")
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "config error", "unknown key 'worker'")
+
+
+@pytest.mark.timeout(60)
+def test_negative_workers_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = bad_config(short_tmp, _listen(short_tmp) + "workers: -3\ndatasets: {a: {dataset: 'datasets:Squares'}}\n")
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "config error", "workers", "-3")
+
+
+@pytest.mark.timeout(60)
+def test_workers_flag_zero_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = write_config(short_tmp, SQUARES, listen=[f"unix://{short_tmp}/never.sock"])
+    rc, _, stderr, took = run_serve(path, "--workers", "0")
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "config error", "--workers")
+
+
+@pytest.mark.timeout(60)
+def test_module_that_does_not_import_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = write_config(
+        short_tmp,
+        {"ok": {"dataset": "datasets:Squares"}, "typo": {"dataset": "datasetz_no_such_module:Squares"}},
+        listen=[f"unix://{short_tmp}/never.sock"],
+    )
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "config error", "datasets.typo.dataset", "datasetz_no_such_module")
+    assert not (short_tmp / "never.sock").exists()
+
+
+@pytest.mark.timeout(60)
+def test_attribute_that_does_not_exist_exits_2_with_one_line(short_tmp: Path) -> None:
+    path = write_config(short_tmp, {"sq": {"dataset": "datasets:Squarez"}}, listen=[f"unix://{short_tmp}/never.sock"])
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "config error", "datasets.sq.dataset", "'Squarez'")
+
+
+@pytest.mark.timeout(60)
+def test_missing_config_file_exits_2(short_tmp: Path) -> None:
+    rc, _, stderr, took = run_serve(short_tmp / "absent.yaml")
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    assert_one_clear_line(stderr, "absent.yaml")
+
+
+@pytest.mark.timeout(120)
+def test_factory_that_raises_exits_1_naming_the_dataset(short_tmp: Path) -> None:
+    path = write_config(
+        short_tmp,
+        {"sq": {"dataset": "datasets:Squares"}, "boom": {"dataset": "datasets:broken_factory"}},
+        listen=[f"unix://{short_tmp}/never.sock"],
+    )
+    rc, _, stderr, took = run_serve(path)
+    assert rc == 1, stderr
+    assert took < 60
+    assert "Traceback" not in stderr, stderr
+    culprit = [line for line in stderr.splitlines() if "factory exploded on purpose" in line]
+    assert culprit, stderr
+    assert "'boom'" in culprit[0] and "cannot start" in culprit[0]
+    assert not (short_tmp / "never.sock").exists()
+
+
+# ------------------------------------------------------------------ shutdown
+
+
+def _stop_and_check(daemon: RunningDaemon, sig: int) -> None:
+    assert health_status(daemon.address) == health_pb2.HealthCheckResponse.SERVING
+    assert daemon.socket_path.exists()
+    children = descendants(daemon.process.pid)
+    # At least the pool's workers (plus multiprocessing's fork server) run under the daemon.
+    assert len(children) >= 3, children
+    t0 = time.monotonic()
+    daemon.process.send_signal(sig)
+    try:
+        rc = daemon.process.wait(SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"daemon still running {SHUTDOWN_S}s after {signal.Signals(sig).name}:\n{daemon.log()}")
+    assert rc == 0, daemon.log()
+    alive = wait_gone(children, t0 + SHUTDOWN_S)
+    assert not alive, f"processes left after {signal.Signals(sig).name}:\n" + "\n".join(alive)
+    assert not daemon.socket_path.exists(), "socket file left behind"
+    with pytest.raises(grpc.RpcError) as info:
+        health_status(daemon.address, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    log = daemon.log()
+    assert f"received {signal.Signals(sig).name}" in log
+    assert "Traceback" not in log, log
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_shuts_down_cleanly(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(SQUARES, workers=2)
+    # Serve something first so the pool has done real work.
+    assert len(first_batches(RemoteDataLoader("sq", batch_size=10, address=daemon.address))) == 5
+    _stop_and_check(daemon, signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_sigint_shuts_down_cleanly(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(SQUARES, workers=3)
+    assert len(first_batches(RemoteDataLoader("sq", batch_size=10, address=daemon.address))) == 5
+    _stop_and_check(daemon, signal.SIGINT)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_mid_epoch_fails_the_client_fast(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon({"slow": {"dataset": "datasets:Slow", "kwargs": {"n": 2000, "delay": 0.05}}}, workers=2)
+    loader = RemoteDataLoader("slow", batch_size=4, address=daemon.address)
+    received: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+    got_some = threading.Event()
+    finished = threading.Event()
+
+    def consume() -> None:
+        try:
+            for batch in loader:
+                received.append(batch)
+                if len(received) >= 3:
+                    got_some.set()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=consume, name="mid-epoch-consumer", daemon=True)
+    thread.start()
+    assert got_some.wait(60), f"no batches arrived:\n{daemon.log()}"
+    children = descendants(daemon.process.pid)
+    t0 = time.monotonic()
+    daemon.process.send_signal(signal.SIGTERM)
+    try:
+        rc = daemon.process.wait(SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"daemon still running {SHUTDOWN_S}s after SIGTERM mid-epoch:\n{daemon.log()}")
+    assert rc == 0, daemon.log()
+    assert finished.wait(max(0.1, t0 + SHUTDOWN_S + 2 - time.monotonic())), "client hung after the daemon went away"
+    thread.join(2)
+    assert len(errors) == 1, f"client saw no error after {len(received)} batches"
+    assert isinstance(errors[0], loaderd.DaemonUnavailableError), repr(errors[0])
+    # What arrived before the shutdown was correct and in order.
+    assert len(received) < 500
+    for i, batch in enumerate(received):
+        assert torch.equal(batch, torch.arange(4 * i, 4 * i + 4)), (i, batch)
+    assert not wait_gone(children, t0 + SHUTDOWN_S)
+    assert not daemon.socket_path.exists()
+
+
+# ------------------------------------------------------------------ unix sockets
+
+
+@pytest.mark.timeout(120)
+def test_stale_plain_file_at_socket_path_is_replaced(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+    path = short_tmp / "stale.sock"
+    path.write_text("left over\n")
+    daemon = spawn(SQUARES, path)
+    assert path.is_socket()
+    assert len(first_batches(RemoteDataLoader("sq", batch_size=25, address=daemon.address))) == 2
+    assert daemon.stop() == 0
+    assert not path.exists()
+
+
+@pytest.mark.timeout(120)
+def test_dead_socket_at_socket_path_is_replaced(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+    path = short_tmp / "dead.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays; nobody listens
+    assert path.is_socket()
+    daemon = spawn(SQUARES, path)
+    assert health_status(daemon.address) == health_pb2.HealthCheckResponse.SERVING
+    assert len(first_batches(RemoteDataLoader("sq", batch_size=25, address=daemon.address))) == 2
+    assert daemon.stop() == 0
+    assert not path.exists()
+
+
+@pytest.mark.timeout(120)
+def test_socket_in_a_missing_directory_is_created(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+    path = short_tmp / "a" / "b" / "s.sock"
+    daemon = spawn(SQUARES, path)
+    assert path.is_socket()
+    assert daemon.stop() == 0
+    assert not path.exists()
+
+
+@pytest.mark.timeout(180)
+def test_second_daemon_on_live_socket_exits_nonzero(
+    short_tmp: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    first = start_daemon(SQUARES, workers=1)
+    config_dir = short_tmp / "second"
+    config_dir.mkdir()
+    config_path = write_config(config_dir, SQUARES, workers=1, listen=[first.address])
+    rc, _, stderr, took = run_serve(config_path, timeout=120)
+    assert rc != 0, stderr
+    assert rc == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    culprit = [line for line in stderr.splitlines() if "in use" in line]
+    assert culprit, stderr
+    assert str(first.socket_path) in culprit[0]
+    # The first daemon is untouched: same socket file, still serving.
+    assert first.socket_path.is_socket()
+    assert first.process.poll() is None
+    assert health_status(first.address) == health_pb2.HealthCheckResponse.SERVING
+    assert len(first_batches(RemoteDataLoader("sq", batch_size=50, address=first.address))) == 1
+
+
+# ------------------------------------------------------------------ TCP
+
+
+@pytest.mark.timeout(120)
+def test_tcp_listen_on_port_zero(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(SQUARES, workers=2, tcp=True)
+    ports = re.findall(r"listening on 127\.0\.0\.1:(\d+)\s*$", daemon.log(), flags=re.M)
+    assert len(ports) == 1, daemon.log()
+    port = int(ports[0])
+    assert 0 < port < 65536
+    assert daemon.extra_addresses == [f"127.0.0.1:{port}"]
+    assert f"listening on {daemon.address}" in daemon.log()
+    tcp = f"127.0.0.1:{port}"
+    assert health_status(tcp) == health_pb2.HealthCheckResponse.SERVING
+
+    def epoch(address: str) -> list[Any]:
+        g = torch.Generator().manual_seed(1234)
+        return list(RemoteDataLoader("sq", batch_size=7, shuffle=True, generator=g, address=address))
+
+    over_unix = epoch(daemon.address)
+    over_tcp = epoch(tcp)
+    over_tcp_scheme = epoch(f"tcp://{tcp}")
+    assert len(over_unix) == len(over_tcp) == len(over_tcp_scheme) == 8
+    for a, b, c in zip(over_unix, over_tcp, over_tcp_scheme):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    seen = sorted(int(i) for batch in over_tcp for i in batch[1])
+    assert seen == list(range(50))
+    for x, idx in over_tcp:
+        assert torch.equal(x, torch.stack([torch.tensor([i, i * i], dtype=torch.float32) for i in idx.tolist()]))
+
+
+# ------------------------------------------------------------------ deploy config
+
+
+@pytest.mark.timeout(180)
+def test_deploy_config_with_listen_override(short_tmp: Path) -> None:
+    sock = short_tmp / f"deploy-{os.getpid()}.sock"
+    address = f"unix://{sock}"
+    log_path = short_tmp / "deploy.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(
+            serve_command(REPO / "deploy" / "ds.yaml", "--listen", address),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        wait_serving(address, process, log_path, STARTUP_TIMEOUT_S)
+        log = log_path.read_text()
+        assert f"listening on {address}" in log
+        assert "7070" not in log and "/tmp/loaderd.sock" not in log, "--listen must replace the config's listen"
+        batches = first_batches(RemoteDataLoader("digits-train", batch_size=64, address=address), n=3)
+        assert len(batches) == 3
+        for images, labels in batches:
+            assert images.shape == (64, 1, 28, 28)
+            assert images.dtype == torch.float32
+            assert labels.shape == (64,) and labels.dtype == torch.int64
+            assert 0 <= int(labels.min()) and int(labels.max()) <= 9
+        assert len(RemoteDataLoader("digits-train", batch_size=64, address=address)) == 938
+        val = first_batches(RemoteDataLoader("digits-val", batch_size=100, address=address), n=1)[0]
+        assert val[0].shape == (100, 1, 28, 28)
+        counting = list(RemoteDataLoader("counting", batch_size=100, address=address))
+        assert sorted(int(v) for b in counting for v in b["value"]) == list(range(1000))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(SHUTDOWN_S + 5) == 0
+        assert not sock.exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_deploy_config_file_is_valid_yaml() -> None:
+    raw = yaml.safe_load((REPO / "deploy" / "ds.yaml").read_text())
+    assert set(raw["datasets"]) == {"digits-train", "digits-val", "counting"}
+
+
+# ------------------------------------------------------------------ health
+
+
+@pytest.mark.timeout(120)
+def test_health_service_reports_serving(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(SQUARES, workers=1)
+    assert health_status(daemon.address, "") == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(daemon.address, "loaderd.v1.Loader") == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        health_status(daemon.address, "no.such.Service")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # Watch streams the current status as its first message.
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="loaderd.v1.Loader"), timeout=5
+        )
+        first = next(iter(stream))
+        stream.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
