@@ -13,7 +13,7 @@ import collections
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,21 +78,38 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, slot: torch.Tensor | None, start: int) -> None:
         self.buffers: list[tuple[int, memoryview]] = []
-        self.offset = 0
+        self.offset = _align(start)
+        self.end = start
+        # Tensors already inside the slot (collated there) are referenced where they are.
+        self.slot_lo = slot.data_ptr() if slot is not None else 0
+        self.slot_hi = self.slot_lo + (slot.numel() if slot is not None else 0)
+
+    def _in_slot(self, t: torch.Tensor, ref: pb.ArrayRef) -> bool:
+        ptr = t.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        if not (nbytes and self.slot_lo <= ptr and ptr + nbytes <= self.slot_hi):
+            return False
+        ref.offset = ptr - self.slot_lo
+        ref.nbytes = nbytes
+        self.end = max(self.end, ref.offset + nbytes)
+        return True
 
     def _add_buffer(self, raw: memoryview, ref: pb.ArrayRef) -> None:
         ref.nbytes = raw.nbytes
         if raw.nbytes:  # empty arrays take no payload (offset 0)
             ref.offset = self.offset
             self.buffers.append((self.offset, raw))
-            self.offset = _align(self.offset + raw.nbytes)
+            self.end = self.offset + raw.nbytes
+            self.offset = _align(self.end)
 
     def encode(self, obj: Any, path: str) -> pb.Value:
         if isinstance(obj, torch.Tensor):
             t = _tensor_bytes(obj, path)
             ref = pb.ArrayRef(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, strides=t.stride())
+            if self._in_slot(t, ref):
+                return pb.Value(tensor=ref)
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
             self._add_buffer(memoryview(flat.numpy()), ref)
             return pb.Value(tensor=ref)
@@ -154,15 +171,19 @@ class _Encoder:
         )
 
 
-def encode_batch(batch: Any) -> EncodedBatch:
-    """Lay a collated batch out for the wire. Raises ``TransportError`` naming the culprit."""
-    encoder = _Encoder()
+def encode_batch(batch: Any, slot: torch.Tensor | None = None, slot_used: int = 0) -> EncodedBatch:
+    """Lay a collated batch out for the wire. Raises ``TransportError`` naming the culprit.
+
+    ``slot`` is the uint8 tensor of a shared-memory slot whose first
+    ``slot_used`` bytes already hold some of the batch's tensors: those keep
+    their place, and everything else is laid out after them.
+    """
+    encoder = _Encoder(slot, slot_used)
     try:
         value = encoder.encode(batch, "batch")
     except TypeError as exc:
         raise TransportError(str(exc)) from None
-    payload = encoder.buffers[-1][0] + encoder.buffers[-1][1].nbytes if encoder.buffers else 0
-    return EncodedBatch(value=value, buffers=encoder.buffers, payload_bytes=payload)
+    return EncodedBatch(value=value, buffers=encoder.buffers, payload_bytes=encoder.end)
 
 
 # ------------------------------------------------------------------ decode
@@ -229,9 +250,7 @@ class BatchAssembler:
         return self._received >= self.payload_bytes
 
     def _check_ref(self, ref: pb.ArrayRef, itemsize: int) -> None:
-        expected = math.prod(ref.shape) * itemsize
-        if ref.nbytes != expected or ref.offset + ref.nbytes > self.payload_bytes or any(d < 0 for d in ref.shape):
-            raise TransportError(f"malformed array in batch {self.seq}: {ref}")
+        _check_ref(ref, itemsize, self.payload_bytes, self.seq)
 
     def _allocate(self, value: pb.Value) -> None:
         kind = value.WhichOneof("kind")
@@ -295,44 +314,86 @@ class BatchAssembler:
         """The batch, once every payload byte arrived."""
         if not self.complete:
             raise TransportError(f"batch {self.seq} ended after {self._received} of {self.payload_bytes} bytes")
-        self._next_array = iter(self._arrays)
-        return self._build(self._value)
+        arrays = iter(self._arrays)
+        return build_value(self._value, self.seq, lambda ref, is_tensor: next(arrays))
 
-    def _build(self, value: pb.Value) -> Any:
-        kind = value.WhichOneof("kind")
-        if kind == "tensor":
-            return next(self._next_array)
-        if kind == "ndarray":
-            arr = next(self._next_array)
-            return arr[()] if value.ndarray.scalar else arr
-        if kind == "none":
-            return None
-        if kind == "bool_value":
-            return value.bool_value
-        if kind == "int_value":
-            return value.int_value
-        if kind == "big_int":
-            return int(value.big_int)
-        if kind == "float_value":
-            return value.float_value
-        if kind == "str_value":
-            return value.str_value
-        if kind == "bytes_value":
-            return value.bytes_value
-        if kind == "list":
-            return [self._build(v) for v in value.list.items]
-        if kind == "tuple":
-            return tuple(self._build(v) for v in value.tuple.items)
-        if kind == "named_tuple":
-            return _namedtuple_type(value.named_tuple)(*(self._build(v) for v in value.named_tuple.items))
-        if kind == "mapping":
-            m = value.mapping
-            d = {self._build(k): self._build(v) for k, v in zip(m.keys, m.values)}
-            cls = _mapping_type(m.type) if m.type else None
-            if cls is not None:
-                try:
-                    return cls(d)
-                except Exception:  # a mapping type that can't be built from a dict
-                    return d
-            return d
-        raise TransportError(f"batch {self.seq} holds a value of unknown kind {kind!r}")
+
+def view_batch(header: pb.BatchHeader, buffer: memoryview) -> Any:
+    """A batch whose tensors are zero-copy views of ``buffer`` (a mapped shared-memory slot).
+
+    The tensors keep ``buffer`` alive, which is how the caller learns that the
+    user dropped the batch. numpy arrays are copied (torch.frombuffer is what
+    ties a view's lifetime to ``buffer``).
+    """
+    seq = header.seq
+    if header.payload_bytes > buffer.nbytes:
+        raise TransportError(f"batch {seq}: payload of {header.payload_bytes} bytes exceeds its slot")
+
+    def make(ref: pb.ArrayRef, is_tensor: bool) -> Any:
+        if is_tensor:
+            dtype = _TORCH_DTYPES.get(ref.dtype)
+            if dtype is None:
+                raise TransportError(f"unknown tensor dtype {ref.dtype!r} in batch {seq}")
+            _check_ref(ref, dtype.itemsize, header.payload_bytes, seq)
+            if not ref.nbytes:
+                return torch.empty(tuple(ref.shape), dtype=dtype)
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
+            return raw.view(dtype).view(tuple(ref.shape))
+        np_dtype = _numpy_dtype(ref.dtype)
+        _check_ref(ref, np_dtype.itemsize, header.payload_bytes, seq)
+        flat = np.frombuffer(buffer, dtype=np_dtype, count=math.prod(ref.shape), offset=ref.offset)
+        return flat.reshape(tuple(ref.shape)).copy()
+
+    return build_value(header.value, seq, make)
+
+
+def _check_ref(ref: pb.ArrayRef, itemsize: int, payload_bytes: int, seq: int) -> None:
+    expected = math.prod(ref.shape) * itemsize
+    if ref.nbytes != expected or ref.offset + ref.nbytes > payload_bytes or any(d < 0 for d in ref.shape):
+        raise TransportError(f"malformed array in batch {seq}: {ref}")
+
+
+def build_value(value: pb.Value, seq: int, make_array: Callable[[pb.ArrayRef, bool], Any]) -> Any:
+    """Rebuild the batch tree; ``make_array(ref, is_tensor)`` supplies each array, depth first.
+
+    A plain recursive function, not a closure: a recursive closure is a
+    reference cycle, and it would keep ``make_array`` (and the shared-memory
+    view it holds) alive until the garbage collector ran.
+    """
+    kind = value.WhichOneof("kind")
+    if kind == "tensor":
+        return make_array(value.tensor, True)
+    if kind == "ndarray":
+        arr = make_array(value.ndarray, False)
+        return arr[()] if value.ndarray.scalar else arr
+    if kind in _SCALAR_KINDS:
+        return _SCALAR_KINDS[kind](getattr(value, kind))
+    if kind == "list":
+        return [build_value(v, seq, make_array) for v in value.list.items]
+    if kind == "tuple":
+        return tuple(build_value(v, seq, make_array) for v in value.tuple.items)
+    if kind == "named_tuple":
+        items = (build_value(v, seq, make_array) for v in value.named_tuple.items)
+        return _namedtuple_type(value.named_tuple)(*items)
+    if kind == "mapping":
+        m = value.mapping
+        d = {build_value(k, seq, make_array): build_value(v, seq, make_array) for k, v in zip(m.keys, m.values)}
+        cls = _mapping_type(m.type) if m.type else None
+        if cls is not None:
+            try:
+                return cls(d)
+            except Exception:  # a mapping type that can't be built from a dict
+                return d
+        return d
+    raise TransportError(f"batch {seq} holds a value of unknown kind {kind!r}")
+
+
+_SCALAR_KINDS: dict[str, Callable[[Any], Any]] = {
+    "none": lambda _: None,
+    "bool_value": bool,
+    "int_value": int,
+    "big_int": int,
+    "float_value": float,
+    "str_value": str,
+    "bytes_value": bytes,
+}

@@ -8,6 +8,7 @@ import threading
 import grpc
 
 from loaderd.errors import LoaderdError, error_from_rpc
+from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 
@@ -36,6 +37,15 @@ class DaemonConnection:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.LoaderStub(self.channel)
+        self._session: ShmSession | None = None
+        self._session_lock = threading.Lock()
+
+    def session(self) -> ShmSession:
+        """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
+        with self._session_lock:
+            if self._session is None or not self._session.alive:
+                self._session = ShmSession(self.stub, self.address)
+            return self._session
 
     def describe(self, dataset: str) -> pb.DescribeDatasetResponse:
         try:

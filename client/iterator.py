@@ -10,6 +10,7 @@ while the caller trains.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import queue
 import threading
@@ -21,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from loaderd.codec import BatchAssembler
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+from loaderd.codec import BatchAssembler, view_batch
 from loaderd.errors import (
     BatchTimeoutError,
     DaemonUnavailableError,
@@ -29,6 +32,7 @@ from loaderd.errors import (
     error_from_rpc,
     exception_from_remote,
 )
+from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 _POLL_S = 0.25
 # Finished batches the receiver thread may hold ahead of the caller.
 _RECEIVED_AHEAD = 2
+_stream_tokens = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -49,13 +54,28 @@ class _Item:
 class _Receiver:
     """Reads the response stream on its own thread and queues whole batches."""
 
-    def __init__(self, call: Any, pin_memory: bool, address: str, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        call: Any,
+        pin_memory: bool,
+        address: str,
+        stop: threading.Event,
+        session: ShmSession | None,
+        stream_token: int,
+    ) -> None:
         self.items: queue.Queue[_Item] = queue.Queue(maxsize=_RECEIVED_AHEAD)
         self.stop = stop
         self._call = call
         self._pin = pin_memory
         self._address = address
+        self._session = session
+        self._stream_token = stream_token
         self.thread = threading.Thread(target=self._run, name="loaderd-receiver", daemon=True)
+
+    def _finish(self, batch: Any) -> Any:
+        # Tensors are already page-locked (allocated pinned, or views of a registered
+        # slot), so this copies nothing; it honours custom types' pin_memory() as torch does.
+        return torch_pin_memory(batch) if self._pin else batch
 
     def _put(self, item: _Item) -> bool:
         while not self.stop.is_set():
@@ -71,6 +91,16 @@ class _Receiver:
         try:
             for response in self._call:
                 kind = response.WhichOneof("kind")
+                if kind == "batch" and response.batch.HasField("slot"):
+                    if self._session is None:
+                        raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
+                    header = response.batch
+                    view = self._session.lease_view(header.slot, header.payload_bytes, self._stream_token, self._pin)
+                    batch = self._finish(view_batch(header, view))
+                    del view  # the batch's tensors now hold the lease
+                    if not self._put(_Item("batch", batch)):
+                        return
+                    continue
                 if kind == "batch":
                     assembler = BatchAssembler(response.batch, pin_memory=self._pin)
                 elif kind == "chunk":
@@ -85,7 +115,7 @@ class _Receiver:
                     self._put(_Item("end"))
                     return
                 if assembler is not None and assembler.complete:
-                    batch, assembler = assembler.build(), None
+                    batch, assembler = self._finish(assembler.build()), None
                     if not self._put(_Item("batch", batch)):
                         return
             self._put(_Item("failed", DaemonUnavailableError(f"loaderd at {self._address} ended the stream early")))
@@ -96,10 +126,33 @@ class _Receiver:
             self._put(_Item("failed", exc))
 
 
-def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[pb.StreamRequest | None]) -> None:
+def _request_stream(
+    requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event
+) -> Iterator[pb.StreamRequest]:
+    """The stream's requests. A free function: gRPC's sending thread holds this
+    generator, and a method would keep the whole iterator alive through it."""
+    while not stop.is_set():
+        try:
+            request = requests.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        if request is None:
+            return
+        yield request
+
+
+def _cancel(
+    call: Any,
+    stop: threading.Event,
+    requests: queue.Queue[pb.StreamRequest | None],
+    session: ShmSession | None,
+    stream_token: int,
+) -> None:
     stop.set()
     requests.put(None)
     call.cancel()
+    if session is not None:
+        session.abandon(stream_token)
 
 
 class RemoteLoaderIter:
@@ -114,6 +167,8 @@ class RemoteLoaderIter:
         self._sampler_iter: Iterator[Any] | None = None if self._iterable else iter(loader._plan._index_sampler)
         self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
         self._window = loader._window
+        session = loader._shm_session()
+        self._stream_token = next(_stream_tokens)
         self._planned = 0
         self._consumed = 0
         self._plan_done = self._iterable
@@ -129,29 +184,21 @@ class RemoteLoaderIter:
                     num_workers=loader.num_workers,
                     base_seed=self._base_seed,
                     window=self._window,
+                    session_id=session.session_id if session is not None else 0,
+                    stream_token=self._stream_token,
                 )
             )
         )
         self._top_up_plan()
         self._stop = threading.Event()
-        call = loader._connection.stub.StreamBatches(self._request_stream())
-        self._receiver = _Receiver(call, loader._pin, loader.address, self._stop)
+        call = loader._connection.stub.StreamBatches(_request_stream(self._requests, self._stop))
+        self._receiver = _Receiver(call, loader._pin, loader.address, self._stop, session, self._stream_token)
         self._receiver.thread.start()
         # Cancels the stream when the caller drops the iterator (break, del,
         # exception) without relying on __del__; close() does it explicitly.
-        self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests)
+        self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests, session, self._stream_token)
 
     # ------------------------------------------------------------ plan
-
-    def _request_stream(self) -> Iterator[pb.StreamRequest]:
-        while not self._stop.is_set():
-            try:
-                request = self._requests.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if request is None:
-                return
-            yield request
 
     def _top_up_plan(self) -> None:
         """Send index batches until the daemon holds ``window`` beyond what was consumed."""

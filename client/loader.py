@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from loaderd.connection import DaemonConnection, get_connection, resolve_address
-from loaderd.errors import ConfigOnlyArgumentError, LoaderdError
+from loaderd.errors import ConfigOnlyArgumentError, LoaderdError, TransportError
 from loaderd.iterator import RemoteLoaderIter
+from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 
-TRANSPORTS = ("auto", "grpc")
+TRANSPORTS = ("auto", "shm", "grpc")
 
 
 class _RemoteMapDataset(Dataset):
@@ -149,7 +151,20 @@ class RemoteDataLoader:
         parallelism = max(1, num_workers) if self._iterable else max(1, self.pool_workers)
         self._window = factor * parallelism
         self._pin = pin_memory and torch.cuda.is_available()
-        self._iterator: RemoteLoaderIter | None = None
+        # Weak: holding the epoch's iterator would keep its stream open after a `break`.
+        self._iterator: weakref.ref[RemoteLoaderIter] | None = None
+        self._shm_session()  # transport="shm" where it cannot work fails here, not mid-training
+
+    def _shm_session(self) -> ShmSession | None:
+        """The session to stream through shared memory, or None for plain gRPC."""
+        if self.transport == "grpc":
+            return None
+        session = self._connection.session()
+        if session.shm:
+            return session
+        if self.transport == "shm":
+            raise TransportError(f"transport='shm' cannot work with the daemon at {self.address}: {session.reason}")
+        return None
 
     def __iter__(self) -> RemoteLoaderIter:
         if self.pin_memory and not self._pin:
@@ -158,10 +173,12 @@ class RemoteDataLoader:
                 "then device pinned memory won't be used.",
                 stacklevel=2,
             )
-        if self._iterator is not None:
-            self._iterator.close()  # one live epoch per loader, as torch resets its workers
-        self._iterator = RemoteLoaderIter(self)
-        return self._iterator
+        previous = self._iterator() if self._iterator is not None else None
+        if previous is not None:
+            previous.close()  # one live epoch per loader, as torch resets its workers
+        iterator = RemoteLoaderIter(self)
+        self._iterator = weakref.ref(iterator)
+        return iterator
 
     def __len__(self) -> int:
         return len(self._plan)

@@ -22,6 +22,8 @@ import mmap
 import os
 from dataclasses import dataclass
 
+import torch
+
 from loaderd.codec import EncodedBatch
 
 log = logging.getLogger("loaderd.arena")
@@ -65,10 +67,13 @@ class SlotWriter:
         self.prefix = prefix
         self.cap_bytes = cap_bytes
         self._maps: dict[str, mmap.mmap] = {}
+        # A uint8 tensor over each segment: collation writes into slices of it.
+        self._bases: dict[str, torch.Tensor] = {}
         self._free: list[str] = []
         self._counter = 0
         self._total = 0
         self._disabled = False
+        self.retired: list[str] = []  # destroyed since the daemon was last told
 
     def _create(self, size: int) -> str | None:
         name = f"{self.prefix}{self._counter}"
@@ -83,6 +88,7 @@ class SlotWriter:
         try:
             os.posix_fallocate(fd, 0, size)
             self._maps[name] = mmap.mmap(fd, size)
+            self._bases[name] = torch.frombuffer(self._maps[name], dtype=torch.uint8)
         except OSError as exc:
             os.unlink(path)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
@@ -95,34 +101,64 @@ class SlotWriter:
         self._total += size
         return name
 
-    def write(self, batch: EncodedBatch) -> SlotRef | None:
-        """Copy the batch payload into a free segment; None if there is no room (use the pipe)."""
-        need = batch.payload_bytes
-        if self._disabled or need == 0:
+    def acquire(self, nbytes: int) -> tuple[str, torch.Tensor] | None:
+        """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
+        if self._disabled or nbytes == 0:
             return None
-        fitting = [n for n in self._free if len(self._maps[n]) >= need]
+        fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
             name = min(fitting, key=lambda n: len(self._maps[n]))
             self._free.remove(name)
-        else:
-            size = _segment_size(need)
-            if self._total + size > self.cap_bytes:
-                return None
-            created = self._create(size)
-            if created is None:
-                return None
-            name = created
+            return name, self._bases[name]
+        size = _segment_size(nbytes)
+        # Make room by dropping idle segments (smallest first): batch sizes change
+        # between streams, and idle small segments must not starve big batches.
+        for idle in sorted(self._free, key=lambda n: len(self._maps[n])):
+            if self._total + size <= self.cap_bytes:
+                break
+            self._destroy(idle)
+        if self._total + size > self.cap_bytes:
+            return None
+        created = self._create(size)
+        return None if created is None else (created, self._bases[created])
+
+    def commit(self, name: str, batch: EncodedBatch) -> SlotRef | None:
+        """Copy the payload parts not already in segment ``name`` into it; None (segment freed) if it does not fit."""
         target = memoryview(self._maps[name])
+        if batch.payload_bytes > len(target):
+            self.release(name)
+            return None
         for offset, buf in batch.buffers:
             target[offset : offset + buf.nbytes] = buf
-        return SlotRef(name=name, size=len(self._maps[name]))
+        return SlotRef(name=name, size=len(target))
+
+    def write(self, batch: EncodedBatch) -> SlotRef | None:
+        """Copy a batch payload into a free segment; None if there is no room (use the pipe)."""
+        acquired = self.acquire(batch.payload_bytes)
+        return None if acquired is None else self.commit(acquired[0], batch)
 
     def release(self, name: str) -> None:
         if name in self._maps and name not in self._free:
             self._free.append(name)
 
+    def _destroy(self, name: str) -> None:
+        self.retired.append(name)
+        self._free.remove(name)
+        self._bases.pop(name, None)
+        mapping = self._maps.pop(name)
+        self._total -= len(mapping)
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+        try:
+            mapping.close()
+        except BufferError:  # a view is still alive; the mapping goes when it does
+            pass
+
     def close(self) -> None:
         """Unlink every segment (the daemon's own mappings stay valid until it drops them)."""
+        self._bases.clear()
         for name, mapping in self._maps.items():
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
@@ -152,10 +188,13 @@ class SlotReader:
                 os.close(fd)
         return memoryview(mapping)[:nbytes]
 
-    def forget(self, prefix: str) -> None:
-        """Drop mappings of a dead worker's segments (closed once no view uses them)."""
-        for name in [n for n in self._maps if n.startswith(prefix)]:
-            del self._maps[name]
+    def forget(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
+        """Drop mappings of removed segments (each closes once no view uses it)."""
+        for name in names:
+            self._maps.pop(name, None)
+        if prefix:
+            for name in [n for n in self._maps if n.startswith(prefix)]:
+                del self._maps[name]
 
 
 def unlink_segments(prefix: str) -> int:
@@ -190,3 +229,19 @@ def sweep_stale() -> int:
         except (FileNotFoundError, PermissionError):
             pass
     return removed
+
+
+def create_probe(prefix: str, n: int) -> tuple[str, bytes] | None:
+    """A 0600 file of random bytes in shared memory: a client that can read it shares our /dev/shm."""
+    token = os.urandom(32)
+    path = os.path.join(SHM_DIR, f"{prefix}probe-{n}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as exc:
+        log.warning("cannot create shared-memory probe %s: %s", path, exc)
+        return None
+    try:
+        os.write(fd, token)
+    finally:
+        os.close(fd)
+    return path, token

@@ -28,6 +28,7 @@ from loaderd.server.config import LoaderConfig, check_imports
 from loaderd.server.pool import WorkerPool
 from loaderd.server.scheduler import Scheduler
 from loaderd.server.servicer import LoaderServicer, method_handlers
+from loaderd.server.sessions import SessionRegistry
 
 log = logging.getLogger("loaderd")
 
@@ -75,6 +76,7 @@ class Daemon:
         self._stopped = False
         self.pool: WorkerPool | None = None
         self.scheduler: Scheduler | None = None
+        self.sessions: SessionRegistry | None = None
         self.server: grpc.Server | None = None
         self.health = health.HealthServicer()
         self._unix_paths: list[str] = []
@@ -94,10 +96,12 @@ class Daemon:
         )
         self.scheduler = Scheduler(self.pool, self.config)
         self.scheduler.start()
+        self.sessions = SessionRegistry(self.pool)
+        self.pool.on_retired = self.sessions.retired
 
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="loaderd-rpc"),
-            handlers=[method_handlers(LoaderServicer(self.scheduler, self.config.chunk_bytes))],
+            handlers=[method_handlers(LoaderServicer(self.scheduler, self.sessions, self.config.chunk_bytes))],
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", self.config.chunk_bytes + (1 << 20)),
@@ -139,6 +143,8 @@ class Daemon:
             self.scheduler.stop()
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1.0)
+        if self.sessions is not None:
+            self.sessions.close_all()
         if self.pool is not None:
             self.pool.shutdown()
         for path in self._unix_paths:

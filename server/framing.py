@@ -22,6 +22,7 @@ _HDR_SEQ = b"\x08"  # BatchHeader.seq = 1
 _HDR_VALUE = b"\x12"  # BatchHeader.value = 2
 _HDR_PAYLOAD = b"\x18"  # BatchHeader.payload_bytes = 3
 _HDR_DATA = b"\x22"  # BatchHeader.data = 4
+_HDR_SLOT = b"\x2a"  # BatchHeader.slot = 5
 _CHUNK_DATA = b"\x0a"  # DataChunk.data = 1
 _END_BATCHES = b"\x08"  # StreamEnd.batches = 1
 
@@ -79,6 +80,16 @@ def batch_messages(
         inner_len = 1 + len(inner[1]) + n
         yield b"".join([_RESP_CHUNK, varint(inner_len), *inner, *_payload_parts(buffers, pos, end)])
         pos = end
+
+
+def slot_message(seq: int, value: bytes, payload_bytes: int, slot: bytes) -> bytes:
+    """A batch whose payload stays in shared memory: the header names the slot (a serialized SlotHandle)."""
+    header = [
+        _HDR_SEQ, varint(seq), _HDR_VALUE, varint(len(value)), value,
+        _HDR_PAYLOAD, varint(payload_bytes), _HDR_SLOT, varint(len(slot)), slot,
+    ]  # fmt: skip
+    header_len = sum(len(p) for p in header)
+    return b"".join([_RESP_BATCH, varint(header_len), *header])
 
 
 def error_message(error: bytes) -> bytes:

@@ -15,8 +15,9 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -90,6 +91,14 @@ class WorkerPool:
             else None
         )
         self._slots = SlotReader()
+        # Slots handed out (being sent, or leased to a client) per worker generation:
+        # a dead worker's segments are unlinked only once none is still in use, so a
+        # client can still open the slot of a batch that worker finished.
+        self._held: dict[tuple[int, int], int] = {}
+        self._retiring: dict[tuple[int, int], str] = {}
+        self._held_lock = threading.Lock()
+        # Told of removed segments so clients can unmap them (set by the daemon).
+        self.on_retired: Callable[[tuple[str, ...], tuple[str, ...]], None] = lambda names, prefixes: None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,9 +163,18 @@ class WorkerPool:
         worker.tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
         worker.tasks.close()
         if worker.shm_prefix:
-            # Views of batches still being sent keep their mappings alive; the names go now.
-            unlink_segments(worker.shm_prefix)
-            self._slots.forget(worker.shm_prefix)
+            key = (worker.worker_id, worker.generation)
+            with self._held_lock:
+                busy = self._held.get(key, 0) > 0
+                if busy:
+                    self._retiring[key] = worker.shm_prefix
+            if not busy:
+                self._retire(worker.shm_prefix)
+
+    def _retire(self, prefix: str) -> None:
+        unlink_segments(prefix)
+        self._slots.forget(prefix=prefix)
+        self.on_retired((), (prefix,))
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Ask every worker to exit, then terminate and kill stragglers. Idempotent."""
@@ -197,7 +215,13 @@ class WorkerPool:
     def _receive(self, worker: _Worker) -> WorkerResult:
         result: Result = worker.results.recv()
         if isinstance(result, BatchDone):
+            if result.retired:
+                self._slots.forget(names=result.retired)
+                self.on_retired(result.retired, ())
             if result.slot is not None:
+                key = (worker.worker_id, worker.generation)
+                with self._held_lock:
+                    self._held[key] = self._held.get(key, 0) + 1
                 view = self._slots.view(result.slot, result.payload_bytes)
                 return WorkerResult(worker.worker_id, result, ((0, view),), result.slot, worker.generation)
             buffers = tuple((offset, worker.results.recv_bytes()) for offset in result.buffer_offsets)
@@ -210,6 +234,13 @@ class WorkerPool:
     def release(self, result: WorkerResult) -> None:
         """The daemon is done with a result's shared-memory payload: let its worker reuse the segment."""
         if result.slot is None:
+            return
+        key = (result.worker_id, result.generation)
+        with self._held_lock:
+            self._held[key] -= 1
+            retiring = self._retiring.pop(key, None) if self._held[key] == 0 else None
+        if retiring is not None:
+            self._retire(retiring)
             return
         worker = self._workers.get(result.worker_id)
         if worker is not None and worker.alive and worker.generation == result.generation:

@@ -107,6 +107,7 @@ class Scheduler:
                 base_seed=request.base_seed,
                 window=max(1, window),
                 peer=peer,
+                stream_token=request.stream_token,
                 cond=threading.Condition(self.lock),
                 release=self.pool.release,
             )
@@ -247,11 +248,13 @@ class Scheduler:
         with self.lock:
             lost = self._inflight[event.worker_id]
             self._inflight[event.worker_id] = {}
-            for key, record in lost.items():
+            for position, (key, record) in enumerate(lost.items()):
                 stream = self._streams.get(key[0])
                 if stream is None:
                     continue
-                attempts = record.attempts + 1
+                # A worker runs its tasks in dispatch order: only the first was
+                # running when it died; the ones queued behind it are not to blame.
+                attempts = record.attempts + (1 if position == 0 else 0)
                 if attempts >= MAX_ATTEMPTS:
                     self._attempts.pop(key, None)
                     stream.resolve(Delivery(seq=record.task.seq, error=self._crash_error(record.task, attempts, event)))

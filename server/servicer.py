@@ -9,6 +9,7 @@ that closes its stream, so the pool stops working for it.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -16,7 +17,8 @@ import grpc
 
 from loaderd.server import framing
 from loaderd.server.scheduler import Scheduler, UnknownDatasetError
-from loaderd.server.stream import END, BatchStream, StreamFailed
+from loaderd.server.sessions import SessionRegistry, ShmSession
+from loaderd.server.stream import END, BatchStream, Delivery, StreamFailed
 from loaderd.server.tasks import BatchDone, DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -40,8 +42,9 @@ def _dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
 class LoaderServicer:
     """Implements loaderd.v1.Loader."""
 
-    def __init__(self, scheduler: Scheduler, chunk_bytes: int) -> None:
+    def __init__(self, scheduler: Scheduler, sessions: SessionRegistry, chunk_bytes: int) -> None:
         self.scheduler = scheduler
+        self.sessions = sessions
         self.chunk_bytes = chunk_bytes
 
     @property
@@ -74,6 +77,15 @@ class LoaderServicer:
         if stream.iterable and not stream.auto_collation and stream.batch_size:
             self.scheduler.close_stream(stream)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch_size must be 0 without automatic batching")
+        session = None
+        if first.open.session_id:
+            session = self.sessions.get(first.open.session_id)
+            if session is None:
+                self.scheduler.close_stream(stream)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {first.open.session_id} is unknown, closed, or cannot use shared memory",
+                )
         log.info("stream %d opened by %s on %r (window %d)", stream.stream_id, context.peer(), stream.dataset, stream.window)
         context.add_callback(lambda: self.scheduler.close_stream(stream))
         reader = threading.Thread(
@@ -81,14 +93,14 @@ class LoaderServicer:
         )
         reader.start()
         try:
-            yield from self._deliver(stream, context)
+            yield from self._deliver(stream, session, context)
         except StreamFailed as failure:
             log.info("stream %d failed: %s", stream.stream_id, failure)
             context.abort(failure.code, str(failure))
         finally:
             self.scheduler.close_stream(stream)
 
-    def _deliver(self, stream: BatchStream, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _deliver(self, stream: BatchStream, session: ShmSession | None, context: grpc.ServicerContext) -> Iterator[bytes]:
         while True:
             delivery = stream.next_delivery(_POLL_S)
             if delivery is None:
@@ -103,6 +115,11 @@ class LoaderServicer:
             if delivery.error is not None:
                 yield framing.error_message(delivery.error)
                 continue
+            if session is not None and delivery.batch is not None and delivery.batch.slot is not None:
+                message = self._lease(session, stream, delivery)
+                if message is not None:
+                    yield message
+                    continue
             received = delivery.batch
             assert received is not None and isinstance(received.result, BatchDone)
             done = received.result
@@ -112,6 +129,67 @@ class LoaderServicer:
                 )
             finally:
                 self.scheduler.pool.release(received)
+
+    def _lease(self, session: ShmSession, stream: BatchStream, delivery: Delivery) -> bytes | None:
+        """The batch as a slot handle leased to the session; None if the session is gone."""
+        received = delivery.batch
+        assert received is not None and received.slot is not None and isinstance(received.result, BatchDone)
+        lease = self.sessions.lease(session, received, stream.stream_token)
+        if lease is None:
+            return None
+        done = received.result
+        handle = pb.SlotHandle(name=received.slot.name, size=received.slot.size, lease=lease)
+        return framing.slot_message(done.seq, done.value, done.payload_bytes, handle.SerializeToString())
+
+    def Session(self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
+        hello = next(request_iterator, None)
+        if hello is None or hello.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'")
+        session = self.sessions.open(context.peer())
+        context.add_callback(lambda: self.sessions.close(session))
+        try:
+            probe = self.sessions.challenge()
+            if probe is None:
+                reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
+            else:
+                path, token = probe
+                try:
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path))
+                    proof = next(request_iterator, None)
+                finally:
+                    self.sessions.finish_challenge(path)
+                if proof is None or proof.WhichOneof("kind") != "proof":
+                    return
+                session.shm = proof.proof.token == token
+                reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
+            log.info("session %d from %s (pid %d): shared memory %s", session.session_id, context.peer(), hello.hello.pid,
+                     "yes" if session.shm else f"no ({reason})")  # fmt: skip
+            yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
+            reader = threading.Thread(
+                target=self._read_session, args=(request_iterator, session), name=f"loaderd-session-{session.session_id}", daemon=True
+            )
+            reader.start()
+            while not session.closed and context.is_active():
+                try:
+                    yield session.outbox.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+        finally:
+            self.sessions.close(session)
+
+    def _read_session(self, requests: Iterator[pb.SessionRequest], session: ShmSession) -> None:
+        """Apply the client's releases until it goes away; then every slot it held goes back."""
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "release":
+                    self.sessions.release(session, list(request.release.leases))
+                elif kind == "abandon":
+                    self.sessions.abandon(session, request.abandon.stream_token, list(request.abandon.kept_leases))
+        except grpc.RpcError:
+            pass  # the client went away
+        finally:
+            self.sessions.close(session)
 
     def _read_plan(self, requests: Iterator[pb.StreamRequest], stream: BatchStream) -> None:
         """Feed the client's index plan to the stream until it half-closes or goes away."""
@@ -167,6 +245,11 @@ def method_handlers(servicer: LoaderServicer) -> grpc.GenericRpcHandler:
             servicer.StreamBatches,
             request_deserializer=pb.StreamRequest.FromString,
             response_serializer=identity,
+        ),
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session,
+            request_deserializer=pb.SessionRequest.FromString,
+            response_serializer=pb.SessionResponse.SerializeToString,
         ),
     }
     return grpc.method_handlers_generic_handler("loaderd.v1.Loader", handlers)

@@ -66,6 +66,7 @@ class BatchStream:
     base_seed: int
     window: int
     peer: str
+    stream_token: int
     cond: threading.Condition
     # Gives a batch's shared-memory payload back to its worker once it is sent or dropped.
     release: Callable[[WorkerResult], None]

@@ -95,6 +95,8 @@ class BatchDone:
     payload_bytes: int
     slot: SlotRef | None
     buffer_offsets: tuple[int, ...] = ()
+    # Segments the worker removed since its last batch (the daemon unmaps them).
+    retired: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from loaderd.errors import TransportError, capture_exception
 from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
 from loaderd.server.seeding import derive_seed, seed_everything
+from loaderd.server.slot_collate import SlotArea, SlotFull, collate_into, estimate_bytes
 from loaderd.server.tasks import (
     BatchDone,
     BatchFailed,
@@ -149,9 +150,36 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------ results
 
-    def _send_batch(self, stream_id: int, seq: int, batch: Any) -> None:
-        encoded = encode_batch(batch)
-        slot = self.slots.write(encoded) if self.slots is not None else None
+    def _collate(self, ds: _Dataset, samples: list[Any]) -> tuple[Any, tuple[str, SlotArea] | None]:
+        """Collate a batch; with torch's default collation, straight into a shared-memory slot."""
+        if self.slots is None or ds.collate is not default_collate or not samples:
+            return ds.collate(samples), None
+        acquired = self.slots.acquire(estimate_bytes(samples[0], len(samples)))
+        if acquired is None:
+            return ds.collate(samples), None
+        name, base = acquired
+        area = SlotArea(base)
+        try:
+            return collate_into(samples, area), (name, area)
+        except SlotFull:  # items of different sizes: collate normally, copy afterwards
+            self.slots.release(name)
+            return ds.collate(samples), None
+        except BaseException:
+            self.slots.release(name)
+            raise
+
+    def _send_batch(self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None = None) -> None:
+        slot = None
+        if placed is not None and self.slots is not None:
+            name, area = placed
+            encoded = encode_batch(batch, area.base, area.used)
+            slot = self.slots.commit(name, encoded)
+            if slot is None:  # the rest did not fit after the collated part
+                encoded = encode_batch(batch)
+        else:
+            encoded = encode_batch(batch)
+        if slot is None and self.slots is not None:
+            slot = self.slots.write(encoded)
         conn = self.spec.results
         conn.send(
             BatchDone(
@@ -161,11 +189,19 @@ class WorkerRuntime:
                 payload_bytes=encoded.payload_bytes,
                 slot=slot,
                 buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
+                retired=self._take_retired(),
             )
         )
         if slot is None:
             for _, buf in encoded.buffers:
                 conn.send_bytes(buf)
+
+    def _take_retired(self) -> tuple[str, ...]:
+        if self.slots is None or not self.slots.retired:
+            return ()
+        retired = tuple(self.slots.retired)
+        self.slots.retired.clear()
+        return retired
 
     def _send_error(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
         err = capture_exception(exc, where, seq)
@@ -185,22 +221,26 @@ class WorkerRuntime:
                 # Collate without worker info: torch's default_collate would
                 # otherwise put every batch in a fresh shared-memory segment.
                 _set_worker_info(None)
-                batch = ds.collate(samples)
+                batch, placed = self._collate(ds, samples)
             else:
                 sample = ds.dataset[task.indices]
                 _set_worker_info(None)
-                batch = ds.convert(sample)
+                batch, placed = ds.convert(sample), None
         except Exception as exc:
             self._send_error(task.stream_id, task.seq, exc, where)
             return
         finally:
             _set_worker_info(None)
-        self._send_encoded(task.stream_id, task.seq, batch, where)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed)
 
-    def _send_encoded(self, stream_id: int, seq: int, batch: Any, where: str) -> None:
+    def _send_encoded(
+        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None = None
+    ) -> None:
         try:
-            self._send_batch(stream_id, seq, batch)
+            self._send_batch(stream_id, seq, batch, placed)
         except TransportError as exc:
+            if placed is not None and self.slots is not None:
+                self.slots.release(placed[0])
             self._send_error(stream_id, seq, exc, where)
 
     # ------------------------------------------------------------ iterable
@@ -265,11 +305,11 @@ class WorkerRuntime:
             self.spec.results.send(ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
             return
         try:
-            batch = ds.collate(samples) if task.batch_size else ds.convert(samples)
+            batch, placed = self._collate(ds, samples) if task.batch_size else (ds.convert(samples), None)
         except Exception as exc:
             self._send_error(task.stream_id, task.seq, exc, where)
             return
-        self._send_encoded(task.stream_id, task.seq, batch, where)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed)
 
     def release(self, stream_id: int) -> None:
         for key in [k for k in self.replicas if k[0] == stream_id]:

@@ -8,6 +8,7 @@ with what the daemon streams, batch for batch.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import shutil
 import subprocess
 import tempfile
@@ -98,12 +99,22 @@ def assert_same_batches(got: list[Any], want: list[Any], label: str = "") -> Non
         assert_same(g, w, f"{label}batch {i}")
 
 
+def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
+    """torch's DataLoader as the oracle. Its worker processes come from a fork server:
+    forking this process, which runs gRPC threads, can deadlock the forked worker."""
+    if kwargs.get("num_workers", 0) > 0:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "datasets"])  # workers start in milliseconds, not seconds
+        kwargs["multiprocessing_context"] = context
+    return DataLoader(dataset, **kwargs)
+
+
 def remote(daemon: RunningDaemon, name: str, **kwargs: Any) -> RemoteDataLoader:
     return RemoteDataLoader(name, address=daemon.address, **kwargs)
 
 
 def torch_batches(name: str, **kwargs: Any) -> list[Any]:
-    return list(DataLoader(LOCAL[name](), **kwargs))
+    return list(oracle_loader(LOCAL[name](), **kwargs))
 
 
 def stream_samples(batches: list[Any], batched: bool) -> list[tuple[int, int]]:

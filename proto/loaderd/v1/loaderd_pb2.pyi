@@ -54,7 +54,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window")
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class OpenStream(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     BASE_SEED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     auto_collation: bool
     batch_size: int
@@ -69,7 +71,9 @@ class OpenStream(_message.Message):
     num_workers: int
     base_seed: int
     window: int
-    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
+    session_id: int
+    stream_token: int
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ...) -> None: ...
 
 class IndexBatch(_message.Message):
     __slots__ = ("indices",)
@@ -168,16 +172,28 @@ class Value(_message.Message):
     def __init__(self, tensor: _Optional[_Union[ArrayRef, _Mapping]] = ..., ndarray: _Optional[_Union[ArrayRef, _Mapping]] = ..., none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTuple, _Mapping]] = ..., mapping: _Optional[_Union[Mapping, _Mapping]] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
-    __slots__ = ("seq", "value", "payload_bytes", "data")
+    __slots__ = ("seq", "value", "payload_bytes", "data", "slot")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     value: Value
     payload_bytes: int
     data: bytes
-    def __init__(self, seq: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., payload_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    slot: SlotHandle
+    def __init__(self, seq: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., payload_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., slot: _Optional[_Union[SlotHandle, _Mapping]] = ...) -> None: ...
+
+class SlotHandle(_message.Message):
+    __slots__ = ("name", "size", "lease")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    lease: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("data",)
@@ -206,6 +222,80 @@ class StreamEnd(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     batches: int
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class SessionProof(_message.Message):
+    __slots__ = ("token", "problem")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    problem: str
+    def __init__(self, token: _Optional[bytes] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class SlotRelease(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leases: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbandonStream(_message.Message):
+    __slots__ = ("stream_token", "kept_leases")
+    STREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_LEASES_FIELD_NUMBER: _ClassVar[int]
+    stream_token: int
+    kept_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stream_token: _Optional[int] = ..., kept_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("hello", "proof", "release", "abandon")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    proof: SessionProof
+    release: SlotRelease
+    abandon: AbandonStream
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., proof: _Optional[_Union[SessionProof, _Mapping]] = ..., release: _Optional[_Union[SlotRelease, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStream, _Mapping]] = ...) -> None: ...
+
+class SessionChallenge(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class SessionReady(_message.Message):
+    __slots__ = ("session_id", "shm", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    shm: bool
+    reason: str
+    def __init__(self, session_id: _Optional[int] = ..., shm: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SegmentsRetired(_message.Message):
+    __slots__ = ("names", "prefixes")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    prefixes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("challenge", "ready", "retired")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    challenge: SessionChallenge
+    ready: SessionReady
+    retired: SegmentsRetired
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., ready: _Optional[_Union[SessionReady, _Mapping]] = ..., retired: _Optional[_Union[SegmentsRetired, _Mapping]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
     __slots__ = ("batch", "chunk", "error", "end")

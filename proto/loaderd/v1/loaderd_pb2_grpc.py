@@ -49,6 +49,11 @@ class LoaderStub:
                 request_serializer=loaderd_dot_v1_dot_loaderd__pb2.StreamRequest.SerializeToString,
                 response_deserializer=loaderd_dot_v1_dot_loaderd__pb2.StreamResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/loaderd.v1.Loader/Session',
+                request_serializer=loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.SerializeToString,
+                response_deserializer=loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class LoaderServicer:
@@ -77,6 +82,17 @@ class LoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A client process's shared-memory session. The daemon proves the client
+        can map its shared memory (a challenge file the client must read), then
+        the session carries the client's releases of the slots its batches live
+        in. When the session ends (close, crash, SIGKILL), every slot it still
+        holds goes back to the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +110,11 @@ def add_LoaderServicer_to_server(servicer, server):
                     servicer.StreamBatches,
                     request_deserializer=loaderd_dot_v1_dot_loaderd__pb2.StreamRequest.FromString,
                     response_serializer=loaderd_dot_v1_dot_loaderd__pb2.StreamResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.FromString,
+                    response_serializer=loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +198,33 @@ class Loader:
             '/loaderd.v1.Loader/StreamBatches',
             loaderd_dot_v1_dot_loaderd__pb2.StreamRequest.SerializeToString,
             loaderd_dot_v1_dot_loaderd__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/loaderd.v1.Loader/Session',
+            loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.SerializeToString,
+            loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

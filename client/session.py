@@ -1,0 +1,191 @@
+"""ShmSession: the client's side of the shared-memory fast path.
+
+One session per (process, daemon). Opening it proves that this process maps
+the daemon's shared memory (it must read a file the daemon just created, so
+nothing is guessed from the address). Batches of a shared-memory stream are
+then views of the worker's slot; when the user's last reference to a batch is
+gone, the slot's lease goes back over the session. If the process dies, the
+daemon sees the session end and takes every lease back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import queue
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from loaderd.errors import TransportError, error_from_rpc
+from loaderd.v1 import loaderd_pb2 as pb
+
+log = logging.getLogger("loaderd.session")
+
+SHM_DIR = "/dev/shm"
+_POLL_S = 0.25
+# Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
+_MAX_MAPPINGS = 1024
+
+
+def _read_probe(path: str) -> tuple[bytes, str]:
+    try:
+        with open(path, "rb") as f:
+            return f.read(64), ""
+    except OSError as exc:
+        return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})"
+
+
+class SegmentMaps:
+    """This process's mappings of daemon segments, opened once each."""
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._pinned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def get(self, name: str, size: int, pin: bool = False) -> mmap.mmap:
+        if "/" in name or not name.startswith("loaderd-"):
+            raise TransportError(f"refusing shared-memory name {name!r}")
+        with self._lock:
+            mapping = self._maps.get(name)
+            if mapping is None or len(mapping) < size:
+                try:
+                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                except OSError as exc:
+                    raise TransportError(f"cannot open the daemon's shared-memory slot {name}: {exc.strerror}") from None
+                try:
+                    mapping = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                self._maps[name] = mapping
+                self._pinned.discard(name)
+                while len(self._maps) > _MAX_MAPPINGS:
+                    # Tensors still viewing an evicted mapping keep it alive; it unmaps after them.
+                    evicted, _ = self._maps.popitem(last=False)
+                    self._pinned.discard(evicted)
+            self._maps.move_to_end(name)
+            if pin and name not in self._pinned:
+                _host_register(mapping)
+                self._pinned.add(name)
+            return mapping
+
+    def forget(self, names: Iterable[str], prefixes: Iterable[str]) -> None:
+        """Drop mappings of segments the daemon removed (each unmaps once no tensor views it)."""
+        prefixes = tuple(prefixes)
+        with self._lock:
+            gone = set(names) | ({n for n in self._maps if n.startswith(prefixes)} if prefixes else set())
+            for name in gone:
+                self._maps.pop(name, None)
+                self._pinned.discard(name)
+
+
+def _host_register(mapping: mmap.mmap) -> None:
+    """Page-lock a mapping once for CUDA, so views of it are pinned without a copy per batch."""
+    import torch
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    err = torch.cuda.cudart().cudaHostRegister(address, len(mapping), 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister failed (%s); pinned batches will be copied", err)
+
+
+class ShmSession:
+    """A live session with one daemon; ``shm`` says whether the fast path is usable."""
+
+    def __init__(self, stub: Any, address: str) -> None:
+        self.address = address
+        self._requests: queue.Queue[pb.SessionRequest | int | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
+        self._call = stub.Session(self._request_stream())
+        try:
+            response = next(self._call)
+            if response.WhichOneof("kind") == "challenge":
+                token, problem = _read_probe(response.challenge.path)
+                self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
+                response = next(self._call)
+        except grpc.RpcError as exc:
+            self.close()
+            raise error_from_rpc(exc, address) from None
+        ready = response.ready
+        self.session_id = ready.session_id
+        self.shm = ready.shm
+        self.reason = ready.reason
+        self.maps = SegmentMaps()
+        # Leases this process turned into batches and has not released: lease -> stream token.
+        self._claimed: dict[int, int] = {}
+        self._claimed_lock = threading.Lock()
+        # The daemon sends nothing more; this thread notices when the session ends.
+        self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
+        self._watcher.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._watcher.is_alive()
+
+    def _watch(self) -> None:
+        try:
+            for response in self._call:
+                if response.WhichOneof("kind") == "retired":
+                    self.maps.forget(response.retired.names, response.retired.prefixes)
+        except grpc.RpcError:
+            pass
+        self._stop.set()
+
+    def _request_stream(self) -> Iterator[pb.SessionRequest]:
+        while not self._stop.is_set():
+            try:
+                item = self._requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            if not isinstance(item, int):
+                yield item
+                continue
+            leases = [item]
+            while True:  # send every release that is already waiting in one message
+                try:
+                    more = self._requests.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(more, int):
+                    leases.append(more)
+                else:
+                    self._requests.put(more)
+                    break
+            yield pb.SessionRequest(release=pb.SlotRelease(leases=leases))
+
+    def release(self, lease: int) -> None:
+        """Give a slot back (called when the last view of its batch is gone)."""
+        with self._claimed_lock:
+            self._claimed.pop(lease, None)
+        if not self._stop.is_set():
+            self._requests.put(lease)
+
+    def lease_view(self, handle: pb.SlotHandle, nbytes: int, stream_token: int, pin: bool = False) -> memoryview:
+        """A view of a leased slot that releases the lease when the last tensor viewing it dies."""
+        view = memoryview(self.maps.get(handle.name, handle.size, pin))[:nbytes]
+        with self._claimed_lock:
+            self._claimed[handle.lease] = stream_token
+        weakref.finalize(view, self.release, handle.lease)
+        return view
+
+    def abandon(self, stream_token: int) -> None:
+        """A stream stopped early: the daemon takes back the slots it sent that never became batches."""
+        with self._claimed_lock:
+            kept = [lease for lease, token in self._claimed.items() if token == stream_token]
+        if not self._stop.is_set():
+            self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._requests.put(None)
+        self._call.cancel()
