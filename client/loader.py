@@ -147,7 +147,9 @@ class RemoteDataLoader:
         self.sampler = self._plan.sampler
         self.batch_sampler = self._plan.batch_sampler
         self.generator = generator
-        factor = 2 if prefetch_factor is None else prefetch_factor
+        # The default is twice torch's 2: a batch crosses more hops (client, daemon,
+        # worker and back) than in a local DataLoader, and small batches need the depth.
+        factor = 4 if prefetch_factor is None else prefetch_factor
         parallelism = max(1, num_workers) if self._iterable else max(1, self.pool_workers)
         self._window = factor * parallelism
         self._pin = pin_memory and torch.cuda.is_available()

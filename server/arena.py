@@ -31,6 +31,9 @@ log = logging.getLogger("loaderd.arena")
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "loaderd-"
 MIN_SEGMENT = 1 << 20
+# Payloads below this travel inline (pipe, then gRPC): for small batches a slot's
+# lease round trip (client -> daemon -> worker) costs more than copying the bytes.
+INLINE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class SlotWriter:
 
     def acquire(self, nbytes: int) -> tuple[str, torch.Tensor] | None:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
-        if self._disabled or nbytes == 0:
+        if self._disabled or nbytes < INLINE_BYTES:
             return None
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:

@@ -7,8 +7,12 @@ Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
   1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
   2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
   3. the gRPC server stops (grace period for in-flight replies);
-  4. workers get a stop message, then terminate/kill after a timeout;
-  5. unix socket files are removed.
+  4. shared-memory sessions close, giving back every slot clients held;
+  5. workers get a stop message, then terminate/kill after a timeout, and
+     every shared-memory segment of this daemon is unlinked;
+  6. unix socket files are removed.
+A daemon killed with SIGKILL cannot run this: its workers exit when they see
+their parent gone, and the next daemon to start sweeps its segments.
 """
 
 from __future__ import annotations

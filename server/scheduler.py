@@ -93,7 +93,7 @@ class Scheduler:
             raise UnknownDatasetError(f"no dataset named {request.dataset!r} in this daemon's config (it defines: {known})")
         pool_size = self.pool.size
         replicas = max(1, request.num_workers) if meta.iterable else pool_size
-        default_window = 2 * replicas
+        default_window = 4 * replicas
         window = min(request.window or default_window, self.config.max_window)
         with self.lock:
             stream = BatchStream(

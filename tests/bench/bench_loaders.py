@@ -1,0 +1,599 @@
+"""Benchmark: torch DataLoader vs RemoteDataLoader (shm over a unix socket, gRPC over TCP loopback).
+
+    python tests/bench/bench_loaders.py [--workers 2] [--rounds 5] [--seconds 2.0] [--quick]
+
+Starts one ``loaderd serve`` (temp unix socket + 127.0.0.1:0), then for each
+workload measures batches/s and GB/s, interleaved over rounds (torch, shm, grpc
+in each round), and reports medians and ratios vs torch; then time to first
+batch of a new RemoteDataLoader on the warm daemon vs a fresh torch DataLoader
+whose dataset takes 1 s to build. Prints markdown to stdout; exits 1 if a loader
+misbehaved (error, hang, wrong batch), which is reported, not worked around.
+
+Fork safety: every process this script forks (torch's workers) is forked before
+the script creates its first gRPC channel. So the torch first-batch trials and
+the warm-up of every persistent torch DataLoader run before ``wait_serving``;
+later subprocesses are fork+exec (``subprocess``), which is safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from bench_datasets import InMemory  # noqa: E402
+
+STARTUP_TIMEOUT_S = 90.0
+BATCH_TIMEOUT_S = 60  # a batch slower than this is a hang, reported as such
+STOP_TIMEOUT_S = 30.0
+
+DATASETS: dict[str, dict[str, Any]] = {
+    "f32": {"shape": [3, 64, 64], "dtype": "float32", "n": 2048},
+    "u8": {"shape": [3, 224, 224], "dtype": "uint8", "n": 1024},
+    "tiny": {"shape": [8], "dtype": "float32", "n": 65536},
+    "slow_setup": {"shape": [8], "dtype": "float32", "n": 1024, "setup_s": 1.0},
+}
+WORKLOADS = [("f32", 256), ("u8", 64), ("tiny", 32)]
+LOADERS = ["torch", "shm", "grpc"]
+TARGETS = {  # (workload, loader) -> minimum ratio vs torch
+    ("f32", "shm"): 4.0,
+    ("u8", "shm"): 4.0,
+    ("tiny", "shm"): 1.0,
+    ("f32", "grpc"): 0.8,
+    ("u8", "grpc"): 0.8,
+}
+FIRST_BATCH_TARGET_MS = 20.0
+
+# Runs in a fresh interpreter that has imported torch and loaderd before the clock starts.
+SUBPROCESS_CLIENT = r"""
+import json, sys, time
+import torch
+import loaderd
+from loaderd import RemoteDataLoader
+address = sys.argv[1]
+t0 = time.perf_counter()
+loader = RemoteDataLoader("tiny", batch_size=32, shuffle=True, address=address, timeout=%d)
+t1 = time.perf_counter()
+it = iter(loader)
+batch = next(it)
+t2 = time.perf_counter()
+ok = isinstance(batch, torch.Tensor) and tuple(batch.shape) == (32, 8) and batch.dtype == torch.float32 and bool(batch.eq(1).all())
+desc = repr(type(batch)) if not isinstance(batch, torch.Tensor) else f"{batch.dtype} {tuple(batch.shape)}"
+del batch
+it.close()
+print(json.dumps({"construct_s": t1 - t0, "total_s": t2 - t0, "ok": ok, "desc": desc}), flush=True)
+""" % BATCH_TIMEOUT_S
+
+
+class BenchError(Exception):
+    """A loader misbehaved (wrong batch, short epoch); reported as a loaderd finding."""
+
+
+# ---------------------------------------------------------------- daemon
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    tmp: Path
+    socket_path: Path
+    log_path: Path
+    unix_address: str
+    tcp_address: str = ""
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> tuple[int | None, str]:
+        """SIGTERM and wait; returns (exit code, problem or '')."""
+        if self.process.poll() is not None:
+            return self.process.returncode, f"daemon had already exited with {self.process.returncode}"
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+            return None, f"daemon did not exit within {STOP_TIMEOUT_S:.0f}s of SIGTERM (killed)"
+        problem = ""
+        if code != 0:
+            problem = f"daemon exited with {code} after SIGTERM"
+        elif self.socket_path.exists():
+            problem = "daemon left its socket file behind"
+        return code, problem
+
+
+def start_daemon(workers: int) -> Daemon:
+    tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
+    socket_path = tmp / "d.sock"
+    datasets = {
+        name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()
+    }
+    config = {
+        "python_path": [str(BENCH_DIR)],
+        "listen": [f"unix://{socket_path}", "127.0.0.1:0"],
+        "workers": workers,
+        "datasets": datasets,
+    }
+    config_path = tmp / "ds.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = tmp / "daemon.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return Daemon(process, tmp, socket_path, log_path, f"unix://{socket_path}")
+
+
+def wait_serving(daemon: Daemon, timeout: float) -> None:
+    """Poll grpc.health.v1 until SERVING (creates this process's first gRPC channel)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(daemon.unix_address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if daemon.process.poll() is not None:
+                raise RuntimeError(f"daemon exited with {daemon.process.returncode} before serving:\n{daemon.log()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"daemon not SERVING within {timeout:.0f}s:\n{daemon.log()}")
+    # The daemon sets SERVING just before it logs its addresses: poll the log for the port.
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        match = re.search(r"listening on (127\.0\.0\.1:\d+)", daemon.log())
+        if match:
+            daemon.tcp_address = match.group(1)
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"no 'listening on 127.0.0.1:PORT' line in the daemon log:\n{daemon.log()}")
+
+
+# ---------------------------------------------------------------- measurement
+
+
+@dataclass
+class Result:
+    batches_s: list[float] = field(default_factory=list)
+    gb_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def check_batch(batch: Any, expected: tuple[int, ...], dtype: torch.dtype, full: bool) -> None:
+    if not isinstance(batch, torch.Tensor):
+        raise BenchError(f"batch is {type(batch).__name__}, expected a Tensor")
+    if tuple(batch.shape) != expected or batch.dtype != dtype:
+        raise BenchError(f"batch is {batch.dtype} {tuple(batch.shape)}, expected {dtype} {expected}")
+    if full and not bool(batch.eq(1).all()):
+        raise BenchError(f"batch values are not all ones (sum {batch.double().sum().item()}, numel {batch.numel()})")
+
+
+def measure(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+    """Steady-state batches/s and GB/s over ``seconds`` after one warm-up batch (epochs re-iterated)."""
+    per_epoch = len(loader)
+    it = iter(loader)
+    batch = next(it)  # warm-up, not timed; checked in full
+    check_batch(batch, expected, dtype, full=True)
+    del batch
+    in_epoch = 1
+    batches = 0
+    nbytes = 0
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    now = t0
+    while now < deadline:
+        try:
+            batch = next(it)
+        except StopIteration:
+            if in_epoch != per_epoch:
+                raise BenchError(f"epoch ended after {in_epoch} batches, len(loader) is {per_epoch}") from None
+            it = iter(loader)
+            in_epoch = 0
+            now = time.perf_counter()
+            continue
+        in_epoch += 1
+        if batch.shape != expected:  # cheap: no data is read
+            raise BenchError(f"batch {in_epoch} of an epoch has shape {tuple(batch.shape)}, expected {expected}")
+        nbytes += batch.numel() * batch.element_size()
+        batches += 1
+        del batch  # an shm batch's slot goes back when its last view dies
+        now = time.perf_counter()
+    elapsed = now - t0
+    if hasattr(it, "close"):
+        it.close()
+    del it
+    return batches / elapsed, nbytes / elapsed / 1e9
+
+
+def torch_first_batch_trial() -> float:
+    """Fresh torch DataLoader over a dataset that takes 1 s to build: construction to first batch."""
+    t0 = time.perf_counter()
+    dataset = InMemory([8], "float32", n=1024, setup_s=1.0)
+    loader = DataLoader(dataset, batch_size=32, shuffle=True, num_workers=2, timeout=BATCH_TIMEOUT_S)
+    it = iter(loader)
+    batch = next(it)
+    elapsed = time.perf_counter() - t0
+    check_batch(batch, (32, 8), torch.float32, full=True)
+    del batch, it, loader  # non-persistent workers shut down here, outside the timed region
+    return elapsed
+
+
+def remote_first_batch_thread_trial(address: str) -> tuple[float, float]:
+    """New RemoteDataLoader("tiny") in a fresh thread of this (warm) client: (construct_s, total_s)."""
+    from loaderd import RemoteDataLoader
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            t0 = time.perf_counter()
+            loader = RemoteDataLoader("tiny", batch_size=32, shuffle=True, address=address, timeout=BATCH_TIMEOUT_S)
+            t1 = time.perf_counter()
+            it = iter(loader)
+            batch = next(it)
+            t2 = time.perf_counter()
+            check_batch(batch, (32, 8), torch.float32, full=True)
+            del batch
+            it.close()
+            out["times"] = (t1 - t0, t2 - t0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            out["error"] = "".join(traceback.format_exception(exc))
+
+    thread = threading.Thread(target=run, name="first-batch", daemon=True)
+    thread.start()
+    thread.join(BATCH_TIMEOUT_S + 15)
+    if thread.is_alive():
+        raise BenchError(f"first batch in a fresh thread did not arrive within {BATCH_TIMEOUT_S + 15}s (hang)")
+    if "error" in out:
+        raise BenchError(out["error"])
+    return out["times"]
+
+
+def remote_first_batch_subprocess_trial(address: str) -> tuple[float, float]:
+    """New RemoteDataLoader("tiny") in a fresh interpreter (torch + loaderd imported before the clock)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS_CLIENT, address],
+        capture_output=True,
+        text=True,
+        timeout=BATCH_TIMEOUT_S + 60,
+        stdin=subprocess.DEVNULL,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise BenchError(f"subprocess client exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads(lines[-1])
+    if not result["ok"]:
+        raise BenchError(f"subprocess client got a wrong first batch: {result['desc']}")
+    return result["construct_s"], result["total_s"]
+
+
+# ---------------------------------------------------------------- report
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    return "n/a" if value != value else f"{value:,.{digits}f}"
+
+
+def print_report(
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], Result],
+    first: dict[str, dict[str, list[float]]],
+    first_errors: dict[str, str],
+    findings: list[str],
+    load_before: tuple[float, ...],
+    wall_s: float,
+) -> None:
+    p = print
+    p("## loaderd benchmark: torch DataLoader vs RemoteDataLoader\n")
+    p(
+        f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {platform.platform()}"
+    )
+    p(
+        f"- settings: workers={args.workers} (torch num_workers and daemon pool), rounds={args.rounds}, "
+        f"seconds={args.seconds} per measurement, persistent_workers=True, prefetch_factor=2, shuffle=True"
+    )
+    load_after = os.getloadavg()
+    p(
+        f"- load average before: {' '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after: {' '.join(f'{x:.2f}' for x in load_after)} (the machine is shared; numbers are noisy)"
+    )
+    p(f"- wall time: {wall_s:.0f} s\n")
+
+    p("### Throughput (median over rounds; torch, shm, grpc interleaved in each round)\n")
+    p("| workload | loader | batches/s | GB/s | ratio vs torch | per-round batches/s |")
+    p("| --- | --- | ---: | ---: | ---: | --- |")
+    for name, batch_size in WORKLOADS:
+        spec = DATASETS[name]
+        label = f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
+        base = median(results[(name, "torch")].batches_s)
+        for kind in LOADERS:
+            r = results[(name, kind)]
+            if r.error and not r.batches_s:
+                p(f"| {label} | {kind} | ERROR | | | {r.error.splitlines()[0][:80]} |")
+                continue
+            bps = median(r.batches_s)
+            ratio = "1.00x" if kind == "torch" else (f"{bps / base:.2f}x" if base == base and base > 0 else "n/a")
+            rounds = ", ".join(f"{x:.0f}" if x >= 100 else f"{x:.1f}" for x in r.batches_s)
+            note = " (error in a later round)" if r.error else ""
+            p(f"| {label} | {kind} | {fmt(bps)} | {fmt(median(r.gb_s), 3)} | {ratio} | {rounds}{note} |")
+    p("")
+    p("loader: torch = torch.utils.data.DataLoader in this process; shm = RemoteDataLoader(transport='shm') over")
+    p("the unix socket; grpc = RemoteDataLoader(transport='grpc') over TCP 127.0.0.1.\n")
+
+    p("### Time to first batch (median over trials)\n")
+    p("| case | median ms | min ms | max ms | construct ms (median) | trials |")
+    p("| --- | ---: | ---: | ---: | ---: | ---: |")
+    labels = {
+        "remote_thread": "RemoteDataLoader('tiny', 32), warm daemon, fresh thread of a warm client",
+        "remote_subprocess": "RemoteDataLoader('tiny', 32), warm daemon, fresh client process (torch+loaderd imported)",
+        "torch": "torch DataLoader(InMemory([8], n=1024, setup_s=1.0), num_workers=2), dataset built in timed region",
+    }
+    for key, label in labels.items():
+        data = first.get(key, {})
+        total = [x * 1e3 for x in data.get("total", [])]
+        construct = [x * 1e3 for x in data.get("construct", [])]
+        if key in first_errors and not total:
+            p(f"| {label} | ERROR | | | | 0 |")
+            continue
+        p(
+            f"| {label} | {fmt(median(total))} | {fmt(min(total, default=float('nan')))} | "
+            f"{fmt(max(total, default=float('nan')))} | {fmt(median(construct)) if construct else '-'} | {len(total)} |"
+        )
+    p("")
+
+    p("### Targets\n")
+    p("| target | measured | result |")
+    p("| --- | ---: | --- |")
+    for (name, kind), goal in TARGETS.items():
+        base = median(results[(name, "torch")].batches_s)
+        value = median(results[(name, kind)].batches_s)
+        ratio = value / base if base == base and base > 0 and value == value else float("nan")
+        verdict = "n/a" if ratio != ratio else ("PASS" if ratio >= goal else "MISS")
+        p(f"| {kind} >= {goal:g}x torch on {name} | {fmt(ratio, 2)}x | {verdict} |")
+    for key in ("remote_thread", "remote_subprocess"):
+        total = [x * 1e3 for x in first.get(key, {}).get("total", [])]
+        value = median(total)
+        verdict = "n/a" if value != value else ("PASS" if value <= FIRST_BATCH_TARGET_MS else "MISS")
+        where = "fresh thread, warm client" if key == "remote_thread" else "fresh client process"
+        p(f"| first batch <= {FIRST_BATCH_TARGET_MS:g} ms ({where}) | {fmt(value)} ms | {verdict} |")
+    p("")
+
+    if findings:
+        p("### loaderd problems seen (not worked around)\n")
+        for finding in findings:
+            p("```")
+            p(finding.rstrip())
+            p("```")
+    else:
+        p("No loader errors, hangs or wrong batches were seen.")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
+    from_start = time.perf_counter()
+    load_before = os.getloadavg()
+    findings: list[str] = []
+    results = {(name, kind): Result() for name, _ in WORKLOADS for kind in LOADERS}
+    first: dict[str, dict[str, list[float]]] = {}
+    first_errors: dict[str, str] = {}
+    trials = 3 if args.quick else 5
+
+    def note(where: str, exc: BaseException) -> str:
+        text = f"{where}: {type(exc).__name__}: {exc}"
+        if not isinstance(exc, BenchError):
+            text += "\n" + "".join(traceback.format_exception(exc))
+        findings.append(text)
+        print(f"[bench] PROBLEM {text.splitlines()[0]}", file=sys.stderr, flush=True)
+        return text
+
+    # 1. torch first-batch trials: they fork workers, so before any gRPC channel, and
+    #    before the daemon starts (its startup would load the CPUs they are timed on).
+    print("[bench] torch first-batch trials", file=sys.stderr, flush=True)
+    first["torch"] = {"total": []}
+    for _ in range(trials):
+        try:
+            first["torch"]["total"].append(torch_first_batch_trial())
+        except Exception as exc:  # noqa: BLE001
+            first_errors["torch"] = note("torch first batch", exc)
+            break
+
+    # 2. the daemon starts while this process builds and warms its persistent torch loaders.
+    daemon = state["daemon"] = start_daemon(args.workers)
+    print(f"[bench] daemon pid {daemon.process.pid}, log {daemon.log_path}", file=sys.stderr, flush=True)
+    torch_loaders: dict[str, DataLoader] = {}
+    for name, batch_size in WORKLOADS:
+        spec = DATASETS[name]
+        dataset = InMemory(spec["shape"], spec["dtype"], n=spec["n"])
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=True,
+            prefetch_factor=2,
+            timeout=BATCH_TIMEOUT_S,
+        )
+        check_batch(next(iter(loader)), (batch_size, *spec["shape"]), getattr(torch, spec["dtype"]), full=True)
+        torch_loaders[name] = loader
+    print("[bench] torch loaders warm; waiting for the daemon", file=sys.stderr, flush=True)
+
+    # 3. from here on this process runs gRPC threads: no more forks.
+    wait_serving(daemon, STARTUP_TIMEOUT_S)
+    print(f"[bench] daemon SERVING on {daemon.unix_address} and {daemon.tcp_address}", file=sys.stderr, flush=True)
+    from loaderd import RemoteDataLoader
+
+    loaders: dict[tuple[str, str], Any] = {}
+    for name, batch_size in WORKLOADS:
+        loaders[(name, "torch")] = torch_loaders[name]
+        for kind, address in (("shm", daemon.unix_address), ("grpc", daemon.tcp_address)):
+            try:
+                loader = RemoteDataLoader(
+                    name,
+                    batch_size=batch_size,
+                    shuffle=True,
+                    num_workers=args.workers,
+                    persistent_workers=True,
+                    prefetch_factor=2,
+                    timeout=BATCH_TIMEOUT_S,
+                    address=address,
+                    transport=kind,
+                )
+                spec = DATASETS[name]
+                it = iter(loader)
+                check_batch(next(it), (batch_size, *spec["shape"]), getattr(torch, spec["dtype"]), full=True)
+                it.close()
+                del it
+                loaders[(name, kind)] = loader
+            except Exception as exc:  # noqa: BLE001
+                results[(name, kind)].error = note(f"{kind} loader for {name}: construct/warm-up", exc)
+
+    # 4. throughput, interleaved: torch, shm, grpc in every round.
+    for name, batch_size in WORKLOADS:
+        spec = DATASETS[name]
+        expected = (batch_size, *spec["shape"])
+        dtype = getattr(torch, spec["dtype"])
+        for rnd in range(args.rounds):
+            for kind in LOADERS:
+                result = results[(name, kind)]
+                if result.error or (name, kind) not in loaders:
+                    continue  # a loader that failed once is not run again
+                try:
+                    bps, gbs = measure(loaders[(name, kind)], args.seconds, expected, dtype)
+                except Exception as exc:  # noqa: BLE001
+                    result.error = note(f"{kind} on {name}, round {rnd + 1}", exc)
+                    continue
+                result.batches_s.append(bps)
+                result.gb_s.append(gbs)
+            print(
+                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
+                + ", ".join(f"{k} {results[(name, k)].batches_s[-1]:.1f} b/s" for k in LOADERS if results[(name, k)].batches_s),
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # 5. remote first batch on the warm daemon.
+    print("[bench] remote first-batch trials", file=sys.stderr, flush=True)
+    for key, trial in (
+        ("remote_thread", remote_first_batch_thread_trial),
+        ("remote_subprocess", remote_first_batch_subprocess_trial),
+    ):
+        first[key] = {"construct": [], "total": []}
+        for _ in range(trials if key == "remote_subprocess" else 2 * trials + 1):
+            try:
+                construct_s, total_s = trial(daemon.unix_address)
+            except Exception as exc:  # noqa: BLE001
+                first_errors[key] = note(f"first batch ({key})", exc)
+                break
+            first[key]["construct"].append(construct_s)
+            first[key]["total"].append(total_s)
+
+    loaders.clear()
+    torch_loaders.clear()
+    code, problem = daemon.stop()
+    state["daemon"] = None
+    if problem:
+        findings.append(f"shutdown: {problem}\n--- daemon log (tail) ---\n{daemon.log()[-4000:]}")
+    elif any("Traceback" in line for line in daemon.log().splitlines()):
+        findings.append(f"daemon log contains a traceback:\n{daemon.log()[-4000:]}")
+    shutil.rmtree(daemon.tmp, ignore_errors=True)
+    print_report(args, results, first, first_errors, findings, load_before, time.perf_counter() - from_start)
+    return 1 if findings else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="torch num_workers and the daemon's pool size")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload")
+    parser.add_argument("--seconds", type=float, default=2.0, help="steady-state seconds per measurement")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 rounds of 0.5 s")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 2, 0.5
+    if args.workers < 1 or args.rounds < 1 or args.seconds <= 0:
+        parser.error("--workers and --rounds must be >= 1 and --seconds > 0")
+
+    state: dict[str, Any] = {"daemon": None}
+
+    def stop_daemon() -> None:
+        daemon = state.get("daemon")
+        if daemon is not None:
+            state["daemon"] = None
+            _, problem = daemon.stop()
+            if problem:
+                print(f"[bench] {problem}\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
+            shutil.rmtree(daemon.tmp, ignore_errors=True)
+
+    # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
+    budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5) + 120
+
+    def watchdog() -> None:
+        print(f"[bench] WATCHDOG: still running after {budget:.0f}s; stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        daemon = state.get("daemon")
+        if daemon is not None:
+            print(f"--- daemon log (tail) ---\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
+        stop_daemon()
+        os._exit(3)
+
+    timer = threading.Timer(budget, watchdog)
+    timer.daemon = True
+    timer.start()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run(args, state)
+    except KeyboardInterrupt:
+        print("[bench] interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        timer.cancel()
+        stop_daemon()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
