@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -37,8 +39,17 @@ class DaemonConnection:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.LoaderStub(self.channel)
+        self._stream_batches = self.channel.stream_stream(
+            "/loaderd.v1.Loader/StreamBatches",
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=None,  # raw bytes: payload chunks are read without a copy
+        )
         self._session: ShmSession | None = None
         self._session_lock = threading.Lock()
+
+    def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
+        """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.frames)."""
+        return self._stream_batches(requests)
 
     def session(self) -> ShmSession:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.codec import BatchAssembler, view_batch
+from loaderd.frames import read_frame
 from loaderd.errors import (
     BatchTimeoutError,
     DaemonUnavailableError,
@@ -89,26 +90,29 @@ class _Receiver:
     def _run(self) -> None:
         assembler: BatchAssembler | None = None
         try:
-            for response in self._call:
-                kind = response.WhichOneof("kind")
-                if kind == "batch" and response.batch.HasField("slot"):
+            for raw in self._call:
+                frame = read_frame(raw)
+                kind = frame.kind
+                if kind == "batch" and frame.header is not None and frame.header.HasField("slot"):
                     if self._session is None:
                         raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
-                    header = response.batch
+                    header = frame.header
                     view = self._session.lease_view(header.slot, header.payload_bytes, self._stream_token, self._pin)
                     batch = self._finish(view_batch(header, view))
                     del view  # the batch's tensors now hold the lease
                     if not self._put(_Item("batch", batch)):
                         return
                     continue
-                if kind == "batch":
-                    assembler = BatchAssembler(response.batch, pin_memory=self._pin)
-                elif kind == "chunk":
+                if kind == "batch" and frame.header is not None:
+                    assembler = BatchAssembler(frame.header, pin_memory=self._pin)
+                    if frame.data is not None:
+                        assembler.feed(frame.data)
+                elif kind == "chunk" and frame.data is not None:
                     if assembler is None:
                         raise LoaderdError("daemon sent a data chunk outside a batch")
-                    assembler.feed(response.chunk.data)
-                elif kind == "error":
-                    if not self._put(_Item("error", response.error)):
+                    assembler.feed(frame.data)
+                elif kind == "error" and frame.message is not None:
+                    if not self._put(_Item("error", frame.message.error)):
                         return
                     continue
                 elif kind == "end":
@@ -171,6 +175,7 @@ class RemoteLoaderIter:
         self._stream_token = next(_stream_tokens)
         self._planned = 0
         self._consumed = 0
+        self._plan_length = _length(loader._plan._index_sampler) if not self._iterable else None
         self._plan_done = self._iterable
         self._finished = False
         self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
@@ -189,9 +194,8 @@ class RemoteLoaderIter:
                 )
             )
         )
-        self._top_up_plan()
         self._stop = threading.Event()
-        call = loader._connection.stub.StreamBatches(_request_stream(self._requests, self._stop))
+        call = loader._connection.stream_batches(_request_stream(self._requests, self._stop))
         self._receiver = _Receiver(call, loader._pin, loader.address, self._stop, session, self._stream_token)
         self._receiver.thread.start()
         # Cancels the stream when the caller drops the iterator (break, del,
@@ -201,13 +205,24 @@ class RemoteLoaderIter:
     # ------------------------------------------------------------ plan
 
     def _top_up_plan(self) -> None:
-        """Send index batches until the daemon holds ``window`` beyond what was consumed."""
+        """Send index batches until the daemon holds ``window`` beyond what was consumed.
+
+        Called as each batch is asked for. Producing the last batch can exhaust
+        the sampler, and an exhausted RandomSampler draws from its generator once
+        more; torch (num_workers=0) only does that when the caller asks for the
+        last batch. So the last batch, and anything past it, is planned only when
+        asked for: an epoch stopped early leaves the user's generator where torch does.
+        """
         if self._plan_done:
             return
         batches: list[pb.IndexBatch] = []
         end = False
         assert self._sampler_iter is not None
-        while self._planned - self._consumed < self._window:
+        target = self._consumed + self._window
+        if self._plan_length is not None:
+            last = self._plan_length - 1
+            target = min(target, last if self._consumed < last else self._consumed + 1)
+        while self._planned < target:
             try:
                 item = next(self._sampler_iter)
             except StopIteration:
@@ -229,6 +244,7 @@ class RemoteLoaderIter:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
+        self._top_up_plan()
         item = self._next_item()
         if item.kind == "end":
             self.close()
@@ -237,7 +253,6 @@ class RemoteLoaderIter:
             self.close()
             raise item.payload
         self._consumed += 1
-        self._top_up_plan()
         if item.kind == "error":
             raise exception_from_remote(item.payload)
         return item.payload
@@ -263,6 +278,13 @@ class RemoteLoaderIter:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+
+def _length(sampler: Any) -> int | None:
+    try:
+        return len(sampler)
+    except TypeError:  # an unsized sampler: plan a window ahead, end when it ends
+        return None
 
 
 def _as_indices(item: Any, auto_collation: bool) -> list[int]:

@@ -128,10 +128,10 @@ class Daemon:
                 host = address.rsplit(":", 1)[0]
                 self.bound.append(f"{host}:{port}")
         self.server.start()
+        for address in self.bound:  # logged before SERVING: tools read the bound port once healthy
+            log.info("listening on %s", address)
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        for address in self.bound:
-            log.info("listening on %s", address)
 
     def shutdown(self, grace: float = 2.0) -> None:
         """The shutdown protocol in the module docstring. Safe to call twice or after a failed start."""

@@ -39,6 +39,11 @@ from loaderd.v1 import loaderd_pb2_grpc
 
 FAILING_N = 20
 SLOW_N = 1000
+# Batches of 10000 int64 values are 80 KiB, over the daemon's 64 KiB inline
+# threshold: on the shm transport they travel through shared-memory slots.
+BIG_BATCH = 10000
+FAILING_BIG_N = 35000
+SQUARES_BIG_N = 20480
 
 DATASETS = {
     "failing-value": {"dataset": "datasets:Failing", "kwargs": {"n": FAILING_N, "bad": [5], "kind": "ValueError"}},
@@ -49,6 +54,11 @@ DATASETS = {
     "slow": {"dataset": "datasets:Slow", "kwargs": {"n": SLOW_N, "delay": 0.05}},
     "very-slow": {"dataset": "datasets:Slow", "kwargs": {"n": 2, "delay": 2.0}},
     "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 100}},
+    "failing-big": {
+        "dataset": "datasets:Failing",
+        "kwargs": {"n": FAILING_BIG_N, "bad": [5, 12000], "kind": "ValueError"},
+    },
+    "squares-big": {"dataset": "datasets:Squares", "kwargs": {"n": SQUARES_BIG_N}},
 }
 
 LOCAL_FAILING = {
@@ -80,6 +90,12 @@ def daemon() -> Iterator[RunningDaemon]:
             process.kill()
             process.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(params=["shm", "grpc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test that streams batches runs over both transports (same module daemon)."""
+    return request.param
 
 
 # ------------------------------------------------------------------ helpers
@@ -157,9 +173,9 @@ def assert_serving(daemon: RunningDaemon) -> None:
     assert health_status(daemon.address) == health_pb2.HealthCheckResponse.SERVING
 
 
-def assert_squares_epoch(daemon: RunningDaemon) -> None:
+def assert_squares_epoch(daemon: RunningDaemon, transport: str) -> None:
     """A fresh loader on the daemon gets a full, correct epoch."""
-    got = list(RemoteDataLoader("squares", batch_size=16, address=daemon.address))
+    got = list(RemoteDataLoader("squares", batch_size=16, address=daemon.address, transport=transport))
     want = list(DataLoader(datasets.Squares(100), batch_size=16))
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -196,9 +212,11 @@ def receiver_threads() -> set[threading.Thread]:
     ids=["ValueError", "KeyError", "CustomError"],
 )
 def test_user_exception_reaches_client_and_iteration_continues(
-    daemon: RunningDaemon, name: str, exc_type: type[Exception], text: str, batch_size: int | None
+    daemon: RunningDaemon, transport: str, name: str, exc_type: type[Exception], text: str, batch_size: int | None
 ) -> None:
-    got = outcomes(RemoteDataLoader(name, batch_size=batch_size, num_workers=2, address=daemon.address))
+    got = outcomes(
+        RemoteDataLoader(name, batch_size=batch_size, num_workers=2, address=daemon.address, transport=transport)
+    )
     want = outcomes(oracle_loader(LOCAL_FAILING[name](), batch_size=batch_size, num_workers=2))
     assert any(isinstance(w, exc_type) for w in want), "the oracle raised nothing: the test is broken"
     assert_same_outcomes(got, want)
@@ -216,9 +234,13 @@ def test_user_exception_reaches_client_and_iteration_continues(
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("batch_size", [4, None], ids=["batch4", "unbatched"])
 def test_exception_in_iterable_dataset_iterator_arrives(
-    daemon: RunningDaemon, num_workers: int, batch_size: int | None
+    daemon: RunningDaemon, transport: str, num_workers: int, batch_size: int | None
 ) -> None:
-    got = outcomes(RemoteDataLoader("broken-stream", batch_size=batch_size, num_workers=num_workers, address=daemon.address))
+    got = outcomes(
+        RemoteDataLoader(
+            "broken-stream", batch_size=batch_size, num_workers=num_workers, address=daemon.address, transport=transport
+        )
+    )
     want = outcomes(oracle_loader(datasets.Stream("oops"), batch_size=batch_size, num_workers=num_workers))
     assert want and all(isinstance(w, TypeError) for w in want), f"oracle: {want!r}"
     assert_same_outcomes(got, want)
@@ -231,12 +253,25 @@ def test_exception_in_iterable_dataset_iterator_arrives(
         assert last_line(message) == oracle_line, message
 
 
+@pytest.mark.timeout(60)
+def test_user_exception_between_large_batches(daemon: RunningDaemon, transport: str) -> None:
+    """Error batches among batches big enough for shared-memory slots (and an inline tail)."""
+    loader = RemoteDataLoader("failing-big", batch_size=BIG_BATCH, address=daemon.address, transport=transport)
+    local = datasets.Failing(FAILING_BIG_N, (5, 12000), "ValueError")
+    want = outcomes(oracle_loader(local, batch_size=BIG_BATCH, num_workers=2))
+    assert [type(w).__name__ for w in want] == ["ValueError", "ValueError", "Tensor", "Tensor"], want
+    for epoch in range(2):
+        got = outcomes(loader)  # the good batches held together
+        assert_same_outcomes(got, want)
+        assert "bad item 5" in str(got[0]) and "bad item 12000" in str(got[1])
+
+
 # ------------------------------------------------------------------ timeout
 
 
 @pytest.mark.timeout(60)
-def test_timeout_raises_batch_timeout_error_instead_of_hanging(daemon: RunningDaemon) -> None:
-    loader = RemoteDataLoader("very-slow", batch_size=1, timeout=0.5, address=daemon.address)
+def test_timeout_raises_batch_timeout_error_instead_of_hanging(daemon: RunningDaemon, transport: str) -> None:
+    loader = RemoteDataLoader("very-slow", batch_size=1, timeout=0.5, address=daemon.address, transport=transport)
     it = iter(loader)
     start = time.monotonic()
     with pytest.raises(loaderd.BatchTimeoutError) as error:
@@ -251,10 +286,10 @@ def test_timeout_raises_batch_timeout_error_instead_of_hanging(daemon: RunningDa
 # ------------------------------------------------------------------ early stop and vanishing clients
 
 
-def assert_slow_starts_quickly(daemon: RunningDaemon) -> None:
+def assert_slow_starts_quickly(daemon: RunningDaemon, transport: str) -> None:
     """A new client's first batch is not stuck behind abandoned work (4 items of 50 ms on 2 workers)."""
     start = time.monotonic()
-    it = iter(RemoteDataLoader("slow", batch_size=4, address=daemon.address))
+    it = iter(RemoteDataLoader("slow", batch_size=4, address=daemon.address, transport=transport))
     try:
         assert next(it).tolist() == [0, 1, 2, 3]
         elapsed = time.monotonic() - start
@@ -264,9 +299,9 @@ def assert_slow_starts_quickly(daemon: RunningDaemon) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_break_out_of_epoch_cancels_the_stream(daemon: RunningDaemon) -> None:
+def test_break_out_of_epoch_cancels_the_stream(daemon: RunningDaemon, transport: str) -> None:
     """`for batch in loader: ... break` drops the iterator; as torch stops its workers, the stream is cancelled."""
-    loader = RemoteDataLoader("slow", batch_size=4, address=daemon.address)
+    loader = RemoteDataLoader("slow", batch_size=4, address=daemon.address, transport=transport)
     before = receiver_threads()
     try:
         seen = []
@@ -278,7 +313,7 @@ def test_break_out_of_epoch_cancels_the_stream(daemon: RunningDaemon) -> None:
         started = receiver_threads() - before
         assert len(started) == 1, "expected the epoch's receiver thread"
         gc.collect()
-        assert_slow_starts_quickly(daemon)
+        assert_slow_starts_quickly(daemon, transport)
         # The abandoned epoch's gRPC call is cancelled, so its receiver thread ends
         # (the loader itself stays alive, as in a training loop that breaks early).
         wait_for(lambda: not any(t.is_alive() for t in started), 5.0, "the abandoned epoch's stream to be cancelled")
@@ -287,8 +322,8 @@ def test_break_out_of_epoch_cancels_the_stream(daemon: RunningDaemon) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_deleting_iterator_and_loader_cancels_the_stream(daemon: RunningDaemon) -> None:
-    loader = RemoteDataLoader("slow", batch_size=4, address=daemon.address)
+def test_deleting_iterator_and_loader_cancels_the_stream(daemon: RunningDaemon, transport: str) -> None:
+    loader = RemoteDataLoader("slow", batch_size=4, address=daemon.address, transport=transport)
     before = receiver_threads()
     it = iter(loader)
     leftover = weakref.ref(it)
@@ -299,7 +334,7 @@ def test_deleting_iterator_and_loader_cancels_the_stream(daemon: RunningDaemon) 
         assert len(started) == 1, "expected the epoch's receiver thread"
         del it, loader
         gc.collect()
-        assert_slow_starts_quickly(daemon)
+        assert_slow_starts_quickly(daemon, transport)
         wait_for(lambda: not any(t.is_alive() for t in started), 5.0, "the deleted epoch's stream to be cancelled")
         assert leftover() is None, "the deleted iterator is still referenced"
         assert_serving(daemon)
@@ -313,7 +348,7 @@ def test_deleting_iterator_and_loader_cancels_the_stream(daemon: RunningDaemon) 
 CLIENT_SCRIPT = """
 import sys
 from loaderd import RemoteDataLoader
-loader = RemoteDataLoader("slow", batch_size=4, address=sys.argv[1])
+loader = RemoteDataLoader("slow", batch_size=4, address=sys.argv[1], transport=sys.argv[2])
 for i, batch in enumerate(loader):
     print(i, batch.tolist(), flush=True)
 print("done", flush=True)
@@ -321,9 +356,9 @@ print("done", flush=True)
 
 
 @pytest.mark.timeout(90)
-def test_sigkilled_client_does_not_disturb_the_daemon(daemon: RunningDaemon) -> None:
+def test_sigkilled_client_does_not_disturb_the_daemon(daemon: RunningDaemon, transport: str) -> None:
     client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_SCRIPT, daemon.address],
+        [sys.executable, "-c", CLIENT_SCRIPT, daemon.address, transport],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -345,8 +380,64 @@ def test_sigkilled_client_does_not_disturb_the_daemon(daemon: RunningDaemon) -> 
             client.wait(10)
     reader.join(10)
     assert_serving(daemon)
-    assert_squares_epoch(daemon)
-    assert_slow_starts_quickly(daemon)
+    assert_squares_epoch(daemon, transport)
+    assert_slow_starts_quickly(daemon, transport)
+    assert_serving(daemon)
+
+
+HOLDING_CLIENT_SCRIPT = """
+import sys, time
+from loaderd import RemoteDataLoader
+loader = RemoteDataLoader("squares-big", batch_size=5120, address=sys.argv[1], transport=sys.argv[2])
+held = []
+for i, batch in enumerate(loader):
+    held.append(batch)
+    if i == 1:
+        print("holding", len(held), int(held[0][1][-1]), int(held[1][1][-1]), flush=True)
+        time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_client_holding_large_batches(daemon: RunningDaemon, transport: str) -> None:
+    """A client killed while it holds batches (slot leases on shm): the daemon takes them back."""
+    released_before = daemon.log().count("slots; released")
+    client = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_CLIENT_SCRIPT, daemon.address, transport],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in client.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        try:
+            first = lines.get(timeout=45)
+        except queue.Empty:
+            raise AssertionError("the client printed nothing within 45 s") from None
+        assert first.strip() == "holding 2 5119 10239", first
+        client.send_signal(signal.SIGKILL)
+        assert client.wait(10) == -signal.SIGKILL
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(10)
+    reader.join(10)
+    if transport == "shm":
+        wait_for(
+            lambda: daemon.log().count("slots; released") > released_before,
+            10.0,
+            "the daemon to take back the killed client's slots",
+        )
+    assert_serving(daemon)
+    want = list(DataLoader(datasets.Squares(SQUARES_BIG_N), batch_size=5120))
+    for epoch in range(2):
+        got = list(RemoteDataLoader("squares-big", batch_size=5120, address=daemon.address, transport=transport))
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"epoch {epoch} batch {i}")
+    assert_squares_epoch(daemon, transport)
     assert_serving(daemon)
 
 
@@ -378,7 +469,7 @@ def assert_rpc_fails(address: str, requests: list[pb.StreamRequest], code: grpc.
 
 
 @pytest.mark.timeout(60)
-def test_malformed_requests_get_status_codes_and_daemon_keeps_serving(daemon: RunningDaemon) -> None:
+def test_malformed_requests_get_status_codes_and_daemon_keeps_serving(daemon: RunningDaemon, transport: str) -> None:
     plan = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[0, 1])], end=True))
 
     # No open at all: the first message is a plan.
@@ -405,7 +496,7 @@ def test_malformed_requests_get_status_codes_and_daemon_keeps_serving(daemon: Ru
     assert kinds[0] == "batch" and kinds[-1] == "end" and "error" not in kinds, kinds
     assert responses[-1].end.batches == 1
     assert_serving(daemon)
-    assert_squares_epoch(daemon)
+    assert_squares_epoch(daemon, transport)
 
 
 # ------------------------------------------------------------------ dying workers (a daemon each)
@@ -416,7 +507,7 @@ DIED = re.compile(r"worker (\d+) died \(exit code (-?\d+)\); replacing it")
 
 @pytest.mark.timeout(120)
 def test_sigkilled_worker_is_replaced_and_epoch_completes_in_order(
-    start_daemon: Callable[..., RunningDaemon], short_tmp: Path
+    start_daemon: Callable[..., RunningDaemon], short_tmp: Path, transport: str
 ) -> None:
     marker = short_tmp / "killed-once"
     kill_once = {"dataset": "datasets:KillOnce", "kwargs": {"n": 60, "victim": 17, "marker": str(marker)}}
@@ -424,7 +515,7 @@ def test_sigkilled_worker_is_replaced_and_epoch_completes_in_order(
     want = list(DataLoader(datasets.KillOnce(60, 17, ""), batch_size=4, shuffle=False))
     assert len(want) == 15
 
-    loader = RemoteDataLoader("kill-once", batch_size=4, shuffle=False, address=daemon.address)
+    loader = RemoteDataLoader("kill-once", batch_size=4, shuffle=False, address=daemon.address, transport=transport)
     got = list(loader)
     assert marker.exists(), "the victim index never ran: the test did not kill a worker"
     assert len(got) == len(want), f"{len(got)} batches, want {len(want)}: {[b.flatten().tolist() for b in got]}"
@@ -453,13 +544,13 @@ def test_sigkilled_worker_is_replaced_and_epoch_completes_in_order(
 
 @pytest.mark.timeout(120)
 def test_batch_that_always_kills_its_worker_raises_worker_crashed_error(
-    start_daemon: Callable[..., RunningDaemon],
+    start_daemon: Callable[..., RunningDaemon], transport: str
 ) -> None:
     daemon = start_daemon(
         {"crash": {"dataset": "datasets:AlwaysCrash"}, "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 100}}},
         workers=2,
     )
-    got = outcomes(RemoteDataLoader("crash", batch_size=1, address=daemon.address))
+    got = outcomes(RemoteDataLoader("crash", batch_size=1, address=daemon.address, transport=transport))
     assert len(got) == 10, got
     for i, outcome in enumerate(got):
         if i == 3:
@@ -471,5 +562,39 @@ def test_batch_that_always_kills_its_worker_raises_worker_crashed_error(
     assert DIED.search(daemon.log()), daemon.log()
     assert_serving(daemon)
     # The pool recovered: other datasets, and another epoch of this one, still work.
-    assert_squares_epoch(daemon)
+    assert_squares_epoch(daemon, transport)
+    assert_serving(daemon)
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_worker_with_large_batches_in_flight(
+    start_daemon: Callable[..., RunningDaemon], short_tmp: Path, transport: str
+) -> None:
+    """A worker dies while batches it wrote to shared-memory slots are leased to (held by) the client."""
+    marker = short_tmp / "killed-once"
+    n, victim = 6 * BIG_BATCH, 2 * BIG_BATCH + 500
+    kill_once = {"dataset": "datasets:KillOnce", "kwargs": {"n": n, "victim": victim, "marker": str(marker)}}
+    daemon = start_daemon({"kill-once-big": kill_once}, workers=2)
+    want = list(DataLoader(datasets.KillOnce(n, victim, ""), batch_size=BIG_BATCH, shuffle=False))
+    assert len(want) == 6
+
+    loader = RemoteDataLoader(
+        "kill-once-big", batch_size=BIG_BATCH, shuffle=False, address=daemon.address, transport=transport
+    )
+    got = list(loader)  # every batch held, those of the dead worker included
+    assert marker.exists(), "the victim index never ran: the test did not kill a worker"
+    assert len(got) == len(want), f"{len(got)} batches, want {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"batch {i}")
+    wait_for(lambda: DIED.search(daemon.log()), 30.0, "the daemon to log the dead worker")
+    assert len(DIED.findall(daemon.log())) == 1, daemon.log()
+
+    # Later epochs, with the first one's batches still held and unchanged.
+    for epoch in range(2):
+        again = list(loader)
+        assert len(again) == len(want)
+        for i, (g, w) in enumerate(zip(again, want)):
+            assert_same(g, w, f"epoch {epoch + 2} batch {i}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"held batch {i}")
     assert_serving(daemon)

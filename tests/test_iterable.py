@@ -31,12 +31,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 STREAM_N = 50
 ODD_N = 23
 SIZED_N = 50
+# 16 bytes a sample ({"x", "wid"} collate to two int64 tensors): batches of 5000
+# are 80 KiB, over the daemon's 64 KiB inline threshold, so on the shm transport
+# they travel through shared-memory slots (the small streams always go inline).
+BIG_N = 12000
+BIG_BATCH = 5000
 
 DATASETS = {
     "stream": {"dataset": "datasets:Stream", "kwargs": {"n": STREAM_N}},
     "stream-odd": {"dataset": "datasets:Stream", "kwargs": {"n": ODD_N}},
     "uneven": {"dataset": "datasets:UnevenStream"},
     "sized": {"dataset": "datasets:SizedStream", "kwargs": {"n": SIZED_N}},
+    "stream-big": {"dataset": "datasets:Stream", "kwargs": {"n": BIG_N}},
 }
 
 LOCAL = {
@@ -44,6 +50,7 @@ LOCAL = {
     "stream-odd": lambda: datasets.Stream(ODD_N),
     "uneven": lambda: datasets.UnevenStream(),
     "sized": lambda: datasets.SizedStream(SIZED_N),
+    "stream-big": lambda: datasets.Stream(BIG_N),
 }
 
 
@@ -69,6 +76,12 @@ def daemon() -> Iterator[RunningDaemon]:
             process.kill()
             process.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(params=["shm", "grpc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs over both transports, against the same module daemon."""
+    return request.param
 
 
 # ------------------------------------------------------------------ helpers
@@ -109,8 +122,8 @@ def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
     return DataLoader(dataset, **kwargs)
 
 
-def remote(daemon: RunningDaemon, name: str, **kwargs: Any) -> RemoteDataLoader:
-    return RemoteDataLoader(name, address=daemon.address, **kwargs)
+def remote(daemon: RunningDaemon, transport: str, name: str, **kwargs: Any) -> RemoteDataLoader:
+    return RemoteDataLoader(name, address=daemon.address, transport=transport, **kwargs)
 
 
 def torch_batches(name: str, **kwargs: Any) -> list[Any]:
@@ -129,8 +142,10 @@ def stream_samples(batches: list[Any], batched: bool) -> list[tuple[int, int]]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("batch_size", [4, None], ids=["batch4", "unbatched"])
-def test_num_workers_0_is_one_replica_without_worker_info(daemon: RunningDaemon, batch_size: int | None) -> None:
-    got = list(remote(daemon, "stream", batch_size=batch_size, num_workers=0))
+def test_num_workers_0_is_one_replica_without_worker_info(
+    daemon: RunningDaemon, transport: str, batch_size: int | None
+) -> None:
+    got = list(remote(daemon, transport, "stream", batch_size=batch_size, num_workers=0))
     want = torch_batches("stream", batch_size=batch_size, num_workers=0)
     assert_same_batches(got, want)
     samples = stream_samples(got, batched=batch_size is not None)
@@ -145,10 +160,10 @@ def test_num_workers_0_is_one_replica_without_worker_info(daemon: RunningDaemon,
 )
 @pytest.mark.parametrize("name", ["stream", "stream-odd"])
 def test_replicas_match_torch_workers(
-    daemon: RunningDaemon, name: str, num_workers: int, batch_size: int | None, drop_last: bool
+    daemon: RunningDaemon, transport: str, name: str, num_workers: int, batch_size: int | None, drop_last: bool
 ) -> None:
     kwargs: dict[str, Any] = dict(batch_size=batch_size, drop_last=drop_last, num_workers=num_workers)
-    got = list(remote(daemon, name, **kwargs))
+    got = list(remote(daemon, transport, name, **kwargs))
     want = torch_batches(name, **kwargs)
     batched = batch_size is not None
     got_samples, want_samples = stream_samples(got, batched), stream_samples(want, batched)
@@ -165,10 +180,12 @@ def test_replicas_match_torch_workers(
     [(2, False), (2, True), (4, False), (None, False)],
     ids=["batch2", "batch2-drop_last", "batch4", "unbatched"],
 )
-def test_uneven_replicas_keep_torch_order(daemon: RunningDaemon, batch_size: int | None, drop_last: bool) -> None:
+def test_uneven_replicas_keep_torch_order(
+    daemon: RunningDaemon, transport: str, batch_size: int | None, drop_last: bool
+) -> None:
     """Replicas run dry at different times: torch skips spent workers in its round-robin."""
     kwargs: dict[str, Any] = dict(batch_size=batch_size, drop_last=drop_last, num_workers=3)
-    got = list(remote(daemon, "uneven", **kwargs))
+    got = list(remote(daemon, transport, "uneven", **kwargs))
     want = torch_batches("uneven", **kwargs)
     assert_same_batches(got, want)
     # Sanity of the oracle: all three workers contributed, the longest one last.
@@ -184,10 +201,10 @@ def test_uneven_replicas_keep_torch_order(daemon: RunningDaemon, batch_size: int
 )
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_len_of_sized_stream_matches_torch(
-    daemon: RunningDaemon, batch_size: int | None, drop_last: bool, num_workers: int
+    daemon: RunningDaemon, transport: str, batch_size: int | None, drop_last: bool, num_workers: int
 ) -> None:
     kwargs: dict[str, Any] = dict(batch_size=batch_size, drop_last=drop_last, num_workers=num_workers)
-    loader = remote(daemon, "sized", **kwargs)
+    loader = remote(daemon, transport, "sized", **kwargs)
     oracle = DataLoader(datasets.SizedStream(SIZED_N), **kwargs)
     assert len(loader) == len(oracle)
     if batch_size is None:
@@ -199,11 +216,13 @@ def test_len_of_sized_stream_matches_torch(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("batch_size", [4, None])
-def test_len_of_unsized_stream_raises_type_error_like_torch(daemon: RunningDaemon, batch_size: int | None) -> None:
+def test_len_of_unsized_stream_raises_type_error_like_torch(
+    daemon: RunningDaemon, transport: str, batch_size: int | None
+) -> None:
     oracle = DataLoader(datasets.Stream(STREAM_N), batch_size=batch_size)
     with pytest.raises(TypeError):
         len(oracle)
-    loader = remote(daemon, "stream", batch_size=batch_size, num_workers=2)
+    loader = remote(daemon, transport, "stream", batch_size=batch_size, num_workers=2)
     with pytest.raises(TypeError):
         len(loader)
     # Still iterable in full after the failed len().
@@ -211,35 +230,35 @@ def test_len_of_unsized_stream_raises_type_error_like_torch(daemon: RunningDaemo
 
 
 @pytest.mark.timeout(60)
-def test_shuffle_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon) -> None:
+def test_shuffle_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon, transport: str) -> None:
     with pytest.raises(ValueError) as torch_error:
         DataLoader(datasets.Stream(STREAM_N), batch_size=4, shuffle=True)
     with pytest.raises(ValueError) as remote_error:
-        remote(daemon, "stream", batch_size=4, shuffle=True)
+        remote(daemon, transport, "stream", batch_size=4, shuffle=True)
     assert str(remote_error.value) == str(torch_error.value)
     assert "shuffle" in str(remote_error.value)
     # shuffle=False is accepted by both.
     DataLoader(datasets.Stream(STREAM_N), batch_size=4, shuffle=False)
     assert_same_batches(
-        list(remote(daemon, "stream", batch_size=4, shuffle=False)), torch_batches("stream", batch_size=4)
+        list(remote(daemon, transport, "stream", batch_size=4, shuffle=False)), torch_batches("stream", batch_size=4)
     )
 
 
 @pytest.mark.timeout(60)
-def test_sampler_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon) -> None:
+def test_sampler_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon, transport: str) -> None:
     sampler = SequentialSampler(range(STREAM_N))
     with pytest.raises(ValueError) as torch_error:
         DataLoader(datasets.Stream(STREAM_N), batch_size=4, sampler=sampler)
     with pytest.raises(ValueError) as remote_error:
-        remote(daemon, "stream", batch_size=4, sampler=sampler)
+        remote(daemon, transport, "stream", batch_size=4, sampler=sampler)
     assert str(remote_error.value) == str(torch_error.value)
     assert "sampler" in str(remote_error.value)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("name", "num_workers"), [("stream", 2), ("uneven", 3), ("stream-odd", 0)])
-def test_every_epoch_gives_the_full_data(daemon: RunningDaemon, name: str, num_workers: int) -> None:
-    loader = remote(daemon, name, batch_size=4, num_workers=num_workers)
+def test_every_epoch_gives_the_full_data(daemon: RunningDaemon, transport: str, name: str, num_workers: int) -> None:
+    loader = remote(daemon, transport, name, batch_size=4, num_workers=num_workers)
     want = torch_batches(name, batch_size=4, num_workers=num_workers)
     for epoch in range(3):
         got = list(loader)
@@ -248,3 +267,17 @@ def test_every_epoch_gives_the_full_data(daemon: RunningDaemon, name: str, num_w
     it = iter(loader)
     next(it)
     assert_same_batches(list(loader), want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_large_batches_match_torch_workers(daemon: RunningDaemon, transport: str, num_workers: int, drop_last: bool) -> None:
+    """Batches over the inline threshold (shared-memory slots on shm), a small tail batch inline."""
+    kwargs: dict[str, Any] = dict(batch_size=BIG_BATCH, drop_last=drop_last, num_workers=num_workers)
+    loader = remote(daemon, transport, "stream-big", **kwargs)
+    want = torch_batches("stream-big", **kwargs)
+    assert any(len(b["x"]) == BIG_BATCH for b in want) and (drop_last or any(len(b["x"]) < BIG_BATCH for b in want))
+    for epoch in range(2):
+        got = list(loader)  # the whole epoch held at once
+        assert_same_batches(got, want, f"epoch {epoch}: ")

@@ -37,13 +37,22 @@ from loaderd import RemoteDataLoader
 
 SQUARES_N = 103
 SUMMED_N = 50
+# Batches of at least 64 KiB (the daemon's inline threshold) travel through a
+# shared-memory slot on the shm transport; the small datasets above always go
+# inline. These sizes put every full batch in a slot.
+BIG_SQUARES_N = 20480  # 16 bytes a sample: 5120 samples a batch make 80 KiB
+BIG_STRUCTURED_N = 1100
 
 DATASETS: dict[str, Any] = {
     "squares": {"dataset": "datasets:Squares", "kwargs": {"n": SQUARES_N}},
     "structured": {"dataset": "datasets:Structured"},
     "augment": {"dataset": "datasets:RandomAugment"},
     "summed": {"dataset": "datasets:Squares", "kwargs": {"n": SUMMED_N}, "collate_fn": "datasets:sum_collate"},
+    "squares-big": {"dataset": "datasets:Squares", "kwargs": {"n": BIG_SQUARES_N}},
+    "structured-big": {"dataset": "datasets:Structured", "kwargs": {"n": BIG_STRUCTURED_N}},
 }
+
+TRANSPORTS = ["shm", "grpc"]
 
 
 # ------------------------------------------------------------------ comparison
@@ -133,10 +142,16 @@ def daemon_one_worker() -> Iterator[RunningDaemon]:
     yield from _serve({"augment": DATASETS["augment"]}, workers=1)
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every parity test runs over both transports, against the same module daemon."""
+    return request.param
+
+
 @pytest.fixture
-def remote(daemon: RunningDaemon) -> Any:
+def remote(daemon: RunningDaemon, transport: str) -> Any:
     def make(name: str, **kw: Any) -> RemoteDataLoader:
-        return RemoteDataLoader(name, address=daemon.address, **kw)
+        return RemoteDataLoader(name, address=daemon.address, transport=transport, **kw)
 
     return make
 
@@ -397,11 +412,12 @@ def test_config_collate_fn_runs_in_daemon(remote: Any) -> None:
 # ------------------------------------------------------------------ random transforms
 
 
-def _augment_epoch(address: str, seed: int | None = None, generator_seed: int | None = None, **kw: Any) -> list[Any]:
+def _augment_epoch(
+    address: str, transport: str, seed: int | None = None, generator_seed: int | None = None, **kw: Any
+) -> list[Any]:
     if generator_seed is not None:
-        loader = RemoteDataLoader("augment", address=address, generator=torch.Generator().manual_seed(generator_seed), **kw)
-    else:
-        loader = RemoteDataLoader("augment", address=address, **kw)
+        kw["generator"] = torch.Generator().manual_seed(generator_seed)
+    loader = RemoteDataLoader("augment", address=address, transport=transport, **kw)
     if seed is not None:
         torch.manual_seed(seed)
     return list(loader)
@@ -412,10 +428,12 @@ def _distinct_rows(t: torch.Tensor) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_random_transforms_seeded_per_loader_seed(daemon: RunningDaemon, daemon_one_worker: RunningDaemon) -> None:
+def test_random_transforms_seeded_per_loader_seed(
+    daemon: RunningDaemon, daemon_one_worker: RunningDaemon, transport: str
+) -> None:
     n = len(datasets.RandomAugment())
-    first = _augment_epoch(daemon.address, seed=31, batch_size=8)
-    again = _augment_epoch(daemon.address, seed=31, batch_size=8)
+    first = _augment_epoch(daemon.address, transport, seed=31, batch_size=8)
+    again = _augment_epoch(daemon.address, transport, seed=31, batch_size=8)
     assert_same_epochs(again, first)
 
     # Indices follow torch; random values are not compared with torch (loaderd seeds per batch).
@@ -432,31 +450,33 @@ def test_random_transforms_seeded_per_loader_seed(daemon: RunningDaemon, daemon_
         whole = torch.cat([b[key] for b in first])
         assert _distinct_rows(whole) == n, f"batches of one epoch share {key} random values"
 
-    other = _augment_epoch(daemon.address, seed=32, batch_size=8)
+    other = _augment_epoch(daemon.address, transport, seed=32, batch_size=8)
     for i, (a, b) in enumerate(zip(first, other)):
         for key in ("torch", "numpy", "random"):
             assert not torch.equal(a[key], b[key]), f"batch {i}: seeds 31 and 32 gave the same {key} values"
 
     # Same seed, whatever the pool size.
-    one_worker = _augment_epoch(daemon_one_worker.address, seed=31, batch_size=8)
+    one_worker = _augment_epoch(daemon_one_worker.address, transport, seed=31, batch_size=8)
     assert_same_epochs(one_worker, first)
 
 
 @pytest.mark.timeout(60)
-def test_random_transforms_seeded_by_generator(daemon: RunningDaemon, daemon_one_worker: RunningDaemon) -> None:
-    first = _augment_epoch(daemon.address, generator_seed=8, batch_size=5, shuffle=True)
+def test_random_transforms_seeded_by_generator(
+    daemon: RunningDaemon, daemon_one_worker: RunningDaemon, transport: str
+) -> None:
+    first = _augment_epoch(daemon.address, transport, generator_seed=8, batch_size=5, shuffle=True)
     # The global RNG has no say when a generator is given.
     torch.manual_seed(12345)
-    again = _augment_epoch(daemon.address, generator_seed=8, batch_size=5, shuffle=True)
+    again = _augment_epoch(daemon.address, transport, generator_seed=8, batch_size=5, shuffle=True)
     assert_same_epochs(again, first)
-    other = _augment_epoch(daemon.address, generator_seed=9, batch_size=5, shuffle=True)
+    other = _augment_epoch(daemon.address, transport, generator_seed=9, batch_size=5, shuffle=True)
     assert not any(torch.equal(a["torch"], b["torch"]) for a, b in zip(first, other))
-    one_worker = _augment_epoch(daemon_one_worker.address, generator_seed=8, batch_size=5, shuffle=True)
+    one_worker = _augment_epoch(daemon_one_worker.address, transport, generator_seed=8, batch_size=5, shuffle=True)
     assert_same_epochs(one_worker, first)
     # No automatic batching: per-item values still differ from item to item.
-    items = _augment_epoch(daemon.address, generator_seed=8, batch_size=None)
+    items = _augment_epoch(daemon.address, transport, generator_seed=8, batch_size=None)
     assert _distinct_rows(torch.stack([item["torch"] for item in items])) == len(items)
-    assert_same_epochs(_augment_epoch(daemon_one_worker.address, generator_seed=8, batch_size=None), items)
+    assert_same_epochs(_augment_epoch(daemon_one_worker.address, transport, generator_seed=8, batch_size=None), items)
 
 
 # ------------------------------------------------------------------ arguments and errors
@@ -544,3 +564,127 @@ def test_two_loaders_interleaved(remote: Any) -> None:
     expected_rest = list(torch_a)
     got_rest = list(remote_a)
     assert_same_epochs(got_rest, expected_rest)
+
+
+# ------------------------------------------------------------------ batches in shared-memory slots
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a batch, depth first."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a (contiguous) tensor's data occupies in this process."""
+    assert t.is_contiguous(), f"a batch tensor is not contiguous: {t.shape} {t.stride()}"
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _daemon_shm_mappings() -> list[tuple[int, int, str]]:
+    """This process's mappings of the daemon's shared-memory segments (from /proc/self/maps)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/dev/shm/loaderd-"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            found.append((start, end, parts[5]))
+    return found
+
+
+def _in_shared_memory(t: torch.Tensor, mappings: list[tuple[int, int, str]]) -> bool:
+    lo, hi = _byte_range(t)
+    return any(start <= lo and hi <= end for start, end, _ in mappings)
+
+
+def _assert_no_aliasing(batches: list[Any]) -> None:
+    """No two tensors of the held batches (of one batch or of two) share a byte."""
+    ranges = sorted(
+        (*_byte_range(t), f"batch {i} tensor {j}")
+        for i, batch in enumerate(batches)
+        for j, t in enumerate(_tensors(batch))
+        if t.numel()
+    )
+    for (_, end_a, what_a), (start_b, _, what_b) in zip(ranges, ranges[1:]):
+        assert end_a <= start_b, f"{what_a} and {what_b} alias the same memory"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("name", "batch_size", "shuffle"),
+    [("squares-big", 6000, False), ("squares-big", 5120, True), ("structured-big", 512, False)],
+    ids=["squares-tail-inline", "squares-shuffled", "structured"],
+)
+def test_large_batches_match_torch(remote: Any, name: str, batch_size: int, shuffle: bool) -> None:
+    """Batches of 64 KiB and more: over shm they are slot views, over grpc chunked streams."""
+    local = datasets.Squares(BIG_SQUARES_N) if name == "squares-big" else datasets.Structured(BIG_STRUCTURED_N)
+    g_torch = torch.Generator().manual_seed(77)
+    g_remote = torch.Generator().manual_seed(77)
+    expected_loader = DataLoader(local, batch_size=batch_size, shuffle=shuffle, generator=g_torch)
+    loader = remote(name, batch_size=batch_size, shuffle=shuffle, generator=g_remote)
+    assert len(loader) == len(expected_loader)
+    for epoch in range(2):
+        got = list(loader)  # every batch of the epoch held at once
+        expected = list(expected_loader)
+        assert_same_epochs(got, expected)
+        _assert_no_aliasing(got)
+        assert torch.equal(g_torch.get_state(), g_remote.get_state()), f"generator diverged in epoch {epoch}"
+
+
+@pytest.mark.timeout(60)
+def test_shm_batches_are_zero_copy_views_of_shared_memory(daemon: RunningDaemon) -> None:
+    kw: dict[str, Any] = dict(batch_size=5120, address=daemon.address)
+    expected = list(DataLoader(datasets.Squares(BIG_SQUARES_N), batch_size=5120))
+    assert len(expected) == 4
+
+    shm = list(RemoteDataLoader("squares-big", transport="shm", **kw))
+    over_grpc = list(RemoteDataLoader("squares-big", transport="grpc", **kw))
+    assert_same_epochs(shm, expected)
+    assert_same_epochs(over_grpc, expected)
+    assert_same_epochs(shm, over_grpc)
+
+    mappings = _daemon_shm_mappings()
+    for i, batch in enumerate(shm):
+        for j, t in enumerate(_tensors(batch)):
+            assert _in_shared_memory(t, mappings), f"shm batch {i} tensor {j} is not a view of the daemon's shared memory"
+    for i, batch in enumerate(over_grpc):
+        for j, t in enumerate(_tensors(batch)):
+            assert not _in_shared_memory(t, mappings), f"grpc batch {i} tensor {j} lies in the daemon's shared memory"
+    _assert_no_aliasing(shm)
+
+    # Held batches never change: later epochs get other slots while these are leased.
+    loader = RemoteDataLoader("squares-big", transport="shm", **kw)
+    for _ in range(2):
+        later = list(loader)
+        assert_same_epochs(later, expected)
+        _assert_no_aliasing(shm + later)
+    assert_same_epochs(shm, expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "batch_size"), [("squares-big", 5120), ("structured", 4)])
+def test_auto_transport_equals_shm(daemon: RunningDaemon, name: str, batch_size: int) -> None:
+    def epoch(transport: str) -> list[Any]:
+        generator = torch.Generator().manual_seed(3)
+        loader = RemoteDataLoader(
+            name, batch_size=batch_size, shuffle=True, generator=generator, address=daemon.address, transport=transport
+        )
+        return list(loader)
+
+    local = datasets.Squares(BIG_SQUARES_N) if name == "squares-big" else datasets.Structured()
+    expected = list(DataLoader(local, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    auto, shm = epoch("auto"), epoch("shm")
+    assert_same_epochs(auto, shm)
+    assert_same_epochs(auto, expected)
+    if name == "squares-big":
+        # The tests share the daemon's /dev/shm, so "auto" picked shared memory too.
+        mappings = _daemon_shm_mappings()
+        for i, batch in enumerate(auto):
+            for j, t in enumerate(_tensors(batch)):
+                assert _in_shared_memory(t, mappings), f"auto batch {i} tensor {j} is not in shared memory"

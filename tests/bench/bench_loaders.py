@@ -329,7 +329,8 @@ def print_report(
     )
     p(
         f"- settings: workers={args.workers} (torch num_workers and daemon pool), rounds={args.rounds}, "
-        f"seconds={args.seconds} per measurement, persistent_workers=True, prefetch_factor=2, shuffle=True"
+        f"seconds={args.seconds} per measurement, persistent_workers=True, shuffle=True; "
+        "torch prefetch_factor=2, RemoteDataLoader default prefetch_factor (4)"
     )
     load_after = os.getloadavg()
     p(
@@ -475,8 +476,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                     shuffle=True,
                     num_workers=args.workers,
                     persistent_workers=True,
-                    prefetch_factor=2,
-                    timeout=BATCH_TIMEOUT_S,
+                    timeout=BATCH_TIMEOUT_S,  # loaderd's default prefetch (4 x pool)
                     address=address,
                     transport=kind,
                 )
