@@ -329,8 +329,29 @@ class WorkerRuntime:
 _END = object()
 
 
+def _drop_fork_server_handle() -> None:
+    """Close this worker's copy of the fork server's liveness pipe.
+
+    The fork server hands every child the write end of the pipe whose EOF tells
+    it the daemon is gone. A worker keeping it would keep the fork server alive
+    after a SIGKILLed daemon, and the worker, watching its parent (the fork
+    server), would never exit either. Workers start no processes, so drop it.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def run_worker(spec: WorkerSpec) -> None:
     """Worker process entry point."""
+    _drop_fork_server_handle()
     # The daemon owns shutdown; a terminal's Ctrl-C must not kill workers mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
