@@ -145,11 +145,15 @@ class SlotWriter:
             self._free.append(name)
 
     def _destroy(self, name: str) -> None:
+        """Remove one idle segment to make room; the daemon hears of it via ``retired``."""
         self.retired.append(name)
         self._free.remove(name)
+        self._total -= len(self._maps[name])
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
         self._bases.pop(name, None)
         mapping = self._maps.pop(name)
-        self._total -= len(mapping)
         try:
             os.unlink(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
@@ -161,18 +165,10 @@ class SlotWriter:
 
     def close(self) -> None:
         """Unlink every segment (the daemon's own mappings stay valid until it drops them)."""
-        self._bases.clear()
-        for name, mapping in self._maps.items():
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
-            try:
-                mapping.close()
-            except BufferError:  # a view is still alive; the mapping goes with the process
-                pass
-        self._maps.clear()
+        for name in list(self._maps):
+            self._remove(name)
         self._free.clear()
+        self._total = 0
 
 
 class SlotReader:

@@ -162,8 +162,8 @@ class LoaderServicer:
                     return
                 session.shm = proof.proof.token == token
                 reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
-            log.info("session %d from %s (pid %d): shared memory %s", session.session_id, context.peer(), hello.hello.pid,
-                     "yes" if session.shm else f"no ({reason})")  # fmt: skip
+            verdict = "yes" if session.shm else f"no ({reason})"
+            log.info("session %d from %s (pid %d): shared memory %s", session.session_id, context.peer(), hello.hello.pid, verdict)
             yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
             reader = threading.Thread(
                 target=self._read_session, args=(request_iterator, session), name=f"loaderd-session-{session.session_id}", daemon=True
