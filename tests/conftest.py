@@ -1,13 +1,16 @@
-"""Fixtures that start a real `loaderd serve` and wait for it to be SERVING."""
+"""Fixtures and helpers that start a real `loaderd serve` and wait for it to be SERVING."""
 
 from __future__ import annotations
 
-import os
+import contextlib
+import multiprocessing
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,8 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch.utils.data import DataLoader
 
 TESTS_DIR = Path(__file__).resolve().parent
 STARTUP_TIMEOUT_S = 60.0
@@ -68,6 +73,39 @@ def wait_serving(address: str, process: subprocess.Popen[str] | None, log_path: 
     raise AssertionError(f"daemon at {address} not SERVING within {timeout}s")
 
 
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it returns something true (returned); fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
+    """torch's DataLoader as the oracle. Its worker processes come from a fork server:
+    forking this process, which runs gRPC threads, can deadlock the forked worker."""
+    if kwargs.get("num_workers", 0) > 0:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "datasets"])  # workers start in milliseconds, not seconds
+        kwargs["multiprocessing_context"] = context
+    return DataLoader(dataset, **kwargs)
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in a batch, depth first."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for item in batch.values() for t in tensors_of(item)]
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in tensors_of(item)]
+    return []
+
+
 def write_config(directory: Path, datasets: dict[str, Any], **top: Any) -> Path:
     config = {"python_path": [str(TESTS_DIR)], "datasets": datasets, **top}
     path = directory / "ds.yaml"
@@ -79,6 +117,109 @@ def serve_command(config_path: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path), *extra]
 
 
+def popen_serve(config_path: Path, log_path: Path, *extra: str) -> subprocess.Popen[str]:
+    """Start `loaderd serve` with its stdout and stderr going to ``log_path``."""
+    with open(log_path, "w") as log_file:
+        command = serve_command(config_path, *extra)
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.contextmanager
+def running_daemon(
+    datasets: dict[str, Any],
+    *,
+    prefix: str,
+    workers: int = 2,
+    tcp: bool = False,
+    socket_path: Path | None = None,
+    expect_running: bool = True,
+    **top: Any,
+) -> Iterator[RunningDaemon]:
+    """A `loaderd serve` on a unix socket (and 127.0.0.1:0 with ``tcp``), SERVING when yielded.
+
+    Config and log live in a fresh temp dir named ``prefix``...; the socket too,
+    unless ``socket_path`` is given. ``top`` adds top-level config keys. When the
+    block ends without an exception the daemon must still run (unless
+    ``expect_running`` is false: a test may stop or kill it itself), and if it
+    runs it is stopped with SIGTERM and must exit 0 and remove its socket file.
+    Whatever happens, the process is killed if still alive and the temp dir removed.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    process: subprocess.Popen[str] | None = None
+    try:
+        socket_path = socket_path or tmp / "d.sock"
+        listen = [f"unix://{socket_path}"] + (["127.0.0.1:0"] if tcp else [])
+        config_path = write_config(tmp, datasets, workers=workers, listen=listen, **top)
+        log_path = tmp / "daemon.log"
+        process = popen_serve(config_path, log_path)
+        daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
+        wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
+        if tcp:
+            for line in daemon.log().splitlines():
+                if "listening on 127.0.0.1:" in line:
+                    daemon.extra_addresses.append(line.rsplit(" ", 1)[-1])
+            assert daemon.extra_addresses, f"no TCP address in the log:\n{daemon.log()}"
+        yield daemon
+        if process.poll() is None:
+            code = daemon.stop()
+            assert code == 0, f"daemon exited with {code}:\n{daemon.log()}"
+            assert not socket_path.exists(), "daemon left its socket file behind"
+        else:
+            assert not expect_running, f"daemon died during the tests ({process.returncode}):\n{daemon.log()}"
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class ClientProcess:
+    """A Python client script run as a subprocess; its output lines arrive in ``lines``."""
+
+    process: subprocess.Popen[str]
+    lines: queue.Queue[str]
+
+    def read_until(self, done: Callable[[str], bool], timeout: float, what: str) -> list[str]:
+        """The lines printed up to the first one ``done`` accepts; fails with ``what`` after ``timeout`` s."""
+        output: list[str] = []
+        deadline = time.monotonic() + timeout
+        while not (output and done(output[-1])):
+            try:
+                output.append(self.lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"{what} within {timeout:g} s: {''.join(output)}") from None
+        return output
+
+    def sigkill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        assert self.process.wait(10) == -signal.SIGKILL
+
+
+@contextlib.contextmanager
+def client_process(script: str, *args: str) -> Iterator[ClientProcess]:
+    """Run ``python -c script args...``; killed at the end of the block if it still runs."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        yield ClientProcess(process, lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    reader.join(10)
+
+
+@pytest.fixture(params=["shm", "grpc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Tests that stream batches run over both transports (against the same module daemon)."""
+    return request.param
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A short temp dir: unix socket paths are limited to ~100 characters."""
@@ -88,33 +229,13 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
-def start_daemon(short_tmp: Path) -> Iterator[Callable[..., RunningDaemon]]:
-    """Start a daemon on a temp unix socket with the given datasets; stopped (and checked) at teardown."""
-    started: list[RunningDaemon] = []
+def start_daemon() -> Iterator[Callable[..., RunningDaemon]]:
+    """Start daemons for one test (``running_daemon``'s arguments); stopped (and checked) at teardown."""
+    with contextlib.ExitStack() as stack:
 
-    def start(datasets: dict[str, Any], workers: int = 2, tcp: bool = False, **top: Any) -> RunningDaemon:
-        n = len(started)
-        socket_path = short_tmp / f"d{n}.sock"
-        listen = [f"unix://{socket_path}"] + (["127.0.0.1:0"] if tcp else [])
-        config_dir = short_tmp / f"cfg{n}"
-        config_dir.mkdir()
-        config_path = write_config(config_dir, datasets, workers=workers, listen=listen, **top)
-        log_path = config_dir / "daemon.log"
-        log_file = open(log_path, "w")
-        process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        log_file.close()
-        daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-        started.append(daemon)
-        wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
-        if tcp:
-            for line in daemon.log().splitlines():
-                if "listening on 127.0.0.1:" in line:
-                    daemon.extra_addresses.append(line.rsplit(" ", 1)[-1])
-        return daemon
+        def start(datasets: dict[str, Any], workers: int = 2, tcp: bool = False, **options: Any) -> RunningDaemon:
+            return stack.enter_context(
+                running_daemon(datasets, prefix="ld-", workers=workers, tcp=tcp, expect_running=False, **options)
+            )
 
-    yield start
-    for daemon in started:
-        if daemon.process.poll() is None:
-            code = daemon.stop()
-            assert code == 0, f"daemon exited with {code}:\n{daemon.log()}"
-            assert not daemon.socket_path.exists(), "daemon left its socket file behind"
+        yield start

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compare import assert_same
 
 import loaderd
 from loaderd.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
@@ -56,47 +57,6 @@ def roundtrip(obj: Any, chunk: int | None = None, first: int = 0) -> Any:
         assembler.feed(rest[i : i + step])
     assert assembler.complete
     return assembler.build()
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def assert_same(got: Any, want: Any, path: str = "batch") -> None:
-    """Deep equality that also checks exact types, dtypes and shapes (and NaN-safe floats)."""
-    if isinstance(want, torch.Tensor):
-        assert type(got) is torch.Tensor, f"{path}: {type(got)}"
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert tuple(got.shape) == tuple(want.shape), f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert got.device.type == "cpu"
-        assert tensor_bytes(got) == tensor_bytes(want), f"{path}: bytes differ"
-        return
-    if isinstance(want, np.ndarray):
-        assert type(got) is np.ndarray, f"{path}: {type(got)}"
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert got.shape == want.shape, f"{path}: shape {got.shape} != {want.shape}"
-        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{path}: bytes differ"
-        return
-    if isinstance(want, np.generic):
-        assert type(got) is type(want), f"{path}: {type(got)} is not {type(want)}"
-        assert got.dtype == want.dtype
-        assert got.tobytes() == want.tobytes(), f"{path}: {got!r} != {want!r}"
-        return
-    assert type(got) is type(want) or (
-        isinstance(want, tuple) and hasattr(want, "_fields") and getattr(got, "_fields", None) == want._fields
-    ), f"{path}: {type(got)} is not {type(want)}"
-    if isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), path
-    elif isinstance(want, dict):
-        assert list(got.keys()) == list(want.keys()), f"{path}: keys {list(got)} != {list(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{path}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
 
 
 def array_refs(value: pb.Value) -> list[pb.ArrayRef]:

@@ -161,6 +161,11 @@ def config_error(tmp_path: Path, text: str) -> str:
     return message
 
 
+def entry_error(tmp_path: Path, key: str, value: str) -> str:
+    """The ConfigError for dataset "train" (``dataset: m:A``) with ``key: value`` added to its entry."""
+    return config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    {key}: {value}\n")
+
+
 @pytest.mark.timeout(30)
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config") as info:
@@ -199,7 +204,7 @@ def test_unknown_top_key(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_unknown_dataset_key(tmp_path: Path) -> None:
-    message = config_error(tmp_path, "datasets:\n  train:\n    dataset: m:A\n    kwarg: {a: 1}\n")
+    message = entry_error(tmp_path, "kwarg", "{a: 1}")
     assert "datasets.train" in message
     assert "unknown key 'kwarg'" in message
     assert "kwargs" in message
@@ -264,7 +269,7 @@ def test_bad_import_path(tmp_path: Path, bad: str) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("key", ["collate_fn", "worker_init_fn"])
 def test_bad_import_path_in_optional_callables(tmp_path: Path, key: str) -> None:
-    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    {key}: m.collate\n")
+    message = entry_error(tmp_path, key, "m.collate")
     assert f"datasets.train.{key}" in message
     assert "'m.collate'" in message
 
@@ -277,26 +282,22 @@ def test_import_path_not_a_string(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("value", ["5", "abc", "{a: 1}"])
-def test_args_not_a_list(tmp_path: Path, value: str) -> None:
-    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    args: {value}\n")
-    assert "datasets.train.args" in message
-    assert "a list" in message
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("value", ["[1, 2]", "5", "abc"])
-def test_kwargs_not_a_mapping(tmp_path: Path, value: str) -> None:
-    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    kwargs: {value}\n")
-    assert "datasets.train.kwargs" in message
-    assert "a mapping" in message
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [("args", "5", "a list"), ("args", "abc", "a list"), ("args", "{a: 1}", "a list"),
+     ("kwargs", "[1, 2]", "a mapping"), ("kwargs", "5", "a mapping"), ("kwargs", "abc", "a mapping")],
+)  # fmt: skip
+def test_args_not_a_list_and_kwargs_not_a_mapping(tmp_path: Path, key: str, value: str, expect: str) -> None:
+    message = entry_error(tmp_path, key, value)
+    assert f"datasets.train.{key}" in message
+    assert expect in message
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("key", "value"), [("args", "{}"), ("args", "false"), ("kwargs", "[]"), ("kwargs", "0")])
 def test_empty_values_of_the_wrong_type_are_rejected(tmp_path: Path, key: str, value: str) -> None:
     """A wrong type is a config mistake even when the value happens to be empty or falsy."""
-    message = config_error(tmp_path, f"datasets:\n  train:\n    dataset: m:A\n    {key}: {value}\n")
+    message = entry_error(tmp_path, key, value)
     assert f"datasets.train.{key}" in message
 
 
@@ -339,6 +340,14 @@ def imports_config(tmp_path: Path, entry: dict[str, Any], mods: Path) -> Path:
     return write(tmp_path, text)
 
 
+def check_imports_error(tmp_path: Path, entry: dict[str, Any], mods: Path) -> str:
+    """The ConfigError check_imports raises for dataset "train" (``entry``, importing from ``mods``)."""
+    config = load_config(imports_config(tmp_path, entry, mods))
+    with pytest.raises(ConfigError) as info:
+        check_imports(config)
+    return str(info.value)
+
+
 @pytest.mark.timeout(30)
 def test_check_imports_ok(tmp_path: Path, isolated_sys_path: None) -> None:
     mods, name = module_dir(tmp_path)
@@ -354,10 +363,7 @@ def test_check_imports_ok(tmp_path: Path, isolated_sys_path: None) -> None:
 def test_check_imports_module_does_not_import(tmp_path: Path, isolated_sys_path: None) -> None:
     mods, _ = module_dir(tmp_path)
     missing = f"ld_no_such_module_{uuid.uuid4().hex[:8]}"
-    config = load_config(imports_config(tmp_path, {"dataset": f"{missing}:Thing"}, mods))
-    with pytest.raises(ConfigError) as info:
-        check_imports(config)
-    message = str(info.value)
+    message = check_imports_error(tmp_path, {"dataset": f"{missing}:Thing"}, mods)
     assert message.startswith("datasets.train.dataset:"), message
     assert missing in message
     assert "ModuleNotFoundError" in message
@@ -368,10 +374,7 @@ def test_check_imports_module_raises_on_import(tmp_path: Path, isolated_sys_path
     mods, _ = module_dir(tmp_path)
     name = f"ld_broken_{uuid.uuid4().hex[:8]}"
     (mods / f"{name}.py").write_text("raise RuntimeError('import-time failure')\n")
-    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:X"}, mods))
-    with pytest.raises(ConfigError) as info:
-        check_imports(config)
-    message = str(info.value)
+    message = check_imports_error(tmp_path, {"dataset": f"{name}:X"}, mods)
     assert message.startswith("datasets.train.dataset:"), message
     assert name in message and "import-time failure" in message
 
@@ -379,10 +382,7 @@ def test_check_imports_module_raises_on_import(tmp_path: Path, isolated_sys_path
 @pytest.mark.timeout(30)
 def test_check_imports_attribute_does_not_exist(tmp_path: Path, isolated_sys_path: None) -> None:
     mods, name = module_dir(tmp_path)
-    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Goood"}, mods))
-    with pytest.raises(ConfigError) as info:
-        check_imports(config)
-    message = str(info.value)
+    message = check_imports_error(tmp_path, {"dataset": f"{name}:Goood"}, mods)
     assert message.startswith("datasets.train.dataset:"), message
     assert "'Goood'" in message and name in message
     sys.modules.pop(name, None)
@@ -391,10 +391,7 @@ def test_check_imports_attribute_does_not_exist(tmp_path: Path, isolated_sys_pat
 @pytest.mark.timeout(30)
 def test_check_imports_nested_attribute_does_not_exist(tmp_path: Path, isolated_sys_path: None) -> None:
     mods, name = module_dir(tmp_path)
-    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Good", "collate_fn": f"{name}:Outer.Nope"}, mods))
-    with pytest.raises(ConfigError) as info:
-        check_imports(config)
-    message = str(info.value)
+    message = check_imports_error(tmp_path, {"dataset": f"{name}:Good", "collate_fn": f"{name}:Outer.Nope"}, mods)
     assert message.startswith("datasets.train.collate_fn:"), message
     assert "Outer.Nope" in message
     sys.modules.pop(name, None)
@@ -403,10 +400,7 @@ def test_check_imports_nested_attribute_does_not_exist(tmp_path: Path, isolated_
 @pytest.mark.timeout(30)
 def test_check_imports_not_callable(tmp_path: Path, isolated_sys_path: None) -> None:
     mods, name = module_dir(tmp_path)
-    config = load_config(imports_config(tmp_path, {"dataset": f"{name}:Good", "worker_init_fn": f"{name}:NOT_CALLABLE"}, mods))
-    with pytest.raises(ConfigError) as info:
-        check_imports(config)
-    message = str(info.value)
+    message = check_imports_error(tmp_path, {"dataset": f"{name}:Good", "worker_init_fn": f"{name}:NOT_CALLABLE"}, mods)
     assert message.startswith("datasets.train.worker_init_fn:"), message
     assert "not callable" in message
     sys.modules.pop(name, None)

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ import grpc
 import pytest
 import torch
 import yaml
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, serve_command, wait_serving, write_config
+from compare import assert_same_batches
+from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, serve_command, wait_serving, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
@@ -113,6 +114,14 @@ def run_serve(config_path: Path, *extra: str, timeout: float = 90.0) -> tuple[in
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
 
 
+def assert_config_error(config_path: Path, *must_contain: str, args: tuple[str, ...] = ()) -> str:
+    """`loaderd serve` refuses the config: exit code 2, quickly, with one clear line on stderr."""
+    rc, _, stderr, took = run_serve(config_path, *args)
+    assert rc == 2, stderr
+    assert took < CONFIG_ERROR_EXIT_S
+    return assert_one_clear_line(stderr, *must_contain)
+
+
 def assert_one_clear_line(stderr: str, *must_contain: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert "Traceback" not in stderr, stderr
@@ -120,34 +129,6 @@ def assert_one_clear_line(stderr: str, *must_contain: str) -> str:
     for text in must_contain:
         assert text in lines[0], f"{text!r} not in {lines[0]!r}"
     return lines[0]
-
-
-@pytest.fixture
-def spawn(short_tmp: Path) -> Iterator[Callable[..., RunningDaemon]]:
-    """Start a daemon with an explicit listen list (the socket path is the test's choice)."""
-    started: list[RunningDaemon] = []
-
-    def start(
-        datasets: dict[str, Any], socket_path: Path, workers: int = 2, extra_listen: tuple[str, ...] = (), wait: bool = True
-    ) -> RunningDaemon:
-        config_dir = short_tmp / f"spawn{len(started)}"
-        config_dir.mkdir()
-        listen = [f"unix://{socket_path}", *extra_listen]
-        config_path = write_config(config_dir, datasets, workers=workers, listen=listen)
-        log_path = config_dir / "daemon.log"
-        with open(log_path, "w") as log_file:
-            process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-        started.append(daemon)
-        if wait:
-            wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
-        return daemon
-
-    yield start
-    for daemon in started:
-        if daemon.process.poll() is None:
-            daemon.process.kill()
-            daemon.process.wait(10)
 
 
 # ------------------------------------------------------------------ startup errors
@@ -163,13 +144,15 @@ def _listen(short_tmp: Path) -> str:
     return f"listen: unix://{short_tmp}/never.sock\n"
 
 
+def never_serving_config(short_tmp: Path, datasets: dict[str, Any]) -> Path:
+    """A config whose daemon would listen on ``short_tmp``/never.sock (it must not get that far)."""
+    return write_config(short_tmp, datasets, listen=[f"unix://{short_tmp}/never.sock"])
+
+
 @pytest.mark.timeout(60)
 def test_yaml_syntax_error_exits_2_with_one_line(short_tmp: Path) -> None:
     path = bad_config(short_tmp, _listen(short_tmp) + "workers: 2\ndatasets: [a, b\n")
-    rc, _, stderr, took = run_serve(path)
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    line = assert_one_clear_line(stderr, "config error", "YAML")
+    line = assert_config_error(path, "config error", "YAML")
     assert "bad.yaml" in line
     assert not (short_tmp / "never.sock").exists()
 
@@ -177,67 +160,45 @@ def test_yaml_syntax_error_exits_2_with_one_line(short_tmp: Path) -> None:
 @pytest.mark.timeout(60)
 def test_unknown_key_exits_2_with_one_line(short_tmp: Path) -> None:
     path = bad_config(short_tmp, _listen(short_tmp) + "worker: 2\ndatasets: {a: {dataset: 'datasets:Squares'}}\n")
-    rc, _, stderr, took = run_serve(path)
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "config error", "unknown key 'worker'")
+    assert_config_error(path, "config error", "unknown key 'worker'")
 
 
 @pytest.mark.timeout(60)
 def test_negative_workers_exits_2_with_one_line(short_tmp: Path) -> None:
     path = bad_config(short_tmp, _listen(short_tmp) + "workers: -3\ndatasets: {a: {dataset: 'datasets:Squares'}}\n")
-    rc, _, stderr, took = run_serve(path)
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "config error", "workers", "-3")
+    assert_config_error(path, "config error", "workers", "-3")
 
 
 @pytest.mark.timeout(60)
 def test_workers_flag_zero_exits_2_with_one_line(short_tmp: Path) -> None:
-    path = write_config(short_tmp, SQUARES, listen=[f"unix://{short_tmp}/never.sock"])
-    rc, _, stderr, took = run_serve(path, "--workers", "0")
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "config error", "--workers")
+    path = never_serving_config(short_tmp, SQUARES)
+    assert_config_error(path, "config error", "--workers", args=("--workers", "0"))
 
 
 @pytest.mark.timeout(60)
 def test_module_that_does_not_import_exits_2_with_one_line(short_tmp: Path) -> None:
-    path = write_config(
-        short_tmp,
-        {"ok": {"dataset": "datasets:Squares"}, "typo": {"dataset": "datasetz_no_such_module:Squares"}},
-        listen=[f"unix://{short_tmp}/never.sock"],
+    path = never_serving_config(
+        short_tmp, {"ok": {"dataset": "datasets:Squares"}, "typo": {"dataset": "datasetz_no_such_module:Squares"}}
     )
-    rc, _, stderr, took = run_serve(path)
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "config error", "datasets.typo.dataset", "datasetz_no_such_module")
+    assert_config_error(path, "config error", "datasets.typo.dataset", "datasetz_no_such_module")
     assert not (short_tmp / "never.sock").exists()
 
 
 @pytest.mark.timeout(60)
 def test_attribute_that_does_not_exist_exits_2_with_one_line(short_tmp: Path) -> None:
-    path = write_config(short_tmp, {"sq": {"dataset": "datasets:Squarez"}}, listen=[f"unix://{short_tmp}/never.sock"])
-    rc, _, stderr, took = run_serve(path)
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "config error", "datasets.sq.dataset", "'Squarez'")
+    path = never_serving_config(short_tmp, {"sq": {"dataset": "datasets:Squarez"}})
+    assert_config_error(path, "config error", "datasets.sq.dataset", "'Squarez'")
 
 
 @pytest.mark.timeout(60)
 def test_missing_config_file_exits_2(short_tmp: Path) -> None:
-    rc, _, stderr, took = run_serve(short_tmp / "absent.yaml")
-    assert rc == 2, stderr
-    assert took < CONFIG_ERROR_EXIT_S
-    assert_one_clear_line(stderr, "absent.yaml")
+    assert_config_error(short_tmp / "absent.yaml", "absent.yaml")
 
 
 @pytest.mark.timeout(120)
 def test_factory_that_raises_exits_1_naming_the_dataset(short_tmp: Path) -> None:
-    path = write_config(
-        short_tmp,
-        {"sq": {"dataset": "datasets:Squares"}, "boom": {"dataset": "datasets:broken_factory"}},
-        listen=[f"unix://{short_tmp}/never.sock"],
+    path = never_serving_config(
+        short_tmp, {"sq": {"dataset": "datasets:Squares"}, "boom": {"dataset": "datasets:broken_factory"}}
     )
     rc, _, stderr, took = run_serve(path)
     assert rc == 1, stderr
@@ -252,19 +213,26 @@ def test_factory_that_raises_exits_1_naming_the_dataset(short_tmp: Path) -> None
 # ------------------------------------------------------------------ shutdown
 
 
+def signal_and_wait_exit_0(daemon: RunningDaemon, sig: int, when: str = "") -> float:
+    """Send ``sig``; the daemon must exit 0 within SHUTDOWN_S. Returns when the signal was sent."""
+    t0 = time.monotonic()
+    daemon.process.send_signal(sig)
+    try:
+        rc = daemon.process.wait(SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        name = signal.Signals(sig).name
+        raise AssertionError(f"daemon still running {SHUTDOWN_S}s after {name}{when}:\n{daemon.log()}") from None
+    assert rc == 0, daemon.log()
+    return t0
+
+
 def _stop_and_check(daemon: RunningDaemon, sig: int) -> None:
     assert health_status(daemon.address) == health_pb2.HealthCheckResponse.SERVING
     assert daemon.socket_path.exists()
     children = descendants(daemon.process.pid)
     # At least the pool's workers (plus multiprocessing's fork server) run under the daemon.
     assert len(children) >= 3, children
-    t0 = time.monotonic()
-    daemon.process.send_signal(sig)
-    try:
-        rc = daemon.process.wait(SHUTDOWN_S)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"daemon still running {SHUTDOWN_S}s after {signal.Signals(sig).name}:\n{daemon.log()}")
-    assert rc == 0, daemon.log()
+    t0 = signal_and_wait_exit_0(daemon, sig)
     alive = wait_gone(children, t0 + SHUTDOWN_S)
     assert not alive, f"processes left after {signal.Signals(sig).name}:\n" + "\n".join(alive)
     assert not daemon.socket_path.exists(), "socket file left behind"
@@ -315,13 +283,7 @@ def test_sigterm_mid_epoch_fails_the_client_fast(start_daemon: Callable[..., Run
     thread.start()
     assert got_some.wait(60), f"no batches arrived:\n{daemon.log()}"
     children = descendants(daemon.process.pid)
-    t0 = time.monotonic()
-    daemon.process.send_signal(signal.SIGTERM)
-    try:
-        rc = daemon.process.wait(SHUTDOWN_S)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"daemon still running {SHUTDOWN_S}s after SIGTERM mid-epoch:\n{daemon.log()}")
-    assert rc == 0, daemon.log()
+    t0 = signal_and_wait_exit_0(daemon, signal.SIGTERM, " mid-epoch")
     assert finished.wait(max(0.1, t0 + SHUTDOWN_S + 2 - time.monotonic())), "client hung after the daemon went away"
     thread.join(2)
     assert len(errors) == 1, f"client saw no error after {len(received)} batches"
@@ -338,10 +300,12 @@ def test_sigterm_mid_epoch_fails_the_client_fast(start_daemon: Callable[..., Run
 
 
 @pytest.mark.timeout(120)
-def test_stale_plain_file_at_socket_path_is_replaced(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+def test_stale_plain_file_at_socket_path_is_replaced(
+    short_tmp: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
     path = short_tmp / "stale.sock"
     path.write_text("left over\n")
-    daemon = spawn(SQUARES, path)
+    daemon = start_daemon(SQUARES, socket_path=path)
     assert path.is_socket()
     assert len(first_batches(RemoteDataLoader("sq", batch_size=25, address=daemon.address))) == 2
     assert daemon.stop() == 0
@@ -349,13 +313,13 @@ def test_stale_plain_file_at_socket_path_is_replaced(short_tmp: Path, spawn: Cal
 
 
 @pytest.mark.timeout(120)
-def test_dead_socket_at_socket_path_is_replaced(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+def test_dead_socket_at_socket_path_is_replaced(short_tmp: Path, start_daemon: Callable[..., RunningDaemon]) -> None:
     path = short_tmp / "dead.sock"
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(str(path))
     dead.close()  # the file stays; nobody listens
     assert path.is_socket()
-    daemon = spawn(SQUARES, path)
+    daemon = start_daemon(SQUARES, socket_path=path)
     assert health_status(daemon.address) == health_pb2.HealthCheckResponse.SERVING
     assert len(first_batches(RemoteDataLoader("sq", batch_size=25, address=daemon.address))) == 2
     assert daemon.stop() == 0
@@ -363,9 +327,9 @@ def test_dead_socket_at_socket_path_is_replaced(short_tmp: Path, spawn: Callable
 
 
 @pytest.mark.timeout(120)
-def test_socket_in_a_missing_directory_is_created(short_tmp: Path, spawn: Callable[..., RunningDaemon]) -> None:
+def test_socket_in_a_missing_directory_is_created(short_tmp: Path, start_daemon: Callable[..., RunningDaemon]) -> None:
     path = short_tmp / "a" / "b" / "s.sock"
-    daemon = spawn(SQUARES, path)
+    daemon = start_daemon(SQUARES, socket_path=path)
     assert path.is_socket()
     assert daemon.stop() == 0
     assert not path.exists()
@@ -416,9 +380,8 @@ def test_tcp_listen_on_port_zero(start_daemon: Callable[..., RunningDaemon]) -> 
     over_tcp = epoch(tcp)
     over_tcp_scheme = epoch(f"tcp://{tcp}")
     assert len(over_unix) == len(over_tcp) == len(over_tcp_scheme) == 8
-    for a, b, c in zip(over_unix, over_tcp, over_tcp_scheme):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    assert_same_batches(over_tcp, over_unix, "tcp")
+    assert_same_batches(over_tcp_scheme, over_unix, "tcp://")
     seen = sorted(int(i) for batch in over_tcp for i in batch[1])
     assert seen == list(range(50))
     for x, idx in over_tcp:
@@ -433,13 +396,7 @@ def test_deploy_config_with_listen_override(short_tmp: Path) -> None:
     sock = short_tmp / f"deploy-{os.getpid()}.sock"
     address = f"unix://{sock}"
     log_path = short_tmp / "deploy.log"
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(
-            serve_command(REPO / "deploy" / "ds.yaml", "--listen", address),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    process = popen_serve(REPO / "deploy" / "ds.yaml", log_path, "--listen", address)
     try:
         wait_serving(address, process, log_path, STARTUP_TIMEOUT_S)
         log = log_path.read_text()

@@ -8,14 +8,8 @@ their log and their worker deaths are theirs alone.
 from __future__ import annotations
 
 import gc
-import multiprocessing
-import queue
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -28,7 +22,8 @@ import datasets
 import grpc
 import pytest
 import torch
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, serve_command, wait_serving, write_config
+from compare import assert_same, assert_same_batches
+from conftest import RunningDaemon, client_process, oracle_loader, running_daemon, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.utils.data import DataLoader
 
@@ -71,63 +66,11 @@ LOCAL_FAILING = {
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
     """One `loaderd serve` (2 pool workers) shared by this module's tests; checked at teardown."""
-    tmp = Path(tempfile.mkdtemp(prefix="ld-fail-", dir="/tmp"))
-    socket_path = tmp / "d.sock"
-    config_path = write_config(tmp, DATASETS, workers=2, listen=[f"unix://{socket_path}"])
-    log_path = tmp / "daemon.log"
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    running = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-    try:
-        wait_serving(running.address, process, log_path, STARTUP_TIMEOUT_S)
+    with running_daemon(DATASETS, prefix="ld-fail-") as running:
         yield running
-        assert process.poll() is None, f"daemon died during the tests ({process.returncode}):\n{running.log()}"
-        code = running.stop()
-        assert code == 0, f"daemon exited with {code}:\n{running.log()}"
-        assert not socket_path.exists(), "daemon left its socket file behind"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(params=["shm", "grpc"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Every test that streams batches runs over both transports (same module daemon)."""
-    return request.param
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def assert_same(got: Any, want: Any, path: str = "batch") -> None:
-    """Exact structural equality: same types, same tensor dtypes, shapes and values."""
-    assert type(got) is type(want), f"{path}: type {type(got).__name__} != {type(want).__name__} ({got!r} vs {want!r})"
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert got.shape == want.shape, f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(got, want), f"{path}: {got} != {want}"
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
-
-
-def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
-    """torch's DataLoader as the oracle. Its worker processes come from a fork server:
-    forking this process, which runs gRPC threads, can deadlock the forked worker."""
-    if kwargs.get("num_workers", 0) > 0:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "datasets"])  # workers start in milliseconds, not seconds
-        kwargs["multiprocessing_context"] = context
-    return DataLoader(dataset, **kwargs)
 
 
 def outcomes(loader: Any, limit: int = 500) -> list[Any]:
@@ -176,21 +119,7 @@ def assert_serving(daemon: RunningDaemon) -> None:
 def assert_squares_epoch(daemon: RunningDaemon, transport: str) -> None:
     """A fresh loader on the daemon gets a full, correct epoch."""
     got = list(RemoteDataLoader("squares", batch_size=16, address=daemon.address, transport=transport))
-    want = list(DataLoader(datasets.Squares(100), batch_size=16))
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"squares batch {i}")
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    assert_same_batches(got, list(DataLoader(datasets.Squares(100), batch_size=16)), "squares")
 
 
 def receiver_threads() -> set[threading.Thread]:
@@ -345,6 +274,14 @@ def test_deleting_iterator_and_loader_cancels_the_stream(daemon: RunningDaemon, 
         del alive
 
 
+def sigkill_client_after_first_line(script: str, daemon: RunningDaemon, transport: str, first_line: str) -> None:
+    """Run a client script (argv: address, transport); once it printed ``first_line``, SIGKILL it."""
+    with client_process(script, daemon.address, transport) as client:
+        first = client.read_until(lambda line: True, 45, "the client printed nothing")[0]
+        assert first.strip() == first_line, first
+        client.sigkill()
+
+
 CLIENT_SCRIPT = """
 import sys
 from loaderd import RemoteDataLoader
@@ -357,28 +294,7 @@ print("done", flush=True)
 
 @pytest.mark.timeout(90)
 def test_sigkilled_client_does_not_disturb_the_daemon(daemon: RunningDaemon, transport: str) -> None:
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_SCRIPT, daemon.address, transport],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in client.stdout], daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        try:
-            first = lines.get(timeout=45)
-        except queue.Empty:
-            raise AssertionError("the client printed no batch within 45 s") from None
-        assert first.strip() == "0 [0, 1, 2, 3]", first
-        client.send_signal(signal.SIGKILL)
-        assert client.wait(10) == -signal.SIGKILL
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait(10)
-    reader.join(10)
+    sigkill_client_after_first_line(CLIENT_SCRIPT, daemon, transport, "0 [0, 1, 2, 3]")
     assert_serving(daemon)
     assert_squares_epoch(daemon, transport)
     assert_slow_starts_quickly(daemon, transport)
@@ -402,28 +318,7 @@ for i, batch in enumerate(loader):
 def test_sigkilled_client_holding_large_batches(daemon: RunningDaemon, transport: str) -> None:
     """A client killed while it holds batches (slot leases on shm): the daemon takes them back."""
     released_before = daemon.log().count("slots; released")
-    client = subprocess.Popen(
-        [sys.executable, "-c", HOLDING_CLIENT_SCRIPT, daemon.address, transport],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in client.stdout], daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        try:
-            first = lines.get(timeout=45)
-        except queue.Empty:
-            raise AssertionError("the client printed nothing within 45 s") from None
-        assert first.strip() == "holding 2 5119 10239", first
-        client.send_signal(signal.SIGKILL)
-        assert client.wait(10) == -signal.SIGKILL
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait(10)
-    reader.join(10)
+    sigkill_client_after_first_line(HOLDING_CLIENT_SCRIPT, daemon, transport, "holding 2 5119 10239")
     if transport == "shm":
         wait_for(
             lambda: daemon.log().count("slots; released") > released_before,
@@ -434,9 +329,7 @@ def test_sigkilled_client_holding_large_batches(daemon: RunningDaemon, transport
     want = list(DataLoader(datasets.Squares(SQUARES_BIG_N), batch_size=5120))
     for epoch in range(2):
         got = list(RemoteDataLoader("squares-big", batch_size=5120, address=daemon.address, transport=transport))
-        assert len(got) == len(want)
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"epoch {epoch} batch {i}")
+        assert_same_batches(got, want, f"epoch {epoch}")
     assert_squares_epoch(daemon, transport)
     assert_serving(daemon)
 
@@ -519,8 +412,7 @@ def test_sigkilled_worker_is_replaced_and_epoch_completes_in_order(
     got = list(loader)
     assert marker.exists(), "the victim index never ran: the test did not kill a worker"
     assert len(got) == len(want), f"{len(got)} batches, want {len(want)}: {[b.flatten().tolist() for b in got]}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"batch {i}")
+    assert_same_batches(got, want)
 
     # The daemon noticed the death and started a replacement.
     def replaced() -> bool:
@@ -535,10 +427,7 @@ def test_sigkilled_worker_is_replaced_and_epoch_completes_in_order(
 
     # A later epoch works (on the replacement worker too).
     for epoch in range(2):
-        again = list(loader)
-        assert len(again) == len(want)
-        for i, (g, w) in enumerate(zip(again, want)):
-            assert_same(g, w, f"epoch {epoch + 2} batch {i}")
+        assert_same_batches(list(loader), want, f"epoch {epoch + 2}")
     assert_serving(daemon)
 
 
@@ -583,18 +472,12 @@ def test_sigkilled_worker_with_large_batches_in_flight(
     )
     got = list(loader)  # every batch held, those of the dead worker included
     assert marker.exists(), "the victim index never ran: the test did not kill a worker"
-    assert len(got) == len(want), f"{len(got)} batches, want {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"batch {i}")
+    assert_same_batches(got, want)
     wait_for(lambda: DIED.search(daemon.log()), 30.0, "the daemon to log the dead worker")
     assert len(DIED.findall(daemon.log())) == 1, daemon.log()
 
     # Later epochs, with the first one's batches still held and unchanged.
     for epoch in range(2):
-        again = list(loader)
-        assert len(again) == len(want)
-        for i, (g, w) in enumerate(zip(again, want)):
-            assert_same(g, w, f"epoch {epoch + 2} batch {i}")
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"held batch {i}")
+        assert_same_batches(list(loader), want, f"epoch {epoch + 2}")
+    assert_same_batches(got, want, "held")
     assert_serving(daemon)

@@ -8,19 +8,14 @@ with what the daemon streams, batch for batch.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import shutil
-import subprocess
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import datasets
 import pytest
-import torch
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, serve_command, wait_serving, write_config
+from compare import assert_same_batches
+from conftest import RunningDaemon, oracle_loader, running_daemon
 from torch.utils.data import DataLoader, SequentialSampler
 
 from loaderd import RemoteDataLoader
@@ -57,69 +52,11 @@ LOCAL = {
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
     """One `loaderd serve` (2 pool workers) for every test of this module; checked at teardown."""
-    tmp = Path(tempfile.mkdtemp(prefix="ld-it-", dir="/tmp"))
-    socket_path = tmp / "d.sock"
-    config_path = write_config(tmp, DATASETS, workers=2, listen=[f"unix://{socket_path}"])
-    log_path = tmp / "daemon.log"
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    running = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-    try:
-        wait_serving(running.address, process, log_path, STARTUP_TIMEOUT_S)
+    with running_daemon(DATASETS, prefix="ld-it-") as running:
         yield running
-        assert process.poll() is None, f"daemon died during the tests ({process.returncode}):\n{running.log()}"
-        code = running.stop()
-        assert code == 0, f"daemon exited with {code}:\n{running.log()}"
-        assert not socket_path.exists(), "daemon left its socket file behind"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(params=["shm", "grpc"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Every test runs over both transports, against the same module daemon."""
-    return request.param
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def assert_same(got: Any, want: Any, path: str = "batch") -> None:
-    """Exact structural equality: same types, same tensor dtypes, shapes and values."""
-    assert type(got) is type(want), f"{path}: type {type(got).__name__} != {type(want).__name__} ({got!r} vs {want!r})"
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert got.shape == want.shape, f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(got, want), f"{path}: {got} != {want}"
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
-
-
-def assert_same_batches(got: list[Any], want: list[Any], label: str = "") -> None:
-    assert len(got) == len(want), f"{label}{len(got)} batches, torch gives {len(want)}:\n got {got}\nwant {want}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"{label}batch {i}")
-
-
-def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
-    """torch's DataLoader as the oracle. Its worker processes come from a fork server:
-    forking this process, which runs gRPC threads, can deadlock the forked worker."""
-    if kwargs.get("num_workers", 0) > 0:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "datasets"])  # workers start in milliseconds, not seconds
-        kwargs["multiprocessing_context"] = context
-    return DataLoader(dataset, **kwargs)
 
 
 def remote(daemon: RunningDaemon, transport: str, name: str, **kwargs: Any) -> RemoteDataLoader:
@@ -128,6 +65,16 @@ def remote(daemon: RunningDaemon, transport: str, name: str, **kwargs: Any) -> R
 
 def torch_batches(name: str, **kwargs: Any) -> list[Any]:
     return list(oracle_loader(LOCAL[name](), **kwargs))
+
+
+def assert_refused_like_torch(daemon: RunningDaemon, transport: str, word: str, **kwargs: Any) -> None:
+    """Over the "stream" dataset, torch's DataLoader and RemoteDataLoader refuse ``kwargs`` with the same ValueError."""
+    with pytest.raises(ValueError) as torch_error:
+        DataLoader(datasets.Stream(STREAM_N), batch_size=4, **kwargs)
+    with pytest.raises(ValueError) as remote_error:
+        remote(daemon, transport, "stream", batch_size=4, **kwargs)
+    assert str(remote_error.value) == str(torch_error.value)
+    assert word in str(remote_error.value)
 
 
 def stream_samples(batches: list[Any], batched: bool) -> list[tuple[int, int]]:
@@ -231,12 +178,7 @@ def test_len_of_unsized_stream_raises_type_error_like_torch(
 
 @pytest.mark.timeout(60)
 def test_shuffle_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon, transport: str) -> None:
-    with pytest.raises(ValueError) as torch_error:
-        DataLoader(datasets.Stream(STREAM_N), batch_size=4, shuffle=True)
-    with pytest.raises(ValueError) as remote_error:
-        remote(daemon, transport, "stream", batch_size=4, shuffle=True)
-    assert str(remote_error.value) == str(torch_error.value)
-    assert "shuffle" in str(remote_error.value)
+    assert_refused_like_torch(daemon, transport, "shuffle", shuffle=True)
     # shuffle=False is accepted by both.
     DataLoader(datasets.Stream(STREAM_N), batch_size=4, shuffle=False)
     assert_same_batches(
@@ -246,13 +188,7 @@ def test_shuffle_with_iterable_dataset_raises_value_error_like_torch(daemon: Run
 
 @pytest.mark.timeout(60)
 def test_sampler_with_iterable_dataset_raises_value_error_like_torch(daemon: RunningDaemon, transport: str) -> None:
-    sampler = SequentialSampler(range(STREAM_N))
-    with pytest.raises(ValueError) as torch_error:
-        DataLoader(datasets.Stream(STREAM_N), batch_size=4, sampler=sampler)
-    with pytest.raises(ValueError) as remote_error:
-        remote(daemon, transport, "stream", batch_size=4, sampler=sampler)
-    assert str(remote_error.value) == str(torch_error.value)
-    assert "sampler" in str(remote_error.value)
+    assert_refused_like_torch(daemon, transport, "sampler", sampler=SequentialSampler(range(STREAM_N)))
 
 
 @pytest.mark.timeout(60)
@@ -262,7 +198,7 @@ def test_every_epoch_gives_the_full_data(daemon: RunningDaemon, transport: str, 
     want = torch_batches(name, batch_size=4, num_workers=num_workers)
     for epoch in range(3):
         got = list(loader)
-        assert_same_batches(got, want, f"epoch {epoch}: ")
+        assert_same_batches(got, want, f"epoch {epoch}")
     # An epoch abandoned half-way does not leak into the next one.
     it = iter(loader)
     next(it)
@@ -280,4 +216,4 @@ def test_large_batches_match_torch_workers(daemon: RunningDaemon, transport: str
     assert any(len(b["x"]) == BIG_BATCH for b in want) and (drop_last or any(len(b["x"]) < BIG_BATCH for b in want))
     for epoch in range(2):
         got = list(loader)  # the whole epoch held at once
-        assert_same_batches(got, want, f"epoch {epoch}: ")
+        assert_same_batches(got, want, f"epoch {epoch}")

@@ -9,16 +9,11 @@ too, so a training script's randomness is unchanged by switching loaders.
 
 from __future__ import annotations
 
-import math
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -32,7 +27,8 @@ from torch.utils.data import (
 
 import datasets
 import loaderd
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, serve_command, wait_serving, write_config
+from compare import assert_same, assert_same_batches
+from conftest import RunningDaemon, running_daemon, tensors_of
 from loaderd import RemoteDataLoader
 
 SQUARES_N = 103
@@ -52,51 +48,8 @@ DATASETS: dict[str, Any] = {
     "structured-big": {"dataset": "datasets:Structured", "kwargs": {"n": BIG_STRUCTURED_N}},
 }
 
-TRANSPORTS = ["shm", "grpc"]
 
-
-# ------------------------------------------------------------------ comparison
-
-
-def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Strict recursive equality: types, namedtuple classes, key order, dtypes, shapes, values."""
-    assert type(a) is type(b), f"{path}: type {type(a).__module__}.{type(a).__qualname__} != {type(b).__module__}.{type(b).__qualname__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: values differ:\n{a}\n!=\n{b}"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
-        assert np.array_equal(a, b), f"{path}: values differ:\n{a}\n!=\n{b}"
-    elif isinstance(a, np.generic):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a == b or (np.isnan(a) and np.isnan(b)), f"{path}: {a!r} != {b!r}"
-    elif isinstance(a, tuple) and hasattr(a, "_fields"):
-        assert type(a).__name__ == type(b).__name__, f"{path}: namedtuple {type(a).__name__} != {type(b).__name__}"
-        assert a._fields == b._fields, f"{path}: namedtuple fields {a._fields} != {b._fields}"
-        for name, x, y in zip(a._fields, a, b):
-            assert_same(x, y, f"{path}.{name}")
-    elif isinstance(a, dict):
-        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a.keys())} != {list(b.keys())}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float):
-        assert a == b or (math.isnan(a) and math.isnan(b)), f"{path}: {a!r} != {b!r}"
-    elif a is None or isinstance(a, (bool, int, str, bytes)):
-        assert a == b, f"{path}: {a!r} != {b!r}"
-    else:
-        raise AssertionError(f"{path}: assert_same does not know how to compare {type(a)!r}")
-
-
-def assert_same_epochs(remote: list[Any], expected: list[Any]) -> None:
-    assert len(remote) == len(expected), f"remote gave {len(remote)} batches, torch {len(expected)}"
-    for i, (r, t) in enumerate(zip(remote, expected)):
-        assert_same(r, t, f"batch {i}")
+# ------------------------------------------------------------------ helpers
 
 
 def rng_state_after(seed: int, run: Any) -> tuple[Any, torch.Tensor]:
@@ -106,46 +59,27 @@ def rng_state_after(seed: int, run: Any) -> tuple[Any, torch.Tensor]:
     return result, torch.rand(1)
 
 
+def assert_same_epoch_and_rng(loader: Any, expected_loader: DataLoader, seed: int) -> None:
+    """An epoch of each after torch.manual_seed(seed): the same batches, and the global RNG left alike."""
+    expected, rand_torch = rng_state_after(seed, lambda: list(expected_loader))
+    got, rand_remote = rng_state_after(seed, lambda: list(loader))
+    assert_same_batches(got, expected)
+    assert torch.equal(rand_remote, rand_torch), "RemoteDataLoader consumed the global RNG differently from torch"
+
+
 # ------------------------------------------------------------------ daemons
-
-
-def _serve(datasets_cfg: dict[str, Any], workers: int) -> Iterator[RunningDaemon]:
-    """A module-lived `loaderd serve` (same steps as conftest's start_daemon)."""
-    tmp = Path(tempfile.mkdtemp(prefix="ld-mp-", dir="/tmp"))
-    socket_path = tmp / "d.sock"
-    config_path = write_config(tmp, datasets_cfg, workers=workers, listen=[f"unix://{socket_path}"])
-    log_path = tmp / "daemon.log"
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-    try:
-        wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
-        yield daemon
-        assert process.poll() is None, f"daemon died during the module's tests:\n{daemon.log()}"
-        code = daemon.stop()
-        assert code == 0, f"daemon exited with {code}:\n{daemon.log()}"
-        assert not socket_path.exists(), "daemon left its socket file behind"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(5)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    yield from _serve(DATASETS, workers=2)
+    with running_daemon(DATASETS, prefix="ld-mp-", workers=2) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def daemon_one_worker() -> Iterator[RunningDaemon]:
-    yield from _serve({"augment": DATASETS["augment"]}, workers=1)
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    """Every parity test runs over both transports, against the same module daemon."""
-    return request.param
+    with running_daemon({"augment": DATASETS["augment"]}, prefix="ld-mp-", workers=1) as running:
+        yield running
 
 
 @pytest.fixture
@@ -173,7 +107,7 @@ def test_batch_sizes(remote: Any, batch_size: int, drop_last: bool) -> None:
     assert loader.batch_size == batch_size and loader.drop_last == drop_last
     got = list(loader)
     assert len(got) == len(loader)
-    assert_same_epochs(got, list(expected_loader))
+    assert_same_batches(got, list(expected_loader))
 
 
 @pytest.mark.timeout(30)
@@ -185,7 +119,7 @@ def test_no_automatic_batching(remote: Any) -> None:
     expected = list(expected_loader)
     # default_convert semantics: the (tensor, int) tuple becomes a list, nothing gets a batch dimension.
     assert type(expected[0]) is list and expected[0][0].shape == (2,)
-    assert_same_epochs(got, expected)
+    assert_same_batches(got, expected)
 
 
 # ------------------------------------------------------------------ shuffling and the client's RNG
@@ -201,7 +135,7 @@ def test_shuffle_with_generator(remote: Any, batch_size: int | None) -> None:
     assert len(loader) == len(expected_loader)
     expected, rand_torch = rng_state_after(7, lambda: list(expected_loader))
     got, rand_remote = rng_state_after(7, lambda: list(loader))
-    assert_same_epochs(got, expected)
+    assert_same_batches(got, expected)
     # Both generators were consumed identically (sampler permutation and base seed).
     assert torch.equal(g_torch.get_state(), g_remote.get_state())
     # Neither touched the global RNG.
@@ -220,10 +154,7 @@ def test_shuffle_with_generator(remote: Any, batch_size: int | None) -> None:
 def test_shuffle_global_rng(remote: Any, batch_size: int | None) -> None:
     expected_loader = DataLoader(squares(), batch_size=batch_size, shuffle=True)
     loader = remote("squares", batch_size=batch_size, shuffle=True)
-    expected, rand_torch = rng_state_after(2024, lambda: list(expected_loader))
-    got, rand_remote = rng_state_after(2024, lambda: list(loader))
-    assert_same_epochs(got, expected)
-    assert torch.equal(rand_remote, rand_torch), "RemoteDataLoader consumed the global RNG differently from torch"
+    assert_same_epoch_and_rng(loader, expected_loader, 2024)
 
 
 @pytest.mark.timeout(30)
@@ -233,7 +164,7 @@ def test_shuffle_three_epochs(remote: Any) -> None:
     expected, rand_torch = rng_state_after(99, lambda: [list(expected_loader) for _ in range(3)])
     got, rand_remote = rng_state_after(99, lambda: [list(loader) for _ in range(3)])
     for epoch in range(3):
-        assert_same_epochs(got[epoch], expected[epoch])
+        assert_same_batches(got[epoch], expected[epoch])
     orders = [torch.cat([b[1] for b in epoch]).tolist() for epoch in got]
     assert orders[0] != orders[1] != orders[2], "epochs were not reshuffled"
     assert torch.equal(rand_remote, rand_torch)
@@ -246,7 +177,7 @@ def test_shuffle_three_epochs_with_generator(remote: Any) -> None:
     expected_loader = DataLoader(squares(), batch_size=32, shuffle=True, generator=g_torch)
     loader = remote("squares", batch_size=32, shuffle=True, generator=g_remote)
     for epoch in range(3):
-        assert_same_epochs(list(loader), list(expected_loader))
+        assert_same_batches(list(loader), list(expected_loader))
         assert torch.equal(g_torch.get_state(), g_remote.get_state()), f"generator diverged after epoch {epoch}"
 
 
@@ -262,10 +193,7 @@ def test_subset_random_sampler_with_generator(remote: Any) -> None:
     loader = remote("squares", batch_size=5, sampler=SubsetRandomSampler(subset, generator=torch.Generator().manual_seed(11)))
     assert len(loader) == len(expected_loader)
     for _ in range(2):
-        expected, rand_torch = rng_state_after(3, lambda: list(expected_loader))
-        got, rand_remote = rng_state_after(3, lambda: list(loader))
-        assert_same_epochs(got, expected)
-        assert torch.equal(rand_remote, rand_torch)
+        assert_same_epoch_and_rng(loader, expected_loader, 3)
 
 
 @pytest.mark.timeout(30)
@@ -274,10 +202,7 @@ def test_weighted_random_sampler(remote: Any) -> None:
     expected_loader = DataLoader(squares(), batch_size=6, sampler=WeightedRandomSampler(weights, 40, replacement=True))
     loader = remote("squares", batch_size=6, sampler=WeightedRandomSampler(weights, 40, replacement=True))
     assert len(loader) == len(expected_loader) == 7
-    expected, rand_torch = rng_state_after(17, lambda: list(expected_loader))
-    got, rand_remote = rng_state_after(17, lambda: list(loader))
-    assert_same_epochs(got, expected)
-    assert torch.equal(rand_remote, rand_torch)
+    assert_same_epoch_and_rng(loader, expected_loader, 17)
 
 
 @pytest.mark.timeout(30)
@@ -287,7 +212,7 @@ def test_list_of_indices_as_sampler(remote: Any, batch_size: int | None) -> None
     expected_loader = DataLoader(squares(), batch_size=batch_size, sampler=sampler)
     loader = remote("squares", batch_size=batch_size, sampler=sampler)
     assert len(loader) == len(expected_loader)
-    assert_same_epochs(list(loader), list(expected_loader))
+    assert_same_batches(list(loader), list(expected_loader))
 
 
 @pytest.mark.timeout(30)
@@ -296,7 +221,7 @@ def test_batch_sampler_list_of_lists(remote: Any) -> None:
     expected_loader = DataLoader(squares(), batch_sampler=batch_sampler)
     loader = remote("squares", batch_sampler=batch_sampler)
     assert len(loader) == len(expected_loader) == 4
-    assert_same_epochs(list(loader), list(expected_loader))
+    assert_same_batches(list(loader), list(expected_loader))
 
 
 @pytest.mark.timeout(30)
@@ -306,7 +231,7 @@ def test_batch_sampler_objects(remote: Any, drop_last: bool) -> None:
     expected_loader = DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 10, drop_last))
     loader = remote("squares", batch_sampler=BatchSampler(SequentialSampler(range(SQUARES_N)), 10, drop_last))
     assert len(loader) == len(expected_loader) == (10 if drop_last else 11)
-    assert_same_epochs(list(loader), list(expected_loader))
+    assert_same_batches(list(loader), list(expected_loader))
 
 
 @pytest.mark.timeout(30)
@@ -323,7 +248,7 @@ def test_distributed_sampler_two_epochs(remote: Any) -> None:
         torch_sampler.set_epoch(epoch)
         remote_sampler.set_epoch(epoch)
         got = list(loader)
-        assert_same_epochs(got, list(expected_loader))
+        assert_same_batches(got, list(expected_loader))
         epochs.append(torch.cat([b[1] for b in got]).tolist())
     assert epochs[0] != epochs[1], "set_epoch did not change the order"
 
@@ -372,7 +297,7 @@ def test_error_batch_then_next_batches_still_come(remote: Any) -> None:
     expected = drain(expected_loader)
     got = drain(loader)
     assert [type(x) for x in expected] == [tuple, list, list, tuple, list]
-    assert_same_epochs(got, expected)
+    assert_same_batches(got, expected)
 
 
 # ------------------------------------------------------------------ collation
@@ -390,7 +315,7 @@ def test_structured_default_collation(remote: Any, batch_size: int | None) -> No
     first = expected[0]
     assert isinstance(first["pair"], datasets.Pair)
     assert first["image"].dtype == torch.float16
-    assert_same_epochs(got, expected)
+    assert_same_batches(got, expected)
 
 
 @pytest.mark.timeout(30)
@@ -434,11 +359,11 @@ def test_random_transforms_seeded_per_loader_seed(
     n = len(datasets.RandomAugment())
     first = _augment_epoch(daemon.address, transport, seed=31, batch_size=8)
     again = _augment_epoch(daemon.address, transport, seed=31, batch_size=8)
-    assert_same_epochs(again, first)
+    assert_same_batches(again, first)
 
     # Indices follow torch; random values are not compared with torch (loaderd seeds per batch).
     expected_index = [b["index"] for b in DataLoader(datasets.RandomAugment(), batch_size=8)]
-    assert_same_epochs([b["index"] for b in first], expected_index)
+    assert_same_batches([b["index"] for b in first], expected_index)
     for i, batch in enumerate(first):
         assert list(batch) == ["index", "torch", "numpy", "random"]
         assert batch["torch"].dtype == torch.float32 and batch["torch"].shape == (8, 3)
@@ -457,7 +382,7 @@ def test_random_transforms_seeded_per_loader_seed(
 
     # Same seed, whatever the pool size.
     one_worker = _augment_epoch(daemon_one_worker.address, transport, seed=31, batch_size=8)
-    assert_same_epochs(one_worker, first)
+    assert_same_batches(one_worker, first)
 
 
 @pytest.mark.timeout(60)
@@ -468,15 +393,15 @@ def test_random_transforms_seeded_by_generator(
     # The global RNG has no say when a generator is given.
     torch.manual_seed(12345)
     again = _augment_epoch(daemon.address, transport, generator_seed=8, batch_size=5, shuffle=True)
-    assert_same_epochs(again, first)
+    assert_same_batches(again, first)
     other = _augment_epoch(daemon.address, transport, generator_seed=9, batch_size=5, shuffle=True)
     assert not any(torch.equal(a["torch"], b["torch"]) for a, b in zip(first, other))
     one_worker = _augment_epoch(daemon_one_worker.address, transport, generator_seed=8, batch_size=5, shuffle=True)
-    assert_same_epochs(one_worker, first)
+    assert_same_batches(one_worker, first)
     # No automatic batching: per-item values still differ from item to item.
     items = _augment_epoch(daemon.address, transport, generator_seed=8, batch_size=None)
     assert _distinct_rows(torch.stack([item["torch"] for item in items])) == len(items)
-    assert_same_epochs(_augment_epoch(daemon_one_worker.address, transport, generator_seed=8, batch_size=None), items)
+    assert_same_batches(_augment_epoch(daemon_one_worker.address, transport, generator_seed=8, batch_size=None), items)
 
 
 # ------------------------------------------------------------------ arguments and errors
@@ -534,7 +459,7 @@ def test_break_early_then_new_epoch(remote: Any) -> None:
     got, rand_remote = rng_state_after(4, lambda: run(loader))
     assert [len(e) for e in expected] == [2, 26, 0, 26]
     for epoch in range(4):
-        assert_same_epochs(got[epoch], expected[epoch])
+        assert_same_batches(got[epoch], expected[epoch])
     assert torch.equal(rand_remote, rand_torch)
 
 
@@ -544,9 +469,9 @@ def test_abandoned_iterator_then_new_epoch(remote: Any) -> None:
     it = iter(loader)
     assert_same(next(it), next(iter(DataLoader(squares(), batch_size=7))))
     # A fresh epoch while the old iterator is still referenced.
-    assert_same_epochs(list(loader), list(DataLoader(squares(), batch_size=7)))
+    assert_same_batches(list(loader), list(DataLoader(squares(), batch_size=7)))
     del it
-    assert_same_epochs(list(loader), list(DataLoader(squares(), batch_size=7)))
+    assert_same_batches(list(loader), list(DataLoader(squares(), batch_size=7)))
 
 
 @pytest.mark.timeout(30)
@@ -559,25 +484,14 @@ def test_two_loaders_interleaved(remote: Any) -> None:
     expected = list(zip(torch_a, torch_b))
     got = list(zip(remote_a, remote_b))
     assert len(expected) == 14
-    assert_same_epochs(got, expected)
+    assert_same_batches(got, expected)
     # A next epoch of one of them, after the interleaved one ended early.
     expected_rest = list(torch_a)
     got_rest = list(remote_a)
-    assert_same_epochs(got_rest, expected_rest)
+    assert_same_batches(got_rest, expected_rest)
 
 
 # ------------------------------------------------------------------ batches in shared-memory slots
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a batch, depth first."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -608,7 +522,7 @@ def _assert_no_aliasing(batches: list[Any]) -> None:
     ranges = sorted(
         (*_byte_range(t), f"batch {i} tensor {j}")
         for i, batch in enumerate(batches)
-        for j, t in enumerate(_tensors(batch))
+        for j, t in enumerate(tensors_of(batch))
         if t.numel()
     )
     for (_, end_a, what_a), (start_b, _, what_b) in zip(ranges, ranges[1:]):
@@ -632,7 +546,7 @@ def test_large_batches_match_torch(remote: Any, name: str, batch_size: int, shuf
     for epoch in range(2):
         got = list(loader)  # every batch of the epoch held at once
         expected = list(expected_loader)
-        assert_same_epochs(got, expected)
+        assert_same_batches(got, expected)
         _assert_no_aliasing(got)
         assert torch.equal(g_torch.get_state(), g_remote.get_state()), f"generator diverged in epoch {epoch}"
 
@@ -645,16 +559,16 @@ def test_shm_batches_are_zero_copy_views_of_shared_memory(daemon: RunningDaemon)
 
     shm = list(RemoteDataLoader("squares-big", transport="shm", **kw))
     over_grpc = list(RemoteDataLoader("squares-big", transport="grpc", **kw))
-    assert_same_epochs(shm, expected)
-    assert_same_epochs(over_grpc, expected)
-    assert_same_epochs(shm, over_grpc)
+    assert_same_batches(shm, expected)
+    assert_same_batches(over_grpc, expected)
+    assert_same_batches(shm, over_grpc)
 
     mappings = _daemon_shm_mappings()
     for i, batch in enumerate(shm):
-        for j, t in enumerate(_tensors(batch)):
+        for j, t in enumerate(tensors_of(batch)):
             assert _in_shared_memory(t, mappings), f"shm batch {i} tensor {j} is not a view of the daemon's shared memory"
     for i, batch in enumerate(over_grpc):
-        for j, t in enumerate(_tensors(batch)):
+        for j, t in enumerate(tensors_of(batch)):
             assert not _in_shared_memory(t, mappings), f"grpc batch {i} tensor {j} lies in the daemon's shared memory"
     _assert_no_aliasing(shm)
 
@@ -662,9 +576,9 @@ def test_shm_batches_are_zero_copy_views_of_shared_memory(daemon: RunningDaemon)
     loader = RemoteDataLoader("squares-big", transport="shm", **kw)
     for _ in range(2):
         later = list(loader)
-        assert_same_epochs(later, expected)
+        assert_same_batches(later, expected)
         _assert_no_aliasing(shm + later)
-    assert_same_epochs(shm, expected)
+    assert_same_batches(shm, expected)
 
 
 @pytest.mark.timeout(60)
@@ -680,11 +594,11 @@ def test_auto_transport_equals_shm(daemon: RunningDaemon, name: str, batch_size:
     local = datasets.Squares(BIG_SQUARES_N) if name == "squares-big" else datasets.Structured()
     expected = list(DataLoader(local, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(3)))
     auto, shm = epoch("auto"), epoch("shm")
-    assert_same_epochs(auto, shm)
-    assert_same_epochs(auto, expected)
+    assert_same_batches(auto, shm)
+    assert_same_batches(auto, expected)
     if name == "squares-big":
         # The tests share the daemon's /dev/shm, so "auto" picked shared memory too.
         mappings = _daemon_shm_mappings()
         for i, batch in enumerate(auto):
-            for j, t in enumerate(_tensors(batch)):
+            for j, t in enumerate(tensors_of(batch)):
                 assert _in_shared_memory(t, mappings), f"auto batch {i} tensor {j} is not in shared memory"

@@ -23,19 +23,16 @@ dataset built locally (same arguments, same generator seed).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import glob
 import importlib.util
 import os
-import queue
 import re
 import shutil
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,7 +44,8 @@ from torch.utils.data import DataLoader
 
 import datasets
 import loaderd
-from conftest import STARTUP_TIMEOUT_S, TESTS_DIR, RunningDaemon, serve_command, wait_serving, write_config
+from compare import assert_same, assert_same_batches
+from conftest import TESTS_DIR, RunningDaemon, client_process, running_daemon, tensors_of, wait_for
 from loaderd import RemoteDataLoader
 from loaderd.server import arena as loaderd_arena
 
@@ -122,27 +120,6 @@ SQUARES_CFG = {"dataset": "datasets:Squares", "kwargs": {"n": SQUARES_N}}
 # ------------------------------------------------------------------ helpers
 
 
-def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Strict equality: types, dtypes, shapes and values."""
-    assert type(a) is type(b), f"{path}: type {type(a).__qualname__} != {type(b).__qualname__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def assert_same_batches(got: list[Any], want: list[Any], what: str) -> None:
-    assert len(got) == len(want), f"{what}: {len(got)} batches, torch gave {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w, f"{what} batch {i}")
-
-
 def torch_epochs(dataset: Any, epochs: int, **kw: Any) -> list[list[Any]]:
     """What torch's DataLoader yields over ``epochs`` epochs (the oracle)."""
     loader = DataLoader(dataset, **kw)
@@ -151,6 +128,22 @@ def torch_epochs(dataset: Any, epochs: int, **kw: Any) -> list[list[Any]]:
 
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def shuffled(
+    address: str,
+    name: str,
+    dataset: Any,
+    batch_size: int,
+    seed: int,
+    epochs: int,
+    transport: str = "shm",
+    **remote_only: Any,
+) -> tuple[RemoteDataLoader, list[list[Any]]]:
+    """A shuffling RemoteDataLoader, and what torch's DataLoader yields over ``epochs`` epochs with the same seed."""
+    kw: dict[str, Any] = dict(batch_size=batch_size, shuffle=True)
+    loader = RemoteDataLoader(name, address=address, transport=transport, generator=seeded(seed), **kw, **remote_only)
+    return loader, torch_epochs(dataset, epochs, generator=seeded(seed), **kw)
 
 
 def segment_prefix(pid: int) -> str:
@@ -211,16 +204,6 @@ class Mappings:
         return ""
 
 
-def tensors_of(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (list, tuple)):
-        return [t for item in batch for t in tensors_of(item)]
-    if isinstance(batch, dict):
-        return [t for item in batch.values() for t in tensors_of(item)]
-    return []
-
-
 def shm_backing(batch: Any, daemon_pid: int, maps: Mappings | None = None) -> str | None:
     """The daemon segment the batch's tensors view, or None for a copied (gRPC) batch.
 
@@ -239,17 +222,6 @@ def shm_backing(batch: Any, daemon_pid: int, maps: Mappings | None = None) -> st
 def count_shm(batches: list[Any], daemon_pid: int) -> int:
     maps = Mappings()
     return sum(shm_backing(b, daemon_pid, maps) is not None for b in batches)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def iterate_epoch(loader: RemoteDataLoader, deadline_s: float) -> list[Any]:
@@ -310,52 +282,33 @@ def daemon_pid(daemon: RunningDaemon) -> int:
 
 
 class SharedDaemon:
-    """A module-lived daemon, started on first use and again if a test stopped it."""
+    """A module-lived daemon, started on first use and again if a test stopped it.
 
-    def __init__(self, datasets_cfg: dict[str, Any], workers: int = 2, tcp: bool = False, **top: Any) -> None:
+    At close, a daemon still running must stop cleanly and leave no shared memory behind.
+    """
+
+    def __init__(self, datasets_cfg: dict[str, Any], **options: Any) -> None:
         self.datasets_cfg = datasets_cfg
-        self.workers = workers
-        self.tcp = tcp
-        self.top = top
+        self.options = options
         self.daemon: RunningDaemon | None = None
-        self.tmp: list[Path] = []
+        self.started = contextlib.ExitStack()
 
     def get(self) -> RunningDaemon:
         if self.daemon is not None and self.daemon.process.poll() is None:
             return self.daemon
-        tmp = Path(tempfile.mkdtemp(prefix="ld-shm-", dir="/tmp"))
-        self.tmp.append(tmp)
-        socket_path = tmp / "d.sock"
-        listen = [f"unix://{socket_path}"] + (["127.0.0.1:0"] if self.tcp else [])
-        config_path = write_config(
-            tmp, self.datasets_cfg, workers=self.workers, listen=listen, python_path=PYTHON_PATH, **self.top
+        self.daemon = self.started.enter_context(
+            running_daemon(
+                self.datasets_cfg, prefix="ld-shm-", expect_running=False, python_path=PYTHON_PATH, **self.options
+            )
         )
-        log_path = tmp / "daemon.log"
-        with open(log_path, "w") as log_file:
-            process = subprocess.Popen(serve_command(config_path), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        daemon = self.daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
-        wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
-        if self.tcp:
-            for line in daemon.log().splitlines():
-                if "listening on 127.0.0.1:" in line:
-                    daemon.extra_addresses.append(line.rsplit(" ", 1)[-1])
-            assert daemon.extra_addresses, f"no TCP address in the log:\n{daemon.log()}"
-        return daemon
+        return self.daemon
 
     def close(self) -> None:
-        try:
-            daemon = self.daemon
-            if daemon is not None and daemon.process.poll() is None:
-                code = daemon.stop()
-                assert code == 0, f"daemon exited with {code}:\n{daemon.log()}"
-                assert not daemon.socket_path.exists(), "daemon left its socket file behind"
-                assert shm_entries(daemon_pid(daemon)) == [], "daemon left shared memory behind"
-        finally:
-            if self.daemon is not None and self.daemon.process.poll() is None:
-                self.daemon.process.kill()
-                self.daemon.process.wait(5)
-            for tmp in self.tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
+        daemon = self.daemon
+        was_running = daemon is not None and daemon.process.poll() is None
+        self.started.close()
+        if was_running:
+            assert shm_entries(daemon_pid(daemon)) == [], "daemon left shared memory behind"
 
 
 @pytest.fixture(scope="module")
@@ -392,9 +345,7 @@ def mid_dataset(n: int = MID_N) -> Any:
 def test_replay_buffer_of_shm_batches_never_changes(roomy: SharedDaemon) -> None:
     daemon = roomy.get()
     pid = daemon_pid(daemon)
-    kw = dict(batch_size=MID_BATCH, shuffle=True)
-    loader = RemoteDataLoader("mid", address=daemon.address, transport="shm", generator=seeded(11), **kw)
-    want = torch_epochs(mid_dataset(), 5, generator=seeded(11), **kw)
+    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=5)
 
     # Epochs 0-2: every batch is kept (each holds its slot; none may be reused).
     kept: list[list[Any]] = [iterate_epoch(loader, 30) for _ in range(3)]
@@ -432,9 +383,7 @@ def test_replay_buffer_of_shm_batches_never_changes(roomy: SharedDaemon) -> None
 def test_full_arena_degrades_to_copies_and_held_batches_stay_intact(cramped: SharedDaemon) -> None:
     daemon = cramped.get()
     pid = daemon_pid(daemon)
-    kw = dict(batch_size=BIG_BATCH, shuffle=True)
-    loader = RemoteDataLoader("big", address=daemon.address, transport="shm", generator=seeded(5), **kw)
-    want = torch_epochs(big_dataset(), 3, generator=seeded(5), **kw)
+    loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=5, epochs=3)
 
     # 24 batches of 1.5 MiB kept against 2 x 4 MiB of shared memory: most cannot get a slot.
     kept = [iterate_epoch(loader, 30) for _ in range(3)]
@@ -458,12 +407,8 @@ def test_dropped_batches_return_their_slots(roomy: SharedDaemon) -> None:
     pid = daemon_pid(daemon)
     before = set(segment_sizes(pid))  # what earlier tests left (idle, and too small for these batches)
     window = 4  # prefetch_factor 2 x 2 workers: batches in flight beyond the one the user holds
-    kw = dict(batch_size=BIG_BATCH, shuffle=True)
     epochs = 10
-    loader = RemoteDataLoader(
-        "big", address=daemon.address, transport="shm", prefetch_factor=2, generator=seeded(21), **kw
-    )
-    want = torch_epochs(big_dataset(), epochs, generator=seeded(21), **kw)
+    loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=21, epochs=epochs, prefetch_factor=2)
 
     created: list[int] = []
     delivered_in_shm = 0
@@ -505,9 +450,7 @@ def test_shm_transport_refused_when_daemon_serves_no_shared_memory(start_daemon:
     assert "serves no shared memory" in message and "shm_bytes_per_worker" in message, message
 
     # "auto" falls back to gRPC: batches big enough for a slot arrive as copies, and correct.
-    kw = dict(batch_size=MID_BATCH, shuffle=True)
-    loader = RemoteDataLoader("mid", address=daemon.address, transport="auto", generator=seeded(3), **kw)
-    want = torch_epochs(mid_dataset(), 2, generator=seeded(3), **kw)
+    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=3, epochs=2, transport="auto")
     got = [iterate_epoch(loader, 30) for _ in range(2)]
     for epoch in range(2):
         assert_same_batches(got[epoch], want[epoch], f"auto epoch {epoch}")
@@ -565,9 +508,7 @@ def test_pin_memory_without_cuda_warns_like_torch(roomy: SharedDaemon) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pin_memory_with_cuda_gives_pinned_shm_batches(roomy: SharedDaemon) -> None:
     daemon = roomy.get()
-    kw = dict(batch_size=BIG_BATCH, shuffle=True)
-    loader = RemoteDataLoader("big", address=daemon.address, transport="shm", pin_memory=True, generator=seeded(10), **kw)
-    want = torch_epochs(big_dataset(), 2, generator=seeded(10), **kw)
+    loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=10, epochs=2, pin_memory=True)
     for epoch in range(2):
         got = iterate_epoch(loader, 60)
         assert_same_batches(got, want[epoch], f"pinned epoch {epoch}")
@@ -612,12 +553,8 @@ def test_mixed_batch_sizes_evict_idle_small_segments(start_daemon: Callable[...,
         shm_bytes_per_worker=cap,
     )
     pid = daemon_pid(daemon)
-    small_kw = dict(batch_size=MID_BATCH, shuffle=True)
-    big_kw = dict(batch_size=BIG_BATCH, shuffle=True)
-    small = RemoteDataLoader("small", address=daemon.address, transport="shm", generator=seeded(1), **small_kw)
-    big = RemoteDataLoader("big", address=daemon.address, transport="shm", generator=seeded(2), **big_kw)
-    want_small = torch_epochs(mid_dataset(512), 2, generator=seeded(1), **small_kw)
-    want_big = torch_epochs(big_dataset(), 2, generator=seeded(2), **big_kw)
+    small, want_small = shuffled(daemon.address, "small", mid_dataset(512), MID_BATCH, seed=1, epochs=2)
+    big, want_big = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=2, epochs=2)
 
     for round_ in range(2):
         # 64 small batches (128 KiB) kept at once: each worker fills its cap with 1 MiB segments.
@@ -786,26 +723,9 @@ time.sleep(600)
 def test_sigkilled_client_gives_its_slots_back(cramped: SharedDaemon) -> None:
     daemon = cramped.get()
     pid = daemon_pid(daemon)
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_SCRIPT, daemon.address, "big", "6", str(pid)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in client.stdout], daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    kw = dict(batch_size=BIG_BATCH, shuffle=True)
-    want = torch_epochs(big_dataset(), 4, generator=seeded(4), **kw)
-    loader = RemoteDataLoader("big", address=daemon.address, transport="shm", generator=seeded(4), **kw)
-    try:
-        output = []
-        deadline = time.monotonic() + 60
-        while not (output and output[-1].startswith("ready")):
-            try:
-                output.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                raise AssertionError(f"the client was not ready within 60 s: {''.join(output)}") from None
+    with client_process(CLIENT_SCRIPT, daemon.address, "big", "6", str(pid)) as client:
+        loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=4, epochs=4)
+        output = client.read_until(lambda line: line.startswith("ready"), 60, "the client was not ready")
         held_in_shm = int(output[-1].split()[1])
         assert held_in_shm == 4, f"the client holds {held_in_shm} slots; 2 workers x 4 MiB / 2 MiB = 4 expected"
 
@@ -816,13 +736,7 @@ def test_sigkilled_client_gives_its_slots_back(cramped: SharedDaemon) -> None:
         del got
         gc.collect()
 
-        client.send_signal(signal.SIGKILL)
-        assert client.wait(10) == -signal.SIGKILL
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait(10)
-    reader.join(10)
+        client.sigkill()
 
     # The killed client's slots came back: full epochs, correct, through shared memory again.
     in_shm = []
@@ -834,7 +748,7 @@ def test_sigkilled_client_gives_its_slots_back(cramped: SharedDaemon) -> None:
         gc.collect()
     assert in_shm[-1] >= 1, f"batches in shared memory per epoch after the kill: {in_shm}; the slots never came back"
     # The daemon says so: the killed client's session ended holding its slots.
-    opened = re.search(r"session (\d+) from \S+ \(pid %d\): shared memory yes" % client.pid, daemon.log())
+    opened = re.search(r"session (\d+) from \S+ \(pid %d\): shared memory yes" % client.process.pid, daemon.log())
     assert opened, daemon.log()
     ended = re.compile(r"session %s \(.*\) ended holding %d slots; released" % (opened.group(1), held_in_shm))
     wait_for(lambda: ended.search(daemon.log()), 10, f"the daemon to log {ended.pattern!r}")
