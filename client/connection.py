@@ -66,12 +66,6 @@ class DaemonConnection:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
 
-    def list_datasets(self) -> pb.ListDatasetsResponse:
-        try:
-            return self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CONNECT_TIMEOUT_S, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.address) from None
-
 
 _connections: dict[tuple[int, str], DaemonConnection] = {}
 _lock = threading.Lock()

@@ -206,9 +206,6 @@ class WorkerPool:
     def is_ready(self, worker_id: int) -> bool:
         return self._workers[worker_id].ready
 
-    def alive_workers(self) -> int:
-        return sum(w.alive and w.ready for w in self._workers.values())
-
     def submit(self, worker_id: int, task: Task) -> None:
         self._workers[worker_id].tasks.put(task)
 

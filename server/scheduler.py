@@ -149,15 +149,6 @@ class Scheduler:
         except OSError:  # closed during shutdown
             pass
 
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return {
-                "streams": len(self._streams),
-                "inflight": sum(len(v) for v in self._inflight.values()),
-                "workers_alive": self.pool.alive_workers(),
-                "worker_restarts": self.pool.restarts,
-            }
-
     # ------------------------------------------------------------ thread
 
     def _run(self) -> None:

@@ -124,7 +124,3 @@ class SessionRegistry:
             sessions = list(self._sessions.values())
         for session in sessions:
             self.close(session)
-
-    def held(self) -> int:
-        with self._lock:
-            return sum(len(s.leases) for s in self._sessions.values())
