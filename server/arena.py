@@ -76,6 +76,7 @@ class SlotWriter:
         self._counter = 0
         self._total = 0
         self._disabled = False
+        self._warned_full = False
         self.retired: list[str] = []  # destroyed since the daemon was last told
 
     def _create(self, size: int) -> str | None:
@@ -95,7 +96,9 @@ class SlotWriter:
         except OSError as exc:
             os.unlink(path)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                log.warning("%s is full; batches of %d bytes go over the pipe", SHM_DIR, size)
+                if not self._warned_full:  # once per worker: this repeats for every batch while full
+                    log.warning("%s is full; batches that find no free slot are copied over gRPC instead", SHM_DIR)
+                    self._warned_full = True
             else:
                 log.warning("cannot size shared memory %s (%s); sending batches over the pipe", path, exc)
             return None
