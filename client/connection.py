@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,10 +48,29 @@ class DaemonConnection:
         )
         self._session: ShmSession | None = None
         self._session_lock = threading.Lock()
+        # Cancellers of open streams (weakref.finalize objects), run at close.
+        self._stream_closers: set[Any] = set()
+
+    def track_stream(self, closer: Any) -> None:
+        """Remember how to cancel an open stream, so close() can end it."""
+        with self._session_lock:
+            self._stream_closers = {c for c in self._stream_closers if c.alive}
+            self._stream_closers.add(closer)
 
     def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
         """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.frames)."""
         return self._stream_batches(requests)
+
+    def close(self) -> None:
+        """Cancel open streams, end the shared-memory session and close the channel."""
+        with self._session_lock:
+            closers, self._stream_closers = self._stream_closers, set()
+            session, self._session = self._session, None
+        for closer in closers:
+            closer()  # a finalize object: runs at most once
+        if session is not None:
+            session.close()
+        self.channel.close()
 
     def session(self) -> ShmSession:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
@@ -79,3 +100,27 @@ def get_connection(address: str) -> DaemonConnection:
         if conn is None:
             conn = _connections[key] = DaemonConnection(address)
         return conn
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close every channel before the interpreter tears down.
+
+    Exiting with gRPC calls still open (a session, an iterator kept alive)
+    lets gRPC's own threads be destroyed mid-flight, which aborts the process
+    ("terminate called without an active exception"). Registered at import,
+    so it runs after the iterators' finalizers have cancelled their streams.
+    """
+    with _lock:
+        connections = [c for (pid, _), c in _connections.items() if pid == os.getpid()]
+        _connections.clear()
+    for conn in connections:
+        conn.close()
+    # Closing cancels every call; give the threads that were inside one (ours, and
+    # gRPC's request senders, which our closed request queues let go) a moment to leave.
+    deadline = time.monotonic() + 1.0
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or not thread.daemon:
+            continue
+        if thread.name.startswith("loaderd-") or "consume_request_iterator" in thread.name:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -201,6 +201,7 @@ class RemoteLoaderIter:
         # Cancels the stream when the caller drops the iterator (break, del,
         # exception) without relying on __del__; close() does it explicitly.
         self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests, session, self._stream_token)
+        loader._connection.track_stream(self._finalizer)
 
     # ------------------------------------------------------------ plan
 
