@@ -34,7 +34,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """Round up to the payload's array alignment."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -80,7 +81,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 class _Encoder:
     def __init__(self, slot: torch.Tensor | None, start: int) -> None:
         self.buffers: list[tuple[int, memoryview]] = []
-        self.offset = _align(start)
+        self.offset = align(start)
         self.end = start
         # Tensors already inside the slot (collated there) are referenced where they are.
         self.slot_lo = slot.data_ptr() if slot is not None else 0
@@ -102,7 +103,7 @@ class _Encoder:
             ref.offset = self.offset
             self.buffers.append((self.offset, raw))
             self.end = self.offset + raw.nbytes
-            self.offset = _align(self.end)
+            self.offset = align(self.end)
 
     def encode(self, obj: Any, path: str) -> pb.Value:
         if isinstance(obj, torch.Tensor):
@@ -249,30 +250,18 @@ class BatchAssembler:
     def complete(self) -> bool:
         return self._received >= self.payload_bytes
 
-    def _check_ref(self, ref: pb.ArrayRef, itemsize: int) -> None:
-        _check_ref(ref, itemsize, self.payload_bytes, self.seq)
-
     def _allocate(self, value: pb.Value) -> None:
         kind = value.WhichOneof("kind")
         if kind == "tensor":
             ref = value.tensor
-            dtype = _TORCH_DTYPES.get(ref.dtype)
-            if dtype is None:
-                raise TransportError(f"unknown tensor dtype {ref.dtype!r} in batch {self.seq}")
-            self._check_ref(ref, dtype.itemsize)
+            dtype = _tensor_dtype(ref, self.payload_bytes, self.seq)
             t = torch.empty(tuple(ref.shape), dtype=dtype, pin_memory=self._pin)
             self._arrays.append(t)
             if ref.nbytes:
                 self._slots.append(_Slot(ref.offset, ref.nbytes, memoryview(t.view(-1).view(torch.uint8).numpy())))
         elif kind == "ndarray":
             ref = value.ndarray
-            try:
-                dtype_np = _numpy_dtype(ref.dtype)
-            except (TypeError, ValueError):
-                raise TransportError(f"unknown numpy dtype {ref.dtype!r} in batch {self.seq}") from None
-            if dtype_np.hasobject:
-                raise TransportError(f"object dtype in batch {self.seq}")
-            self._check_ref(ref, dtype_np.itemsize)
+            dtype_np = _array_dtype(ref, self.payload_bytes, self.seq)
             arr = np.empty(tuple(ref.shape), dtype=dtype_np)
             self._arrays.append(arr)
             if ref.nbytes:
@@ -331,20 +320,37 @@ def view_batch(header: pb.BatchHeader, buffer: memoryview) -> Any:
 
     def make(ref: pb.ArrayRef, is_tensor: bool) -> Any:
         if is_tensor:
-            dtype = _TORCH_DTYPES.get(ref.dtype)
-            if dtype is None:
-                raise TransportError(f"unknown tensor dtype {ref.dtype!r} in batch {seq}")
-            _check_ref(ref, dtype.itemsize, header.payload_bytes, seq)
+            dtype = _tensor_dtype(ref, header.payload_bytes, seq)
             if not ref.nbytes:
                 return torch.empty(tuple(ref.shape), dtype=dtype)
             raw = torch.frombuffer(buffer, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
             return raw.view(dtype).view(tuple(ref.shape))
-        np_dtype = _numpy_dtype(ref.dtype)
-        _check_ref(ref, np_dtype.itemsize, header.payload_bytes, seq)
+        np_dtype = _array_dtype(ref, header.payload_bytes, seq)
         flat = np.frombuffer(buffer, dtype=np_dtype, count=math.prod(ref.shape), offset=ref.offset)
         return flat.reshape(tuple(ref.shape)).copy()
 
     return build_value(header.value, seq, make)
+
+
+def _tensor_dtype(ref: pb.ArrayRef, payload_bytes: int, seq: int) -> torch.dtype:
+    """The tensor's dtype, once its layout is checked against the payload."""
+    dtype = _TORCH_DTYPES.get(ref.dtype)
+    if dtype is None:
+        raise TransportError(f"unknown tensor dtype {ref.dtype!r} in batch {seq}")
+    _check_ref(ref, dtype.itemsize, payload_bytes, seq)
+    return dtype
+
+
+def _array_dtype(ref: pb.ArrayRef, payload_bytes: int, seq: int) -> np.dtype:
+    """The numpy array's dtype (never object), once its layout is checked against the payload."""
+    try:
+        dtype = _numpy_dtype(ref.dtype)
+    except (TypeError, ValueError):
+        raise TransportError(f"unknown numpy dtype {ref.dtype!r} in batch {seq}") from None
+    if dtype.hasobject:
+        raise TransportError(f"object dtype in batch {seq}")
+    _check_ref(ref, dtype.itemsize, payload_bytes, seq)
+    return dtype
 
 
 def _check_ref(ref: pb.ArrayRef, itemsize: int, payload_bytes: int, seq: int) -> None:

@@ -81,17 +81,10 @@ def _import_path(value: Any, where: str) -> str:
     return value
 
 
-def _positive_int(raw: dict[str, Any], key: str, default: int) -> int:
+def _int_at_least(raw: dict[str, Any], key: str, default: int, minimum: int) -> int:
     value = _expect(raw.get(key, default), int, key, "an integer")
-    if value < 1:
-        raise ConfigError(f"{key}: must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(raw: dict[str, Any], key: str, default: int) -> int:
-    value = _expect(raw.get(key, default), int, key, "an integer")
-    if value < 0:
-        raise ConfigError(f"{key}: must not be negative, got {value}")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
     return value
 
 
@@ -153,12 +146,12 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
     return LoaderConfig(
         path=path,
         listen=listen,
-        workers=_positive_int(raw, "workers", 2),
+        workers=_int_at_least(raw, "workers", 2, 1),
         python_path=python_path,
         datasets=datasets,
-        chunk_bytes=_positive_int(raw, "chunk_bytes", 4 << 20),
-        max_window=_positive_int(raw, "max_window", 64),
-        shm_bytes_per_worker=_non_negative_int(raw, "shm_bytes_per_worker", 1 << 30),
+        chunk_bytes=_int_at_least(raw, "chunk_bytes", 4 << 20, 1),
+        max_window=_int_at_least(raw, "max_window", 64, 1),
+        shm_bytes_per_worker=_int_at_least(raw, "shm_bytes_per_worker", 1 << 30, 0),
         log_level=log_level,
     )
 

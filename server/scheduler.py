@@ -23,6 +23,7 @@ from loaderd.server.stream import BatchStream, Delivery, StreamFailed
 from loaderd.server.tasks import (
     BatchDone,
     BatchFailed,
+    DatasetMeta,
     IterTask,
     ReleaseStream,
     ReplicaExhausted,
@@ -86,11 +87,16 @@ class Scheduler:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
-    def open_stream(self, request: pb.OpenStream, peer: str) -> BatchStream:
-        meta = self.pool.datasets.get(request.dataset)
+    def dataset(self, name: str) -> DatasetMeta:
+        """A dataset the config defines; UnknownDatasetError naming what exists otherwise."""
+        meta = self.pool.datasets.get(name)
         if meta is None:
             known = ", ".join(sorted(self.pool.datasets)) or "none"
-            raise UnknownDatasetError(f"no dataset named {request.dataset!r} in this daemon's config (it defines: {known})")
+            raise UnknownDatasetError(f"no dataset named {name!r} in this daemon's config (it defines: {known})")
+        return meta
+
+    def open_stream(self, request: pb.OpenStream, peer: str) -> BatchStream:
+        meta = self.dataset(request.dataset)
         pool_size = self.pool.size
         replicas = max(1, request.num_workers) if meta.iterable else pool_size
         default_window = 4 * replicas

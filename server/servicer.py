@@ -60,10 +60,10 @@ class LoaderServicer:
     def DescribeDataset(
         self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext
     ) -> pb.DescribeDatasetResponse:
-        meta = self._datasets.get(request.name)
-        if meta is None:
-            known = ", ".join(sorted(self._datasets)) or "none"
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no dataset named {request.name!r} in this daemon's config (it defines: {known})")
+        try:
+            meta = self.scheduler.dataset(request.name)
+        except UnknownDatasetError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return pb.DescribeDatasetResponse(dataset=_dataset_info(request.name, meta), pool_workers=self.scheduler.pool.size)
 
     def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -15,25 +15,21 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from loaderd.codec import ALIGN
+from loaderd.codec import align
 
 
 class SlotFull(Exception):
     """The batch outgrew the slot chosen for it (its items are not all alike)."""
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def estimate_bytes(sample: Any, batch_size: int) -> int:
     """Slot bytes that collating ``batch_size`` samples shaped like ``sample`` takes."""
     if isinstance(sample, torch.Tensor):
-        return _align(sample.numel() * sample.element_size() * batch_size)
+        return align(sample.numel() * sample.element_size() * batch_size)
     if isinstance(sample, np.ndarray):
-        return _align(sample.nbytes * batch_size)
+        return align(sample.nbytes * batch_size)
     if isinstance(sample, (int, float, np.number, np.bool_)):
-        return _align(8 * batch_size)
+        return align(8 * batch_size)
     if isinstance(sample, (str, bytes)):
         return 0
     if isinstance(sample, Mapping):
@@ -52,7 +48,7 @@ class SlotArea:
 
     def alloc(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        offset = _align(self.used)
+        offset = align(self.used)
         if offset + nbytes > self.base.numel():
             raise SlotFull
         self.used = offset + nbytes
