@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import queue
+import socket
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +47,8 @@ _POLL_S = 0.25
 # Finished batches the receiver thread may hold ahead of the caller.
 _RECEIVED_AHEAD = 2
 _stream_tokens = itertools.count(1)
+# Who this process is, for the daemon's status, logs and metrics.
+CLIENT_NAME = f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,7 @@ class RemoteLoaderIter:
         self._stream_token = next(_stream_tokens)
         self._planned = 0
         self._consumed = 0
+        self._stalled_s = 0.0
         self._plan_length = _length(loader._plan._index_sampler) if not self._iterable else None
         self._plan_done = self._iterable
         self._finished = False
@@ -191,6 +197,7 @@ class RemoteLoaderIter:
                     window=self._window,
                     session_id=session.session_id if session is not None else 0,
                     stream_token=self._stream_token,
+                    client=CLIENT_NAME,
                 )
             )
         )
@@ -214,6 +221,10 @@ class RemoteLoaderIter:
         last batch. So the last batch, and anything past it, is planned only when
         asked for: an epoch stopped early leaves the user's generator where torch does.
         """
+        if self._iterable:
+            # An iterable stream's credit: the daemon runs at most `window` batches past this.
+            self._requests.put(pb.StreamRequest(plan=self._progress()))
+            return
         if self._plan_done:
             return
         batches: list[pb.IndexBatch] = []
@@ -232,10 +243,16 @@ class RemoteLoaderIter:
             batches.append(pb.IndexBatch(indices=_as_indices(item, self._auto_collation)))
             self._planned += 1
         if batches or end:
-            self._requests.put(pb.StreamRequest(plan=pb.PlanBatches(batches=batches, end=end)))
+            plan = self._progress()
+            plan.batches.extend(batches)
+            plan.end = end
+            self._requests.put(pb.StreamRequest(plan=plan))
         if end:
             self._plan_done = True
             self._requests.put(None)  # half-close: nothing more to send
+
+    def _progress(self) -> pb.PlanBatches:
+        return pb.PlanBatches(consumed=self._consumed, stalled_us=int(self._stalled_s * 1e6))
 
     # ------------------------------------------------------------ iteration
 
@@ -246,7 +263,9 @@ class RemoteLoaderIter:
         if self._finished:
             raise StopIteration
         self._top_up_plan()
+        waiting_since = time.monotonic()
         item = self._next_item()
+        self._stalled_s += time.monotonic() - waiting_since
         if item.kind == "end":
             self.close()
             raise StopIteration

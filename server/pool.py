@@ -56,6 +56,17 @@ class WorkerDied:
     exitcode: int | None
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    """One pool slot as ``loaderd status`` shows it."""
+
+    worker_id: int
+    pid: int
+    alive: bool
+    ready: bool
+    restarts: int
+
+
 PoolEvent = WorkerResult | WorkerDied
 
 
@@ -85,6 +96,10 @@ class WorkerPool:
         self._generations: dict[int, int] = {}
         self.datasets: dict[str, DatasetMeta] = {}
         self.restarts = 0
+        self._restarts_by_slot: dict[int, int] = {}
+        # Extra references to a shared-memory result (a shared job delivers one
+        # batch to several clients): release() gives the slot back at the last one.
+        self._extra_refs: dict[tuple[int, int, str], int] = {}
         self.shm_prefix = (
             daemon_prefix(os.getpid(), secrets.token_hex(8))
             if config.shm_bytes_per_worker > 0 and shm_available()
@@ -154,7 +169,14 @@ class WorkerPool:
         old = self._workers[worker_id]
         self._close(old)
         self.restarts += 1
+        self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
         self._spawn(worker_id)
+
+    def states(self) -> list[WorkerState]:
+        return [
+            WorkerState(w.worker_id, w.process.pid or 0, w.alive, w.ready, self._restarts_by_slot.get(w.worker_id, 0))
+            for w in sorted(self._workers.values(), key=lambda w: w.worker_id)
+        ]
 
     def _close(self, worker: _Worker) -> None:
         worker.alive = False
@@ -233,7 +255,15 @@ class WorkerPool:
         if result.slot is None:
             return
         key = (result.worker_id, result.generation)
+        ref = (result.worker_id, result.generation, result.slot.name)
         with self._held_lock:
+            extra = self._extra_refs.get(ref, 0)
+            if extra:
+                if extra == 1:
+                    del self._extra_refs[ref]
+                else:
+                    self._extra_refs[ref] = extra - 1
+                return
             self._held[key] -= 1
             retiring = self._retiring.pop(key, None) if self._held[key] == 0 else None
         if retiring is not None:
@@ -245,6 +275,14 @@ class WorkerPool:
                 worker.tasks.put(ReleaseSlot(result.slot.name))
             except (ValueError, OSError):  # closed: the worker died meanwhile
                 pass
+
+    def retain(self, result: WorkerResult) -> None:
+        """One more holder of ``result``'s payload: it takes one more release() to give the slot back."""
+        if result.slot is None:
+            return
+        ref = (result.worker_id, result.generation, result.slot.name)
+        with self._held_lock:
+            self._extra_refs[ref] = self._extra_refs.get(ref, 0) + 1
 
     def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
         """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready)."""

@@ -12,18 +12,22 @@ import itertools
 import logging
 import multiprocessing
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
 from loaderd.errors import WorkerCrashedError, capture_exception
 from loaderd.server.config import LoaderConfig
 from loaderd.server.pool import WorkerDied, WorkerPool, WorkerResult
+from loaderd.server.share import SharedJob, ShareMismatchError
 from loaderd.server.stream import BatchStream, Delivery, StreamFailed
 from loaderd.server.tasks import (
     BatchDone,
     BatchFailed,
     DatasetMeta,
+    FetchTask,
     IterTask,
     ReleaseStream,
     ReplicaExhausted,
@@ -47,10 +51,29 @@ class UnknownDatasetError(LookupError):
     pass
 
 
+class BadStreamError(ValueError):
+    """An OpenStream the daemon cannot serve; the message says why."""
+
+
 @dataclass
 class _InFlight:
     task: Task
     attempts: int
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DatasetCounters:
+    """Totals per dataset since the daemon started (``loaderd status``, metrics)."""
+
+    batches_computed: int = 0
+    samples_fetched: int = 0
+    errors: int = 0
+    # Batches delivered by streams already closed; open streams add their own.
+    delivered_closed: int = 0
+
+
+Producer = BatchStream | SharedJob
 
 
 class Scheduler:
@@ -60,7 +83,14 @@ class Scheduler:
         self.pool = pool
         self.config = config
         self.lock = threading.Lock()
-        self._streams: dict[int, BatchStream] = {}
+        # Everything that produces tasks: plain streams, shared jobs, and (idle) share consumers.
+        self._streams: dict[int, Producer] = {}
+        self._jobs: dict[tuple[str, int], SharedJob] = {}
+        self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in pool.datasets}
+        self.worker_batches: dict[int, int] = {}
+        self.started_at = time.monotonic()
+        # Called (dataset, seconds from dispatch to result) for each finished batch; set by the metrics.
+        self.on_batch: Callable[[str, float], None] = lambda dataset, seconds: None
         self._turn = 0
         self._ids = itertools.count(1)
         self._inflight: dict[int, dict[tuple[int, int], _InFlight]] = {w: {} for w in range(pool.size)}
@@ -95,12 +125,19 @@ class Scheduler:
             raise UnknownDatasetError(f"no dataset named {name!r} in this daemon's config (it defines: {known})")
         return meta
 
-    def open_stream(self, request: pb.OpenStream, peer: str) -> BatchStream:
+    def open_stream(self, request: pb.OpenStream, peer: str, shm: bool = False) -> BatchStream:
+        """A new stream; UnknownDatasetError, BadStreamError or ShareMismatchError if it cannot be served."""
         meta = self.dataset(request.dataset)
         pool_size = self.pool.size
         replicas = max(1, request.num_workers) if meta.iterable else pool_size
         default_window = 4 * replicas
         window = min(request.window or default_window, self.config.max_window)
+        share = request.share if request.HasField("share") else None
+        if share is not None:
+            if meta.iterable:
+                raise BadStreamError(f"dataset {request.dataset!r} is an IterableDataset: shares serve map-style datasets")
+            if not share.name:
+                raise BadStreamError("a share needs a name")
         with self.lock:
             stream = BatchStream(
                 stream_id=next(self._ids),
@@ -116,13 +153,51 @@ class Scheduler:
                 stream_token=request.stream_token,
                 cond=threading.Condition(self.lock),
                 release=self.pool.release,
+                start=request.start,
+                client=request.client,
+                shm=shm,
             )
+            if share is not None:
+                self._join(stream, share)
             self._streams[stream.stream_id] = stream
         self.wake()
         return stream
 
-    def add_plan(self, stream: BatchStream, batches: list[tuple[int, ...] | int], end: bool) -> None:
+    def _join(self, stream: BatchStream, share: pb.ShareSpec) -> None:
+        key = (share.name, share.epoch)
+        job = self._jobs.get(key)
+        if job is None:
+            job = SharedJob(
+                job_id=next(self._ids),
+                name=share.name,
+                epoch=share.epoch,
+                dataset=stream.dataset,
+                fingerprint=share.fingerprint,
+                auto_collation=stream.auto_collation,
+                base_seed=stream.base_seed,
+                buffer_limit=self.config.max_window,
+                retain=self.pool.retain,
+                release=self.pool.release,
+            )
+            self._jobs[key] = job
+            self._streams[job.job_id] = job
+            log.info("share %r epoch %d started on %r", share.name, share.epoch, stream.dataset)
+        else:
+            job.check_join(stream.dataset, share.fingerprint, stream.auto_collation, stream.base_seed)
+        job.attach(stream)
+
+    def snapshot_streams(self) -> list[BatchStream]:
+        """The open client streams (for status); call with ``lock`` held."""
+        return [s for s in self._streams.values() if isinstance(s, BatchStream)]
+
+    def snapshot_jobs(self) -> list[SharedJob]:
+        return list(self._jobs.values())
+
+    def add_plan(
+        self, stream: BatchStream, batches: list[tuple[int, ...] | int], end: bool, consumed: int = 0, stalled_us: int = 0
+    ) -> None:
         with self.lock:
+            stream.progress(consumed, stalled_us)
             stream.add_plan(batches, end)
         self.wake()
 
@@ -139,6 +214,15 @@ class Scheduler:
             stream.discard()
             stream.cond.notify_all()
             self._streams.pop(stream.stream_id, None)
+            self.counters[stream.dataset].delivered_closed += stream.delivered
+            job = stream.job
+            if job is not None:
+                job.detach(stream)
+                if not job.consumers:
+                    job.discard()
+                    self._streams.pop(job.job_id, None)
+                    self._jobs.pop((job.name, job.epoch), None)
+                    log.info("share %r epoch %d ended: %d batches produced", job.name, job.epoch, job.produced)
             owners = {stream.replica_owner(r, self.pool.size) for r in range(len(stream.replicas))}
         for worker_id in owners:
             self._submit(worker_id, ReleaseStream(stream.stream_id))
@@ -227,8 +311,10 @@ class Scheduler:
             return
         key = (result.stream_id, result.seq)
         with self.lock:
-            self._inflight[event.worker_id].pop(key, None)
+            record = self._inflight[event.worker_id].pop(key, None)
             self._attempts.pop(key, None)
+            if record is not None:
+                self._count(event.worker_id, record, result)
             stream = self._streams.get(result.stream_id)
             if stream is None:
                 self.pool.release(event)
@@ -239,6 +325,20 @@ class Scheduler:
                 stream.resolve(Delivery(seq=result.seq, error=result.error))
             elif isinstance(result, ReplicaExhausted):
                 stream.replica_exhausted(result.seq)
+
+    def _count(self, worker_id: int, record: _InFlight, result: object) -> None:
+        task = record.task
+        counters = self.counters.setdefault(task.dataset, DatasetCounters())
+        if isinstance(result, BatchFailed):
+            counters.errors += 1
+        elif isinstance(result, BatchDone):
+            counters.batches_computed += 1
+            self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
+            if isinstance(task, FetchTask):
+                counters.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1
+            elif isinstance(task, IterTask):
+                counters.samples_fetched += task.batch_size or 1
+            self.on_batch(task.dataset, time.monotonic() - record.sent_at)
 
     def _on_death(self, event: WorkerDied) -> None:
         log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 import grpc
 
 from loaderd.server import framing
-from loaderd.server.scheduler import Scheduler, UnknownDatasetError
+from loaderd.server.scheduler import BadStreamError, Scheduler, UnknownDatasetError
+from loaderd.server.share import ShareMismatchError
 from loaderd.server.sessions import SessionRegistry, ShmSession
+from loaderd.server.status import build_status
 from loaderd.server.stream import END, BatchStream, Delivery, StreamFailed
 from loaderd.server.tasks import BatchDone, DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
@@ -66,27 +68,47 @@ class LoaderServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return pb.DescribeDatasetResponse(dataset=_dataset_info(request.name, meta), pool_workers=self.scheduler.pool.size)
 
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        return build_status(self.scheduler, self.sessions)
+
     def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
-        try:
-            stream = self.scheduler.open_stream(first.open, context.peer())
-        except UnknownDatasetError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        if stream.iterable and not stream.auto_collation and stream.batch_size:
-            self.scheduler.close_stream(stream)
+        opening = first.open
+        who = f"{opening.client or 'unnamed client'} ({context.peer()})"
+        if not opening.auto_collation and opening.batch_size:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch_size must be 0 without automatic batching")
         session = None
-        if first.open.session_id:
-            session = self.sessions.get(first.open.session_id)
+        if opening.session_id:
+            session = self.sessions.get(opening.session_id)
             if session is None:
-                self.scheduler.close_stream(stream)
+                log.warning("stream from %s refused: session %d unknown or closed", who, opening.session_id)
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"session {first.open.session_id} is unknown, closed, or cannot use shared memory",
+                    f"session {opening.session_id} is unknown, closed, or cannot use shared memory",
                 )
-        log.info("stream %d opened by %s on %r (window %d)", stream.stream_id, context.peer(), stream.dataset, stream.window)
+        try:
+            stream = self.scheduler.open_stream(opening, context.peer(), shm=session is not None)
+        except UnknownDatasetError as exc:
+            log.warning("stream from %s refused: %s", who, exc)
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except BadStreamError as exc:
+            log.warning("stream from %s refused: %s", who, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ShareMismatchError as exc:
+            log.warning("stream from %s refused: %s", who, exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info(
+            "stream %d opened by %s on %r (window %d%s%s%s)",
+            stream.stream_id,
+            who,
+            stream.dataset,
+            stream.window,
+            ", shared memory" if session is not None else "",
+            f", share {opening.share.name!r} epoch {opening.share.epoch}" if stream.job is not None else "",
+            f", resuming at batch {stream.start}" if stream.start else "",
+        )
         context.add_callback(lambda: self.scheduler.close_stream(stream))
         reader = threading.Thread(
             target=self._read_plan, args=(request_iterator, stream), name=f"loaderd-plan-{stream.stream_id}", daemon=True
@@ -95,7 +117,7 @@ class LoaderServicer:
         try:
             yield from self._deliver(stream, session, context)
         except StreamFailed as failure:
-            log.info("stream %d failed: %s", stream.stream_id, failure)
+            log.warning("stream %d of %s failed: %s", stream.stream_id, who, failure)
             context.abort(failure.code, str(failure))
         finally:
             self.scheduler.close_stream(stream)
@@ -112,6 +134,10 @@ class LoaderServicer:
                 yield framing.end_message(stream.delivered)
                 return
             self.scheduler.wake()  # a window slot opened
+            if delivery.replay:
+                if delivery.batch is not None:
+                    self.scheduler.pool.release(delivery.batch)
+                continue
             if delivery.error is not None:
                 yield framing.error_message(delivery.error)
                 continue
@@ -202,11 +228,14 @@ class LoaderServicer:
                     self.scheduler.fail_stream(stream, StreamFailed(grpc.StatusCode.INVALID_ARGUMENT, problem))
                     return
                 plan = request.plan
+                if stream.iterable:
+                    self.scheduler.add_plan(stream, [], False, plan.consumed, plan.stalled_us)
+                    continue
                 if stream.auto_collation:
                     batches: list[tuple[int, ...] | int] = [tuple(b.indices) for b in plan.batches]
                 else:
                     batches = [b.indices[0] for b in plan.batches]
-                self.scheduler.add_plan(stream, batches, plan.end)
+                self.scheduler.add_plan(stream, batches, plan.end, plan.consumed, plan.stalled_us)
         except grpc.RpcError:
             return  # the call ended; the context callback closes the stream
 
@@ -215,7 +244,9 @@ class LoaderServicer:
         if request.WhichOneof("kind") != "plan":
             return "after 'open', a stream carries only 'plan' requests"
         if stream.iterable:
-            return f"dataset {stream.dataset!r} is an IterableDataset: it takes no index plan"
+            if request.plan.batches or request.plan.end:
+                return f"dataset {stream.dataset!r} is an IterableDataset: it takes no index plan"
+            return None
         if stream.plan_end:
             return "plan received after the plan's end"
         for i, batch in enumerate(request.plan.batches):
@@ -245,6 +276,11 @@ def method_handlers(servicer: LoaderServicer) -> grpc.GenericRpcHandler:
             servicer.StreamBatches,
             request_deserializer=pb.StreamRequest.FromString,
             response_serializer=identity,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusResponse.SerializeToString,
         ),
         "Session": grpc.stream_stream_rpc_method_handler(
             servicer.Session,

@@ -12,16 +12,22 @@ All methods are called with the scheduler's lock held unless they say otherwise;
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from loaderd.server.pool import WorkerResult
 from loaderd.server.seeding import derive_seed
 from loaderd.server.tasks import FetchTask, IterTask, Task
+
+if TYPE_CHECKING:
+    from loaderd.server.share import SharedJob
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class Delivery:
     seq: int
     batch: WorkerResult | None = None  # a BatchDone and its payload
     error: bytes | None = None  # serialized RemoteError
+    # Resuming an iterable stream: produced again only to reach the resume point; not sent.
+    replay: bool = False
 
     @property
     def skipped(self) -> bool:
@@ -70,6 +78,17 @@ class BatchStream:
     cond: threading.Condition
     # Gives a batch's shared-memory payload back to its worker once it is sent or dropped.
     release: Callable[[WorkerResult], None]
+    # Positions consumed in an earlier run (resume): plans start there; iterable streams drop them.
+    start: int = 0
+    client: str = ""
+    shm: bool = False
+    # Set when the stream is a consumer of a shared job: the job produces, the stream only receives.
+    job: SharedJob | None = None
+    opened_at: float = field(default_factory=time.monotonic)
+    # Client-reported: batches taken from the loader (counting ``start``) and time spent waiting.
+    consumed: int = 0
+    stalled_us: int = 0
+    replayed: int = 0  # iterable resume: batches produced again and dropped so far
     pending: deque[tuple[int, tuple[int, ...] | int]] = field(default_factory=deque)
     retries: list[Task] = field(default_factory=list)
     plan_end: bool = False
@@ -87,15 +106,27 @@ class BatchStream:
     def __post_init__(self) -> None:
         if self.iterable:
             self.replicas = [_ReplicaCursor() for _ in range(max(1, self.num_workers))]
+        else:
+            self.planned = self.next_seq = self.start
+        self.consumed = self.start
 
     # ------------------------------------------------------------ planning
 
     def add_plan(self, batches: list[tuple[int, ...] | int], end: bool) -> None:
         for indices in batches:
-            self.pending.append((self.planned, indices))
+            if self.job is not None:
+                self.outstanding.add(self.planned)
+                self.job.need(self, self.planned, indices)
+            else:
+                self.pending.append((self.planned, indices))
             self.planned += 1
         self.plan_end = self.plan_end or end
         self.cond.notify_all()
+
+    def progress(self, consumed: int, stalled_us: int) -> None:
+        """The client's report of what it consumed (the credit of iterable streams) and waited."""
+        self.consumed = max(self.consumed, consumed)
+        self.stalled_us = max(self.stalled_us, stalled_us)
 
     def _active_replica(self) -> int | None:
         """The replica whose turn it is in torch's round-robin, skipping spent ones."""
@@ -107,14 +138,17 @@ class BatchStream:
         return None
 
     def wants_dispatch(self) -> bool:
-        if self.closed or self.failure is not None:
+        if self.closed or self.failure is not None or self.job is not None:
             return False
         if self.retries:
             return True
         if len(self.outstanding) + len(self.ready) >= self.window:
             return False
         if self.iterable:
-            return self._active_replica() is not None
+            # The credit: never more than ``window`` batches beyond what the client took
+            # (batches still inside gRPC's buffers have left ``ready`` but not the client).
+            in_credit = self.planned < max(self.consumed, self.start) + self.window
+            return in_credit and self._active_replica() is not None
         return bool(self.pending)
 
     def replica_owner(self, replica: int, pool_size: int) -> int:
@@ -231,6 +265,10 @@ class BatchStream:
                     self.next_seq += 1
                     if delivery.skipped:
                         continue
+                    if self.iterable and self.replayed < self.start:
+                        # Resuming: the client had this batch before; the caller drops it.
+                        self.replayed += 1
+                        return dataclasses.replace(delivery, replay=True)
                     self.delivered += 1
                     return delivery
                 if self._finished():

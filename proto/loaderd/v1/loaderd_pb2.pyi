@@ -54,7 +54,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token")
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class OpenStream(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     auto_collation: bool
     batch_size: int
@@ -73,7 +76,20 @@ class OpenStream(_message.Message):
     window: int
     session_id: int
     stream_token: int
-    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ...) -> None: ...
+    start: int
+    client: str
+    share: ShareSpec
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ...) -> None: ...
+
+class ShareSpec(_message.Message):
+    __slots__ = ("name", "epoch", "fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class IndexBatch(_message.Message):
     __slots__ = ("indices",)
@@ -82,12 +98,16 @@ class IndexBatch(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanBatches(_message.Message):
-    __slots__ = ("batches", "end")
+    __slots__ = ("batches", "end", "consumed", "stalled_us")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    STALLED_US_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[IndexBatch]
     end: bool
-    def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ...) -> None: ...
+    consumed: int
+    stalled_us: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ..., consumed: _Optional[int] = ..., stalled_us: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("open", "plan")
@@ -308,3 +328,107 @@ class StreamResponse(_message.Message):
     error: RemoteError
     end: StreamEnd
     def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "pid", "alive", "ready", "busy", "restarts", "batches")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    pid: int
+    alive: bool
+    ready: bool
+    busy: int
+    restarts: int
+    batches: int
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., batches: _Optional[int] = ...) -> None: ...
+
+class DatasetStatus(_message.Message):
+    __slots__ = ("info", "batches_computed", "samples_fetched", "batches_delivered", "errors", "open_streams", "queued")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    info: DatasetInfo
+    batches_computed: int
+    samples_fetched: int
+    batches_delivered: int
+    errors: int
+    open_streams: int
+    queued: int
+    def __init__(self, info: _Optional[_Union[DatasetInfo, _Mapping]] = ..., batches_computed: _Optional[int] = ..., samples_fetched: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., errors: _Optional[int] = ..., open_streams: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("stream_id", "peer", "client", "dataset", "window", "delivered", "consumed", "in_flight", "stalled_s", "open_s", "share", "shm")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    OPEN_S_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    peer: str
+    client: str
+    dataset: str
+    window: int
+    delivered: int
+    consumed: int
+    in_flight: int
+    stalled_s: float
+    open_s: float
+    share: str
+    shm: bool
+    def __init__(self, stream_id: _Optional[int] = ..., peer: _Optional[str] = ..., client: _Optional[str] = ..., dataset: _Optional[str] = ..., window: _Optional[int] = ..., delivered: _Optional[int] = ..., consumed: _Optional[int] = ..., in_flight: _Optional[int] = ..., stalled_s: _Optional[float] = ..., open_s: _Optional[float] = ..., share: _Optional[str] = ..., shm: _Optional[bool] = ...) -> None: ...
+
+class ShareStatus(_message.Message):
+    __slots__ = ("name", "epoch", "dataset", "consumers", "produced", "recomputed", "buffered")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    dataset: str
+    consumers: int
+    produced: int
+    recomputed: int
+    buffered: int
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., dataset: _Optional[str] = ..., consumers: _Optional[int] = ..., produced: _Optional[int] = ..., recomputed: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetStatus]
+    streams: _containers.RepeatedCompositeFieldContainer[StreamStatus]
+    shares: _containers.RepeatedCompositeFieldContainer[ShareStatus]
+    sessions: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ...) -> None: ...

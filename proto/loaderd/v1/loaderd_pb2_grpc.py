@@ -54,6 +54,11 @@ class LoaderStub:
                 request_serializer=loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.SerializeToString,
                 response_deserializer=loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/loaderd.v1.Loader/Status',
+                request_serializer=loaderd_dot_v1_dot_loaderd__pb2.StatusRequest.SerializeToString,
+                response_deserializer=loaderd_dot_v1_dot_loaderd__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class LoaderServicer:
@@ -93,6 +98,14 @@ class LoaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """A snapshot of the pool, datasets, shared jobs and connected clients
+        (what `loaderd status` prints).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +128,11 @@ def add_LoaderServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.FromString,
                     response_serializer=loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=loaderd_dot_v1_dot_loaderd__pb2.StatusRequest.FromString,
+                    response_serializer=loaderd_dot_v1_dot_loaderd__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +243,33 @@ class Loader:
             '/loaderd.v1.Loader/Session',
             loaderd_dot_v1_dot_loaderd__pb2.SessionRequest.SerializeToString,
             loaderd_dot_v1_dot_loaderd__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loaderd.v1.Loader/Status',
+            loaderd_dot_v1_dot_loaderd__pb2.StatusRequest.SerializeToString,
+            loaderd_dot_v1_dot_loaderd__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
