@@ -1,11 +1,13 @@
 """RemoteLoaderIter: one epoch of a RemoteDataLoader.
 
-It plays the part of torch's ``_MultiProcessingDataLoaderIter``: it draws the
-epoch's base seed and walks the index sampler in the caller's thread (so the
-client's RNG is consumed exactly as torch consumes it), keeps the daemon
-``window`` batches of plan ahead of what the caller consumed, and hands out
-batches in order. A receiver thread reassembles batches off the gRPC stream
-while the caller trains.
+It plays the part of torch's ``_MultiProcessingDataLoaderIter``: starting from
+the epoch's RNG draws (made by ``loaderd.epoch``, fresh or replayed for a
+resume), it walks the index sampler in the caller's thread (so the client's RNG
+is consumed exactly as torch consumes it), keeps the daemon ``window`` batches
+of plan ahead of what the caller consumed, and hands out batches in order. A
+receiver thread reassembles batches off the gRPC stream while the caller
+trains. It counts what it hands out into the epoch's ``EpochProgress``, which
+is what ``RemoteDataLoader.state_dict()`` reads.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
-
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.codec import BatchAssembler, view_batch
+from loaderd.epoch import EpochStart
 from loaderd.frames import read_frame
 from loaderd.errors import (
     BatchTimeoutError,
@@ -167,19 +168,21 @@ def _cancel(
 class RemoteLoaderIter:
     """Iterator over one epoch; created by ``iter(RemoteDataLoader)``."""
 
-    def __init__(self, loader: RemoteDataLoader) -> None:
+    def __init__(self, loader: RemoteDataLoader, start: EpochStart) -> None:
         self._loader = loader
         self._timeout = loader.timeout
         self._iterable = loader._iterable
         self._auto_collation = loader._plan.batch_size is not None or loader._plan.batch_sampler is not None
-        # The same order of RNG draws as torch: sampler iterator, then the base seed.
-        self._sampler_iter: Iterator[Any] | None = None if self._iterable else iter(loader._plan._index_sampler)
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        # The epoch's RNG draws are made (or replayed) already, in torch's order (see loaderd.epoch).
+        self._record = start.progress
+        self._sampler_iter: Iterator[Any] | None = start.sampler_iter
+        self._base_seed = start.progress.base_seed
         self._window = loader._window
         session = loader._shm_session()
         self._stream_token = next(_stream_tokens)
-        self._planned = 0
-        self._consumed = 0
+        # Resuming: positions before `start` were consumed in an earlier run.
+        self._planned = start.start
+        self._consumed = start.start
         self._stalled_s = 0.0
         self._plan_length = _length(loader._plan._index_sampler) if not self._iterable else None
         self._plan_done = self._iterable
@@ -198,6 +201,8 @@ class RemoteLoaderIter:
                     session_id=session.session_id if session is not None else 0,
                     stream_token=self._stream_token,
                     client=CLIENT_NAME,
+                    start=start.start,
+                    share=loader._share_spec(start.progress.epoch),
                 )
             )
         )
@@ -267,12 +272,14 @@ class RemoteLoaderIter:
         item = self._next_item()
         self._stalled_s += time.monotonic() - waiting_since
         if item.kind == "end":
+            self._record.done = True
             self.close()
             raise StopIteration
         if item.kind == "failed":
             self.close()
             raise item.payload
         self._consumed += 1
+        self._record.yielded = self._consumed  # what state_dict() reports (an error counts: it took a position)
         if item.kind == "error":
             raise exception_from_remote(item.payload)
         return item.payload

@@ -7,12 +7,15 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from loaderd.connection import DaemonConnection, get_connection, resolve_address
+from loaderd.epoch import EpochProgress, begin_epoch, epoch_aware, next_epoch_state, sampler_generators
 from loaderd.errors import ConfigOnlyArgumentError, LoaderdError, TransportError
 from loaderd.iterator import RemoteLoaderIter
 from loaderd.session import ShmSession
+from loaderd.share import LoaderIdentity, class_name, share_job_name, share_seed
+from loaderd.state import LoaderState
 from loaderd.v1 import loaderd_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -62,6 +65,28 @@ class RemoteDataLoader:
     For map-style datasets the daemon's pool does the work whatever
     ``num_workers`` says; for an IterableDataset, ``num_workers=k`` asks for
     k replicas, each seeing ``get_worker_info()`` as a torch worker would.
+
+    Beyond DataLoader's arguments:
+
+    * ``rank=r, world_size=w`` (together, map-style only, not with ``sampler``
+      or ``batch_sampler``): this rank's share of the dataset, exactly as
+      ``DataLoader(ds, batch_size=b, drop_last=d, sampler=DistributedSampler(ds,
+      num_replicas=w, rank=r, shuffle=s, seed=seed, drop_last=d))``, where
+      ``shuffle`` defaults to True as in DistributedSampler. Call
+      ``set_epoch(e)`` before each epoch to reshuffle, as with the sampler.
+    * ``share="name"`` (map-style only, not with ``generator``): join the
+      daemon's shared job for (name, epoch), whose batches the pool produces
+      once for every loader of the share. The loader's randomness (shuffle and
+      base seed) comes from a private generator seeded per epoch from (name,
+      ``seed``, epoch), so loaders of a share agree; their parameters must
+      match (the daemon refuses others). With ``rank=``, each rank has its
+      own job.
+    * ``seed`` (default 0): DistributedSampler's seed and the share's; only
+      with ``rank=`` or ``share=``.
+
+    ``state_dict()``/``load_state_dict()`` resume mid-epoch, in another
+    process and against a restarted daemon of any pool size, with exactly the
+    batches (and per-batch random values) an uninterrupted run would yield.
     """
 
     def __init__(
@@ -86,6 +111,10 @@ class RemoteDataLoader:
         in_order: bool = True,
         address: str | None = None,
         transport: str = "auto",
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int | None = None,
+        share: str | None = None,
     ) -> None:
         for name, value in (
             ("collate_fn", collate_fn),
@@ -107,6 +136,20 @@ class RemoteDataLoader:
             raise ValueError("prefetch_factor option should be a positive integer")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        distributed = _check_distributed(rank, world_size, sampler, batch_sampler)
+        if share is not None:
+            if not isinstance(share, str) or not share:
+                raise ValueError(f"share must be a non-empty string naming the shared job; got {share!r}")
+            if generator is not None:
+                raise ValueError(
+                    "share= and generator= cannot go together: loaders of a share must draw the same random "
+                    "numbers, so the loader seeds its own generator from the share name, seed= and the epoch"
+                )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int; got {seed!r}")
+        if seed is not None and not distributed and share is None:
+            raise ValueError("seed= seeds DistributedSampler (rank=/world_size=) and shares (share=); "
+                             "to seed plain shuffling, pass generator=torch.Generator().manual_seed(...)")
 
         self.dataset_name = dataset_name
         self.address = resolve_address(address)
@@ -130,16 +173,32 @@ class RemoteDataLoader:
             )
         else:
             proxy = _RemoteMapDataset(dataset_name, info.length if info.has_length else None)
+        if self._iterable and (distributed or share is not None):
+            what = "rank=/world_size= shard" if distributed else "share= serves"
+            raise ValueError(f"{what} map-style datasets; {dataset_name!r} is an IterableDataset")
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = 0 if seed is None else seed
+        self.share = share
+        if distributed:
+            if not info.has_length:
+                raise ValueError(f"rank=/world_size= need the dataset's length; {dataset_name!r} has no __len__")
+            shuffle = True if shuffle is None else shuffle  # DistributedSampler's default
+            sampler = DistributedSampler(
+                proxy, num_replicas=world_size, rank=rank, shuffle=bool(shuffle), seed=self.seed, drop_last=drop_last
+            )
+        # Loaders of a share draw from a generator of their own, reseeded every epoch.
+        self._share_generator = torch.Generator() if share is not None else None
         # torch's own DataLoader builds (and validates) the sampler and batch
         # sampler exactly as it would for the real dataset; it never loads data here.
         self._plan = DataLoader(
             proxy,
             batch_size=batch_size,
-            shuffle=shuffle,
+            shuffle=None if distributed else shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
             drop_last=drop_last,
-            generator=generator,
+            generator=self._share_generator if self._share_generator is not None else generator,
         )
         self.dataset = proxy
         self.batch_size = self._plan.batch_size
@@ -147,6 +206,26 @@ class RemoteDataLoader:
         self.sampler = self._plan.sampler
         self.batch_sampler = self._plan.batch_sampler
         self.generator = generator
+        self._identity = LoaderIdentity(
+            dataset=dataset_name,
+            batch_size=self.batch_size,
+            shuffle=bool(shuffle),
+            drop_last=self.drop_last,
+            sampler=class_name(self.sampler),
+            batch_sampler=class_name(self.batch_sampler),
+            length=info.length if info.has_length else None,
+            seed=self.seed,
+            world_size=world_size if distributed else 1,
+            rank=rank if distributed else 0,
+            num_workers=num_workers if self._iterable else None,
+            share=share,
+        )
+        # The epoch counter (share epochs, state_dict); set_epoch sets it, each __iter__ advances it.
+        self._epoch = 0
+        # The latest epoch's replay record; a strong reference, so state_dict()
+        # still knows the position after its iterator is gone (a break, a failure).
+        self._progress: EpochProgress | None = None
+        self._resume: LoaderState | None = None  # armed by load_state_dict for the next __iter__
         # The default is twice torch's 2: a batch crosses more hops (client, daemon,
         # worker and back) than in a local DataLoader, and small batches need the depth.
         factor = 4 if prefetch_factor is None else prefetch_factor
@@ -178,9 +257,139 @@ class RemoteDataLoader:
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:
             previous.close()  # one live epoch per loader, as torch resets its workers
-        iterator = RemoteLoaderIter(self)
+        resume = self._resume
+        epoch = resume.epoch if resume is not None else self._epoch
+        start = begin_epoch(
+            self._plan,
+            iterable=self._iterable,
+            epoch=epoch,
+            rng=self._epoch_rng,
+            reseed=share_seed(self.share, self.seed, epoch) if self.share is not None else None,
+            resume=resume,
+        )
+        self._resume = None
+        self._epoch = epoch + 1
+        self._progress = start.progress
+        iterator = RemoteLoaderIter(self, start)
         self._iterator = weakref.ref(iterator)
         return iterator
 
     def __len__(self) -> int:
         return len(self._plan)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch counter: the number the next ``iter(loader)`` uses (share epoch, ``state_dict``)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Number the next epoch ``epoch`` and pass it to the samplers' ``set_epoch``.
+
+        Reaches the DistributedSampler that ``rank=`` builds, and any sampler or
+        batch sampler given that has ``set_epoch`` (e.g. your own
+        DistributedSampler). Without calls, epochs are numbered 0, 1, 2, ...
+        (each ``iter(loader)`` takes the counter and advances it), so calling
+        ``set_epoch(e)`` before epoch e and never calling it number alike; but a
+        DistributedSampler, as in torch, reshuffles only when told the epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int; got {epoch!r}")
+        if self._resume is not None and epoch != self._resume.epoch:
+            raise ValueError(
+                f"this loader resumes epoch {self._resume.epoch} from the state it loaded; set_epoch({epoch}) "
+                f"disagrees (call set_epoch({self._resume.epoch}), or load a state taken in epoch {epoch})"
+            )
+        self._epoch = epoch
+        for obj in epoch_aware(self._plan):
+            obj.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, as small JSON-able data (see ``loaderd.state`` for the fields).
+
+        Mid-epoch (an epoch started and not ended, even if its iterator is gone):
+        the epoch, the batches it yielded and how to replay its start. Between
+        epochs (none started, or the last one ended): the epoch that starts next,
+        and the state of the loader's own ``generator``. torch's global RNG is not
+        included: it is the training script's to checkpoint, as with torch.
+        """
+        if self._resume is not None:
+            return self._resume.to_dict()  # loaded and not yet used
+        progress = self._progress
+        fingerprint = self._identity.fingerprint()
+        if progress is not None and not progress.done:
+            return progress.state(self.dataset_name, fingerprint).to_dict()
+        # The loader's own generator carries into the next epoch; a share's is reseeded anyway.
+        own = self.generator if self.share is None else None
+        return next_epoch_state(self._plan, self.dataset_name, fingerprint, self._epoch, own, self._epoch_rng).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``'s output (after ``json.loads`` too): the next ``iter(loader)``
+        yields exactly the batches an uninterrupted run would have yielded next.
+
+        Checked first (ValueError naming the problem): the version, the format,
+        the dataset, and that the state came from a loader with the same
+        parameters. The next epoch replays the recorded epoch start: the
+        recorded RNG state is set, the sampler iterator created and the base
+        seed drawn as in a fresh epoch, the consumed index batches skipped
+        (no data is fetched), and the stream opened at that position. When the
+        epoch draws from torch's global RNG, the replay leaves the global RNG as
+        it found it (restore it from your checkpoint, as you would with torch);
+        an explicit ``generator`` is left where the replay leaves it, as an
+        uninterrupted run would have left it. Shares replay their own epoch.
+        """
+        loaded = LoaderState.from_dict(state)
+        loaded.check_fits(
+            dataset=self.dataset_name,
+            fingerprint=self._identity.fingerprint(),
+            sampler_rngs=len(sampler_generators(self._plan, self._epoch_rng)),
+            sampler_epochs=len(epoch_aware(self._plan)),
+            # A share reseeds its RNG; otherwise mid-epoch the epoch RNG's state,
+            # and between epochs an explicit generator's, must be there.
+            rng=self.share is None and (loaded.mid_epoch or self.generator is not None),
+            epoch_length=None if self._iterable else _sized(self._plan),
+        )
+        self._resume = loaded
+        self._epoch = loaded.epoch
+
+    @property
+    def _epoch_rng(self) -> torch.Generator:
+        """The generator an epoch's base seed (and a default RandomSampler's shuffle) draws from."""
+        if self._share_generator is not None:
+            return self._share_generator
+        return self.generator if self.generator is not None else torch.default_generator
+
+    def _share_spec(self, epoch: int) -> pb.ShareSpec | None:
+        """The shared job a stream of epoch ``epoch`` joins; None without ``share=``."""
+        if self.share is None:
+            return None
+        return pb.ShareSpec(
+            name=share_job_name(self.share, self.rank, self.world_size),
+            epoch=epoch,
+            fingerprint=self._identity.fingerprint(),
+        )
+
+
+def _check_distributed(rank: Any, world_size: Any, sampler: Any, batch_sampler: Any) -> bool:
+    """Validate rank=/world_size=; True when given."""
+    if rank is None and world_size is None:
+        return False
+    if rank is None or world_size is None:
+        raise ValueError("rank and world_size go together: pass both, or neither")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}); got {rank!r}")
+    if sampler is not None or batch_sampler is not None:
+        which = "sampler=" if sampler is not None else "batch_sampler="
+        raise ValueError(
+            f"rank=/world_size= build a DistributedSampler, so they cannot go with {which}; "
+            "pass your own DistributedSampler as sampler= instead (loader.set_epoch reaches it)"
+        )
+    return True
+
+
+def _sized(plan: DataLoader) -> int | None:
+    try:
+        return len(plan)
+    except TypeError:
+        return None

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import signal
 import sys
 import threading
 from types import FrameType
 
-from loaderd.server.config import ConfigError, load_config
+import grpc
+
+from loaderd.connection import ADDRESS_ENV, resolve_address
+from loaderd.server.config import ConfigError, MetricsConfig, check_port, load_config
 from loaderd.server.daemon import Daemon, ListenError
 from loaderd.server.pool import PoolStartError
+from loaderd.server.status import format_status, status_dict
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 
 EXIT_CONFIG = 2
 EXIT_START = 1
+EXIT_UNREACHABLE = 1  # `loaderd status`: no daemon answered
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -28,6 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
             if args.workers < 1:
                 raise ConfigError(f"--workers: must be at least 1, got {args.workers}")
             overrides["workers"] = args.workers
+        if args.metrics_port is not None:
+            port = check_port(args.metrics_port, "--metrics-port")
+            overrides["metrics"] = dataclasses.replace(config.metrics or MetricsConfig(), port=port)
         config = dataclasses.replace(config, **overrides)
     except ConfigError as exc:
         print(f"loaderd: config error: {exc}", file=sys.stderr)
@@ -66,6 +78,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    if not (args.address or os.environ.get(ADDRESS_ENV)):
+        print(f"loaderd: no daemon address: pass --address or set ${ADDRESS_ENV}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    address = resolve_address(args.address)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = pb_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        detail = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
+        print(f"loaderd: cannot get status from {address}: {exc.code().name}: {detail}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(json.dumps(status_dict(reply), indent=2) if args.json else format_status(reply))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loaderd", description="A data-loading daemon for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,9 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--workers", type=int, help="pool size; replaces the config's workers")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to build datasets")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    status = sub.add_parser("status", help="show a running daemon's pool, datasets, streams and shares")
+    status.add_argument("--address", help="the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS")
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon's reply")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "status":
+        return _status(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

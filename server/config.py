@@ -31,6 +31,15 @@ class DatasetSpec:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics:``: where the Prometheus endpoint listens."""
+
+    port: int = 9464  # 0 picks a free port; the log says which
+    # Loopback by default: the endpoint names clients and datasets, so exposing it is a choice.
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
 class LoaderConfig:
     """The whole config, with paths already made absolute."""
 
@@ -43,9 +52,12 @@ class LoaderConfig:
     chunk_bytes: int = 4 << 20
     # Server-side cap on a stream's prefetch window, in batches.
     max_window: int = 64
+    # Batches a shared job keeps for consumers that join late or read slower (see server/share.py).
+    share_buffer: int = 32
     # Shared memory each worker may fill with batches waiting to be sent; 0 sends payloads over pipes.
     shm_bytes_per_worker: int = 1 << 30
     log_level: str = "INFO"
+    metrics: MetricsConfig | None = None  # None: no metrics endpoint
 
 
 _TOP_KEYS = {
@@ -55,10 +67,13 @@ _TOP_KEYS = {
     "datasets",
     "chunk_bytes",
     "max_window",
+    "share_buffer",
     "shm_bytes_per_worker",
     "log_level",
+    "metrics",
 }
 _DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn"}
+_METRICS_KEYS = {"port", "host"}
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
@@ -86,6 +101,26 @@ def _int_at_least(raw: dict[str, Any], key: str, default: int, minimum: int) -> 
     if value < minimum:
         raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
     return value
+
+
+def check_port(value: Any, where: str) -> int:
+    """A TCP port number (0: any free port), or ConfigError naming ``where``."""
+    _expect(value, int, where, "a port number")
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{where}: must be a port number from 0 to 65535, got {value}")
+    return value
+
+
+def _metrics(raw: Any) -> MetricsConfig:
+    # An empty `metrics:` (YAML null) turns the endpoint on with the defaults.
+    raw = {} if raw is None else raw
+    _expect(raw, dict, "metrics", "a mapping with 'port' and/or 'host'")
+    _unknown_keys(raw, _METRICS_KEYS, "metrics")
+    default = MetricsConfig()
+    host = _expect(raw.get("host", default.host), str, "metrics.host", "a host name or IP address")
+    if not host.strip():
+        raise ConfigError("metrics.host: must not be empty")
+    return MetricsConfig(port=check_port(raw.get("port", default.port), "metrics.port"), host=host)
 
 
 def parse_config(raw: Any, path: Path) -> LoaderConfig:
@@ -151,8 +186,10 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         datasets=datasets,
         chunk_bytes=_int_at_least(raw, "chunk_bytes", 4 << 20, 1),
         max_window=_int_at_least(raw, "max_window", 64, 1),
+        share_buffer=_int_at_least(raw, "share_buffer", 32, 0),
         shm_bytes_per_worker=_int_at_least(raw, "shm_bytes_per_worker", 1 << 30, 0),
         log_level=log_level,
+        metrics=_metrics(raw["metrics"]) if "metrics" in raw else None,
     )
 
 

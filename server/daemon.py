@@ -7,10 +7,11 @@ Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
   1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
   2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
   3. the gRPC server stops (grace period for in-flight replies);
-  4. shared-memory sessions close, giving back every slot clients held;
-  5. workers get a stop message, then terminate/kill after a timeout, and
+  4. the metrics HTTP server (if any) stops and its thread is joined;
+  5. shared-memory sessions close, giving back every slot clients held;
+  6. workers get a stop message, then terminate/kill after a timeout, and
      every shared-memory segment of this daemon is unlinked;
-  6. unix socket files are removed.
+  7. unix socket files are removed.
 A daemon killed with SIGKILL cannot run this: its workers exit when they see
 their parent gone, and the next daemon to start sweeps its segments.
 """
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from loaderd.server.arena import sweep_stale
 from loaderd.server.config import LoaderConfig, check_imports
+from loaderd.server.metrics import Metrics
 from loaderd.server.pool import WorkerPool
 from loaderd.server.scheduler import Scheduler
 from loaderd.server.servicer import LoaderServicer, method_handlers
@@ -37,6 +40,8 @@ from loaderd.server.sessions import SessionRegistry
 log = logging.getLogger("loaderd")
 
 SERVICE_NAME = "loaderd.v1.Loader"
+# gRPC handler threads: about 2 per client process (its session and its open stream).
+RPC_THREADS = 1024
 
 
 class ListenError(Exception):
@@ -82,6 +87,7 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.sessions: SessionRegistry | None = None
         self.server: grpc.Server | None = None
+        self.metrics: Metrics | None = None
         self.health = health.HealthServicer()
         self._unix_paths: list[str] = []
 
@@ -102,9 +108,19 @@ class Daemon:
         self.scheduler.start()
         self.sessions = SessionRegistry(self.pool)
         self.pool.on_retired = self.sessions.retired
+        if self.config.metrics is not None:
+            self.metrics = Metrics(self.scheduler, self.sessions)
+            host, port = self.config.metrics.host, self.config.metrics.port
+            try:
+                url = self.metrics.serve(host, port)
+            except OSError as exc:
+                raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+            log.info("metrics on %s", url)
 
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="loaderd-rpc"),
+            # Each open stream and each client session holds one thread for its
+            # lifetime; idle threads are cheap, so allow many concurrent clients.
+            futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="loaderd-rpc"),
             handlers=[method_handlers(LoaderServicer(self.scheduler, self.sessions, self.config.chunk_bytes))],
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -113,6 +129,11 @@ class Daemon:
             ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Reflection lets grpcurl and friends list and call the services without the .proto files.
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
         for address in self.config.listen:
             path = unix_path(address)
             if path is not None:
@@ -147,6 +168,8 @@ class Daemon:
             self.scheduler.stop()
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1.0)
+        if self.metrics is not None:
+            self.metrics.shutdown()
         if self.sessions is not None:
             self.sessions.close_all()
         if self.pool is not None:

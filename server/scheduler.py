@@ -175,7 +175,7 @@ class Scheduler:
                 fingerprint=share.fingerprint,
                 auto_collation=stream.auto_collation,
                 base_seed=stream.base_seed,
-                buffer_limit=self.config.max_window,
+                buffer_limit=self.config.share_buffer,
                 retain=self.pool.retain,
                 release=self.pool.release,
             )

@@ -19,7 +19,7 @@ from loaderd.server import framing
 from loaderd.server.scheduler import BadStreamError, Scheduler, UnknownDatasetError
 from loaderd.server.share import ShareMismatchError
 from loaderd.server.sessions import SessionRegistry, ShmSession
-from loaderd.server.status import build_status
+from loaderd.server.status import build_status, dataset_info
 from loaderd.server.stream import END, BatchStream, Delivery, StreamFailed
 from loaderd.server.tasks import BatchDone, DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
@@ -30,15 +30,6 @@ log = logging.getLogger("loaderd.servicer")
 _POLL_S = 0.25
 # Upper bound on indices in one plan batch: keeps a malformed request from making a worker allocate without bound.
 _MAX_BATCH_INDICES = 1 << 24
-
-
-def _dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
-    return pb.DatasetInfo(
-        name=name,
-        kind=pb.DatasetInfo.ITERABLE if meta.iterable else pb.DatasetInfo.MAP,
-        has_length=meta.length is not None,
-        length=meta.length or 0,
-    )
 
 
 class LoaderServicer:
@@ -55,7 +46,7 @@ class LoaderServicer:
 
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
         return pb.ListDatasetsResponse(
-            datasets=[_dataset_info(n, m) for n, m in sorted(self._datasets.items())],
+            datasets=[dataset_info(n, m) for n, m in sorted(self._datasets.items())],
             pool_workers=self.scheduler.pool.size,
         )
 
@@ -66,7 +57,7 @@ class LoaderServicer:
             meta = self.scheduler.dataset(request.name)
         except UnknownDatasetError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return pb.DescribeDatasetResponse(dataset=_dataset_info(request.name, meta), pool_workers=self.scheduler.pool.size)
+        return pb.DescribeDatasetResponse(dataset=dataset_info(request.name, meta), pool_workers=self.scheduler.pool.size)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return build_status(self.scheduler, self.sessions)
@@ -120,6 +111,8 @@ class LoaderServicer:
             log.warning("stream %d of %s failed: %s", stream.stream_id, who, failure)
             context.abort(failure.code, str(failure))
         finally:
+            if not stream.finished:
+                log.info("stream %d of %s ended by the client after %d batches", stream.stream_id, who, stream.delivered)
             self.scheduler.close_stream(stream)
 
     def _deliver(self, stream: BatchStream, session: ShmSession | None, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -131,6 +124,7 @@ class LoaderServicer:
                 continue
             if delivery is END:
                 log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
+                stream.finished = True
                 yield framing.end_message(stream.delivered)
                 return
             self.scheduler.wake()  # a window slot opened
@@ -139,6 +133,16 @@ class LoaderServicer:
                     self.scheduler.pool.release(delivery.batch)
                 continue
             if delivery.error is not None:
+                error = pb.RemoteError.FromString(delivery.error)
+                log.warning(
+                    "stream %d (%s): %s.%s raised %s: %s",
+                    stream.stream_id,
+                    stream.client or "unnamed client",
+                    error.type_module,
+                    error.type_qualname,
+                    error.where,
+                    error.message,
+                )
                 yield framing.error_message(delivery.error)
                 continue
             if session is not None and delivery.batch is not None and delivery.batch.slot is not None:

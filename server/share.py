@@ -7,11 +7,12 @@ position, runs each position once on the pool, and hands the result to every
 consumer that asked for it (the shared-memory slot gains one reference per
 consumer, see ``WorkerPool.retain``).
 
-A produced batch stays in the job's buffer while an attached consumer has not
-reached it yet, up to ``buffer_limit`` batches; past that the oldest is dropped
-and produced again for whoever still needs it. So a consumer that joins late or
-reads slowly still gets its whole epoch, a fast one is never held back, and the
-daemon's memory stays bounded.
+The job keeps the last ``buffer_limit`` batches it produced: a consumer that
+joins a little late, or reads a little slower, takes them from there. Past the
+limit, batches every consumer has passed go first, then the oldest; whoever
+still needs a dropped batch gets it produced again. So a consumer that joins
+late or reads slowly still gets its whole epoch, a fast one is never held back,
+and the daemon's memory stays bounded.
 
 Like BatchStream, every method runs with the scheduler's lock held.
 """
@@ -89,7 +90,6 @@ class SharedJob:
                 streams.remove(stream)
             if not streams:
                 del self.waiters[seq]
-        self._trim()
 
     def need(self, stream: BatchStream, seq: int, indices: tuple[int, ...] | int) -> None:
         """``stream`` planned position ``seq``: serve it from the buffer, or wait for the pool."""
@@ -106,7 +106,6 @@ class SharedJob:
         buffered = self.buffer.get(seq)
         if buffered is not None:
             self._hand(stream, buffered)
-            self._trim()
             return
         self.waiters.setdefault(seq, []).append(stream)
         if seq in self.outstanding or seq in self.queued or any(t.seq == seq for t in self.retries):
@@ -168,12 +167,8 @@ class SharedJob:
         self.produced_once.add(seq)
         for stream in self.waiters.pop(seq, []):
             self._hand(stream, delivery)
-        # The job's own reference: kept only if an attached consumer has yet to ask for it.
-        if any(stream.planned <= seq for stream in self.consumers):
-            self.buffer[seq] = delivery
-            self._trim()
-        else:
-            self._drop(delivery)
+        self.buffer[seq] = delivery  # the job's own reference, for consumers still to come
+        self._trim()
 
     def replica_exhausted(self, seq: int) -> None:  # map-style only: never sent
         self.resolve(Delivery(seq=seq))
@@ -182,14 +177,11 @@ class SharedJob:
         """Consumers are failed one by one; the job itself only stops."""
 
     def _trim(self) -> None:
-        """Drop buffered batches every consumer is past, then the oldest beyond the limit."""
-        horizon = min((stream.planned for stream in self.consumers), default=None)
-        for seq in list(self.buffer):
-            if horizon is None or seq < horizon:
-                self._drop(self.buffer.pop(seq))
+        """Beyond the limit, drop a batch every consumer is past, else the oldest."""
         while len(self.buffer) > self.buffer_limit:
-            _, delivery = self.buffer.popitem(last=False)
-            self._drop(delivery)
+            horizon = min((stream.planned for stream in self.consumers), default=0)
+            victim = next((seq for seq in self.buffer if seq < horizon), next(iter(self.buffer)))
+            self._drop(self.buffer.pop(victim))
 
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:

@@ -1,16 +1,203 @@
-"""The daemon's status snapshot: what `loaderd status` prints (filled in by issue 4)."""
+"""The daemon's status snapshot: what `loaderd status` prints and the metrics export."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import importlib.metadata
+import time
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf.message import Message
 
 from loaderd.v1 import loaderd_pb2 as pb
 
 if TYPE_CHECKING:
     from loaderd.server.scheduler import Scheduler
     from loaderd.server.sessions import SessionRegistry
+    from loaderd.server.tasks import DatasetMeta
+
+
+@functools.cache
+def version() -> str:
+    """The installed loaderd package's version."""
+    try:
+        return importlib.metadata.version("loaderd")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
+    """A dataset as the wire describes it."""
+    return pb.DatasetInfo(
+        name=name,
+        kind=pb.DatasetInfo.ITERABLE if meta.iterable else pb.DatasetInfo.MAP,
+        has_length=meta.length is not None,
+        length=meta.length or 0,
+    )
+
+
+def _open_sessions(sessions: SessionRegistry) -> int:
+    with sessions._lock:
+        return len(sessions._sessions)
 
 
 def build_status(scheduler: Scheduler, sessions: SessionRegistry) -> pb.StatusResponse:
     """A consistent snapshot of the pool, datasets, shares and streams."""
-    return pb.StatusResponse()
+    # Taken apart from the scheduler's lock: never hold both (no lock order to get wrong).
+    reply = pb.StatusResponse(version=version(), sessions=_open_sessions(sessions))
+    pool = scheduler.pool
+    with scheduler.lock:
+        reply.uptime_s = time.monotonic() - scheduler.started_at
+        for state in pool.states():
+            reply.workers.add(
+                worker_id=state.worker_id,
+                pid=state.pid,
+                alive=state.alive,
+                ready=state.ready,
+                busy=len(scheduler._inflight.get(state.worker_id, {})),
+                restarts=state.restarts,
+                batches=scheduler.worker_batches.get(state.worker_id, 0),
+            )
+        streams = sorted(scheduler.snapshot_streams(), key=lambda s: s.stream_id)
+        jobs = scheduler.snapshot_jobs()
+        datasets: dict[str, pb.DatasetStatus] = {}
+        for name in sorted(set(pool.datasets) | set(scheduler.counters)):
+            meta = pool.datasets.get(name)
+            counters = scheduler.counters.get(name)
+            entry = datasets[name] = reply.datasets.add()
+            entry.info.CopyFrom(dataset_info(name, meta) if meta is not None else pb.DatasetInfo(name=name))
+            if counters is not None:
+                entry.batches_computed = counters.batches_computed
+                entry.samples_fetched = counters.samples_fetched
+                entry.errors = counters.errors
+                entry.batches_delivered = counters.delivered_closed
+        for stream in streams:
+            entry = datasets.get(stream.dataset)
+            if entry is not None:
+                entry.batches_delivered += stream.delivered
+                entry.open_streams += 1
+                entry.queued += len(stream.pending) + len(stream.retries)
+            reply.streams.add(
+                stream_id=stream.stream_id,
+                peer=stream.peer,
+                client=stream.client,
+                dataset=stream.dataset,
+                window=stream.window,
+                delivered=stream.delivered,
+                consumed=stream.consumed,
+                in_flight=len(stream.outstanding) + len(stream.ready),
+                stalled_s=stream.stalled_us / 1e6,
+                open_s=time.monotonic() - stream.opened_at,
+                share=stream.job.name if stream.job is not None else "",
+                shm=stream.shm,
+            )
+        for job in sorted(jobs, key=lambda j: (j.name, j.epoch)):
+            entry = datasets.get(job.dataset)
+            if entry is not None:
+                entry.queued += len(job.queue) + len(job.retries)
+            reply.shares.add(
+                name=job.name,
+                epoch=job.epoch,
+                dataset=job.dataset,
+                consumers=len(job.consumers),
+                produced=job.produced,
+                recomputed=job.recomputed,
+                buffered=len(job.buffer),
+            )
+    return reply
+
+
+# ------------------------------------------------------------ showing it (`loaderd status`)
+
+
+def status_dict(message: Message) -> dict[str, Any]:
+    """A message as plain JSON-ready values (unlike json_format, 64-bit integers stay numbers)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.enum_type is not None:
+            out[field.name] = field.enum_type.values_by_number[value].name
+        elif field.message_type is not None:
+            out[field.name] = [status_dict(v) for v in value] if field.is_repeated else status_dict(value)
+        else:
+            out[field.name] = list(value) if field.is_repeated else value
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+        for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_status(status: pb.StatusResponse) -> str:
+    """The human-readable tables `loaderd status` prints."""
+    sessions = f"{status.sessions} shared-memory session{'s' * (status.sessions != 1)}"
+    parts = [f"loaderd {status.version}, up {_duration(status.uptime_s)}, {sessions}"]
+    parts.append(
+        _table(
+            ["WORKER", "PID", "ALIVE", "READY", "BUSY", "RESTARTS", "BATCHES"],
+            [[w.worker_id, w.pid, _yes(w.alive), _yes(w.ready), w.busy, w.restarts, w.batches] for w in status.workers],
+        )
+    )
+    parts.append(
+        _table(
+            ["DATASET", "KIND", "ITEMS", "STREAMS", "QUEUED", "COMPUTED", "DELIVERED", "SAMPLES", "ERRORS"],
+            [
+                [
+                    d.info.name,
+                    "iterable" if d.info.kind == pb.DatasetInfo.ITERABLE else "map",
+                    d.info.length if d.info.has_length else "-",
+                    d.open_streams,
+                    d.queued,
+                    d.batches_computed,
+                    d.batches_delivered,
+                    d.samples_fetched,
+                    d.errors,
+                ]
+                for d in status.datasets
+            ],
+        )
+    )
+    if status.streams:
+        headers = ["STREAM", "CLIENT", "PEER", "DATASET", "WINDOW", "DELIVERED", "CONSUMED", "IN-FLIGHT", "STALL"]
+        parts.append(
+            _table(
+                headers + ["OPEN", "SHARE", "SHM"],
+                [
+                    [
+                        s.stream_id, s.client or "-", s.peer, s.dataset, s.window, s.delivered, s.consumed,
+                        s.in_flight, _duration(s.stalled_s), _duration(s.open_s), s.share or "-", _yes(s.shm),
+                    ]
+                    for s in status.streams
+                ],
+            )
+        )
+    else:
+        parts.append("no open streams")
+    if status.shares:
+        parts.append(
+            _table(
+                ["SHARE", "EPOCH", "DATASET", "CONSUMERS", "PRODUCED", "RECOMPUTED", "BUFFERED"],
+                [[j.name, j.epoch, j.dataset, j.consumers, j.produced, j.recomputed, j.buffered] for j in status.shares],
+            )
+        )
+    return "\n\n".join(parts)

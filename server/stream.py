@@ -98,6 +98,7 @@ class BatchStream:
     next_seq: int = 0
     delivered: int = 0
     failure: StreamFailed | None = None
+    finished: bool = False  # END was delivered
     closed: bool = False
     replicas: list[_ReplicaCursor] = field(default_factory=list)
     replica_turn: int = 0

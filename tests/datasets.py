@@ -211,3 +211,21 @@ class InitAware(Dataset):
 
     def __getitem__(self, i: int) -> str:
         return os.environ.get("LOADERD_TEST_INIT", "none")
+
+
+class UnevenRandomStream(IterableDataset):
+    """Replica w yields (w + 1) * ``per_replica`` items with random values (torch, numpy, random).
+
+    Replicas run dry at different times, and every item depends on the RNG
+    state of its replica, so a resumed stream must replay them exactly.
+    """
+
+    def __init__(self, per_replica: int = 5) -> None:
+        self.per_replica = per_replica
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        wid = -1 if info is None else info.id
+        count = 2 * self.per_replica if info is None else (info.id + 1) * self.per_replica
+        for i in range(count):
+            yield {"wid": wid, "i": i, "torch": torch.rand(2), "numpy": np.random.rand(), "random": random.random()}

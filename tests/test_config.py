@@ -15,6 +15,7 @@ from loaderd.server.config import (
     DEFAULT_LISTEN,
     ConfigError,
     DatasetSpec,
+    MetricsConfig,
     check_imports,
     load_config,
     parse_config,
@@ -55,6 +56,7 @@ def test_valid_config_with_relative_python_path(tmp_path: Path) -> None:
         python_path: [., sub, /abs/dir]
         chunk_bytes: 1024
         max_window: 8
+        share_buffer: 0
         log_level: debug
         datasets:
           train:
@@ -74,6 +76,7 @@ def test_valid_config_with_relative_python_path(tmp_path: Path) -> None:
     assert config.python_path == (str(tmp_path.resolve()), str((tmp_path / "sub").resolve()), "/abs/dir")
     assert config.chunk_bytes == 1024
     assert config.max_window == 8
+    assert config.share_buffer == 0
     assert config.log_level == "DEBUG"
     assert list(config.datasets) == ["train", "val"]
     assert config.datasets["train"] == DatasetSpec(
@@ -117,6 +120,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert config.python_path == ()
     assert config.chunk_bytes == 4 << 20
     assert config.max_window == 64
+    assert config.share_buffer == 32
     assert config.log_level == "INFO"
     spec = config.datasets["a"]
     assert (spec.args, spec.kwargs, spec.collate_fn, spec.worker_init_fn) == ((), {}, None, None)
@@ -230,6 +234,12 @@ def test_bad_positive_ints(tmp_path: Path, key: str) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_negative_share_buffer(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "share_buffer: -1\ndatasets: {a: {dataset: 'm:A'}}\n")
+    assert message.startswith("share_buffer:") and "at least 0" in message
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("text", ["listen: x\n", "datasets:\n", "datasets: {}\n", "datasets: []\n"])
 def test_datasets_missing_or_empty(tmp_path: Path, text: str) -> None:
     message = config_error(tmp_path, text)
@@ -318,6 +328,46 @@ def test_bad_log_level(tmp_path: Path) -> None:
 def test_bad_python_path(tmp_path: Path) -> None:
     message = config_error(tmp_path, "python_path: .\ndatasets: {a: {dataset: 'm:A'}}\n")
     assert message.startswith("python_path")
+
+
+# ------------------------------------------------------------------ metrics
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [("", None), ("metrics: {port: 9100}\n", MetricsConfig(9100, "127.0.0.1")),
+     ("metrics: {port: 0, host: 0.0.0.0}\n", MetricsConfig(0, "0.0.0.0")),
+     ("metrics: {host: '::1'}\n", MetricsConfig(9464, "::1")), ("metrics:\n", MetricsConfig())],
+)  # fmt: skip
+def test_metrics(tmp_path: Path, text: str, expect: MetricsConfig | None) -> None:
+    assert load_config(write(tmp_path, text + "datasets: {a: {dataset: 'm:A'}}\n")).metrics == expect
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "culprit", "expect"),
+    [("{port: -1}", "metrics.port", "from 0 to 65535, got -1"), ("{port: 65536}", "metrics.port", "got 65536"),
+     ("{port: http}", "metrics.port", "expected a port number"), ("{port: true}", "metrics.port", "expected a port"),
+     ("{port: 9.5}", "metrics.port", "expected a port"), ("{host: 7}", "metrics.host", "expected a host name"),
+     ("{host: ''}", "metrics.host", "must not be empty"), ("9464", "metrics", "expected a mapping"),
+     ("{prot: 1}", "metrics", "unknown key 'prot' (allowed: host, port)")],
+)  # fmt: skip
+def test_bad_metrics(tmp_path: Path, value: str, culprit: str, expect: str) -> None:
+    message = config_error(tmp_path, f"metrics: {value}\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
+    assert message.startswith(f"{culprit}:"), message
+    assert expect in message, message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_bad_metrics_port_option_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], port: str) -> None:
+    from loaderd.server.cli import EXIT_CONFIG, main
+
+    path = write(tmp_path, "datasets: {a: {dataset: 'm:A'}}\n")
+    assert main(["serve", "--config", str(path), "--metrics-port", port]) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert err == f"loaderd: config error: --metrics-port: must be a port number from 0 to 65535, got {port}"
 
 
 # ------------------------------------------------------------------ check_imports

@@ -1,0 +1,277 @@
+"""Seeing inside the daemon: `loaderd status`, the Prometheus endpoint, gRPC reflection."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, running_daemon, wait_for, wait_serving, write_config
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from loaderd import RemoteDataLoader
+from loaderd.iterator import CLIENT_NAME
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.v1 import loaderd_pb2_grpc
+
+N = 100
+BATCH = 4
+EPOCH = N // BATCH
+DATASETS = {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": N}}}
+# A CLI run pays Python's and torch's import.
+CLI_TIMEOUT_S = 60.0
+METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[RunningDaemon]:
+    """One daemon (2 workers, metrics on a free port) for the tests that kill nothing."""
+    with running_daemon(DATASETS, prefix="ld-status-", metrics={"port": 0}) as running:
+        yield running
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def loaderd_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "loaderd.server.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
+
+
+def status(address: str) -> pb.StatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        return loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10.0)
+
+
+def metrics_url(daemon_log: str) -> str:
+    found = METRICS_LINE.search(daemon_log)
+    assert found, f"no metrics line in the log:\n{daemon_log}"
+    return found.group(1)
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of the endpoint: (name, labels) -> value."""
+    with urllib.request.urlopen(url, timeout=10.0) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def client_series(samples: Samples) -> dict[str, dict[str, str]]:
+    """This process's per-client series: metric name -> labels."""
+    series = {name: dict(labels) for name, labels in samples if name.startswith("loaderd_client_")}
+    return {name: labels for name, labels in series.items() if labels.get("client") == CLIENT_NAME}
+
+
+def is_descendant(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is among ``pid``'s parents (so the test kills only its own daemon's workers)."""
+    while pid > 1:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])
+        if pid == ancestor:
+            return True
+    return False
+
+
+# ------------------------------------------------------------------ loaderd status
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
+    loader = RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address)
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+
+    result = loaderd_cli("status", "--address", daemon.address, "--json")
+    assert result.returncode == 0, result.stderr
+    snapshot = json.loads(result.stdout)
+    assert snapshot["sessions"] >= 1 and snapshot["uptime_s"] > 0 and snapshot["version"]
+    assert [(w["worker_id"], w["alive"], w["ready"]) for w in snapshot["workers"]] == [(0, True, True), (1, True, True)]
+    assert all(w["pid"] > 0 for w in snapshot["workers"])
+    (dataset,) = snapshot["datasets"]
+    assert dataset["info"] == {"name": "squares", "kind": "MAP", "has_length": True, "length": N}
+    assert dataset["open_streams"] == 1 and dataset["batches_computed"] >= 3 and dataset["batches_delivered"] >= 3
+    (stream,) = [s for s in snapshot["streams"] if s["client"] == CLIENT_NAME]
+    assert stream["dataset"] == "squares"
+    assert stream["window"] == 4 * 2  # prefetch_factor 4 x 2 pool workers
+    assert stream["delivered"] >= 3
+    assert stream["open_s"] > 0 and stream["share"] == ""
+
+    table = loaderd_cli("status", "--address", daemon.address)
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.startswith("loaderd ") and "WORKER" in table.stdout and "DATASET" in table.stdout
+    (row,) = [line.split() for line in table.stdout.splitlines() if CLIENT_NAME in line]
+    assert row[0] == str(stream["stream_id"]) and "squares" in row and str(stream["window"]) in row
+
+    rest = list(it)
+    assert len(first) + len(rest) == EPOCH
+    assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(CLIENT_NAME)} ", daemon.log())
+    wait_for(lambda: not status(daemon.address).streams, 20.0, "the finished stream to leave the status")
+
+
+@pytest.mark.timeout(120)
+def test_status_of_an_unreachable_daemon_exits_1(short_tmp: Path) -> None:
+    address = f"unix://{short_tmp}/nobody.sock"
+    result = loaderd_cli("status", "--address", address, "--timeout", "5")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"loaderd: cannot get status from {address}: UNAVAILABLE"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    env = {k: v for k, v in os.environ.items() if k != "LOADERD_ADDRESS"}
+    result = loaderd_cli("status", env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "loaderd: no daemon address: pass --address or set $LOADERD_ADDRESS"
+
+
+# ------------------------------------------------------------------ metrics
+
+
+@pytest.mark.timeout(120)
+def test_metrics_count_an_epoch(daemon: RunningDaemon) -> None:
+    url = metrics_url(daemon.log())
+    before = scrape(url)
+    assert len(list(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))) == EPOCH
+    after = scrape(url)
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert grew("loaderd_batches_computed_total", dataset="squares") == EPOCH
+    assert grew("loaderd_batches_delivered_total", dataset="squares") == EPOCH
+    assert grew("loaderd_samples_fetched_total", dataset="squares") == N
+    assert grew("loaderd_batch_errors_total", dataset="squares") == 0
+    assert grew("loaderd_batch_latency_seconds_count", dataset="squares") == EPOCH
+    assert grew("loaderd_batch_latency_seconds_sum", dataset="squares") > 0
+    count = sample(after, "loaderd_batch_latency_seconds_count", dataset="squares")
+    assert sample(after, "loaderd_batch_latency_seconds_bucket", dataset="squares", le="+Inf") == count
+    assert sample(after, "loaderd_workers") == sample(after, "loaderd_workers_alive") == 2
+    assert sample(after, "loaderd_worker_restarts_total") == 0
+    # What the endpoint says agrees with `loaderd status`.
+    (dataset,) = status(daemon.address).datasets
+    assert dataset.batches_computed == sample(after, "loaderd_batches_computed_total", dataset="squares")
+
+
+@pytest.mark.timeout(120)
+def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDaemon) -> None:
+    url = metrics_url(daemon.log())
+    it = iter(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))
+    next(it)
+    (stream,) = [s for s in status(daemon.address).streams if s.client == CLIENT_NAME]
+    samples = scrape(url)
+    labels = {"client": CLIENT_NAME, "stream": str(stream.stream_id), "dataset": "squares"}
+    assert client_series(samples) == {
+        "loaderd_client_batches_delivered_total": labels,
+        "loaderd_client_stall_seconds_total": labels,
+        "loaderd_client_in_flight": labels,
+    }
+    assert sample(samples, "loaderd_client_batches_delivered_total", **labels) >= 1
+    assert sample(samples, "loaderd_open_streams", dataset="squares") == 1
+
+    del it  # stopping early cancels the stream: its series go with it
+    gc.collect()
+    wait_for(lambda: not client_series(scrape(url)), 20.0, "the closed stream's series to disappear")
+    assert sample(scrape(url), "loaderd_open_streams", dataset="squares") == 0
+
+
+@pytest.mark.timeout(120)
+def test_metrics_port_option_and_bind_failure(short_tmp: Path) -> None:
+    config = write_config(short_tmp, DATASETS, workers=1, listen=[f"unix://{short_tmp}/d.sock"])
+    log_path = short_tmp / "daemon.log"
+    process = popen_serve(config, log_path, "--metrics-port", "0")
+    try:
+        wait_serving(f"unix://{short_tmp}/d.sock", process, log_path, STARTUP_TIMEOUT_S)
+        url = metrics_url(log_path.read_text())
+        assert url.startswith("http://127.0.0.1:")  # the default host
+        assert sample(scrape(url), "loaderd_workers") == 1
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0, log_path.read_text()
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(url, timeout=5.0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+    # A port already taken: the daemon says so in one line and exits 1.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        process = popen_serve(config, log_path, "--metrics-port", str(port))
+        try:
+            assert process.wait(STARTUP_TIMEOUT_S) == 1
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    last = log_path.read_text().strip().splitlines()[-1]
+    assert last.startswith(f"loaderd: cannot start: cannot serve metrics on 127.0.0.1:{port}: "), last
+
+
+# ------------------------------------------------------------------ worker restarts
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_shows_as_a_restart(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(DATASETS, workers=2, metrics={"port": 0})
+    url = metrics_url(daemon.log())
+    victim = status(daemon.address).workers[0]
+    assert victim.alive and victim.restarts == 0
+    assert is_descendant(victim.pid, daemon.process.pid), "status names a pid that is not this daemon's worker"
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def replaced() -> pb.WorkerStatus | None:
+        worker = status(daemon.address).workers[0]
+        return worker if worker.restarts == 1 and worker.ready and worker.alive else None
+
+    worker = wait_for(replaced, 30.0, "status to show worker 0 replaced")
+    assert worker.pid != victim.pid
+    assert status(daemon.address).workers[1].restarts == 0
+    samples = scrape(url)
+    assert sample(samples, "loaderd_worker_restarts_total") == 1
+    assert sample(samples, "loaderd_workers_alive") == 2
+    assert re.search(rf"worker 0 died \(exit code {-signal.SIGKILL}\)", daemon.log()), daemon.log()
+    # The replacement serves.
+    assert len(list(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))) == EPOCH
+
+
+# ------------------------------------------------------------------ reflection
+
+
+@pytest.mark.timeout(60)
+def test_reflection_lists_services_and_resolves_methods(daemon: RunningDaemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert set(database.get_services()) == {
+            "loaderd.v1.Loader",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
+        service = DescriptorPool(database).FindServiceByName("loaderd.v1.Loader")
+        methods = {m.name: (m.input_type.full_name, m.output_type.full_name) for m in service.methods}
+    assert methods["Status"] == ("loaderd.v1.StatusRequest", "loaderd.v1.StatusResponse")
+    assert set(methods) == {"ListDatasets", "DescribeDataset", "StreamBatches", "Session", "Status"}
+    assert service.methods_by_name["StreamBatches"].client_streaming
