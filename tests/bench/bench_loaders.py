@@ -127,12 +127,15 @@ class Daemon:
         return code, problem
 
 
-def start_daemon(workers: int) -> Daemon:
+def start_daemon(workers: int, datasets: dict[str, Any] | None = None) -> Daemon:
+    """`loaderd serve` on a temp unix socket and 127.0.0.1:0 (``wait_serving`` reads the port);
+    ``datasets`` defaults to this benchmark's in-memory ones."""
     tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
     socket_path = tmp / "d.sock"
-    datasets = {
-        name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()
-    }
+    if datasets is None:
+        datasets = {
+            name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()
+        }
     config = {
         "python_path": [str(BENCH_DIR)],
         "listen": [f"unix://{socket_path}", "127.0.0.1:0"],
