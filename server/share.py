@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from loaderd.server.pool import WorkerResult
-from loaderd.server.seeding import derive_seed
-from loaderd.server.stream import BatchStream, Delivery, StreamFailed
-from loaderd.server.tasks import FetchTask, Task
+from loaderd.server.stream import BatchStream, Delivery, StreamFailed, fetch_task
+from loaderd.server.tasks import Task
 
 
 class ShareMismatchError(Exception):
@@ -133,15 +132,7 @@ class SharedJob:
         if self.retries:
             return self.retries[0], None
         seq, indices = self.queue[0]
-        task = FetchTask(
-            stream_id=self.job_id,
-            seq=seq,
-            dataset=self.dataset,
-            indices=indices,
-            auto_collation=self.auto_collation,
-            seed=derive_seed(self.base_seed, seq),
-        )
-        return task, None
+        return fetch_task(self.job_id, self.dataset, seq, indices, self.auto_collation, self.base_seed), None
 
     def commit(self, task: Task) -> None:
         if self.retries and self.retries[0] is task:

@@ -56,6 +56,20 @@ class StreamFailed(Exception):
         self.code = code
 
 
+def fetch_task(
+    stream_id: int, dataset: str, seq: int, indices: tuple[int, ...] | int, auto_collation: bool, base_seed: int
+) -> FetchTask:
+    """Position ``seq`` of a map-style plan as a task; its seed follows the position, not the worker."""
+    return FetchTask(
+        stream_id=stream_id,
+        seq=seq,
+        dataset=dataset,
+        indices=indices,
+        auto_collation=auto_collation,
+        seed=derive_seed(base_seed, seq),
+    )
+
+
 @dataclass
 class _ReplicaCursor:
     next_batch: int = 0
@@ -177,15 +191,7 @@ class BatchStream:
             )
             return task, self.replica_owner(r, pool_size)
         seq, indices = self.pending[0]
-        task = FetchTask(
-            stream_id=self.stream_id,
-            seq=seq,
-            dataset=self.dataset,
-            indices=indices,
-            auto_collation=self.auto_collation,
-            seed=derive_seed(self.base_seed, seq),
-        )
-        return task, None
+        return fetch_task(self.stream_id, self.dataset, seq, indices, self.auto_collation, self.base_seed), None
 
     def commit(self, task: Task) -> None:
         """``task`` (from next_task) was sent to a worker."""

@@ -85,6 +85,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         time.sleep(0.05)
 
 
+def daemon_status(address: str) -> Any:
+    """The daemon's Status RPC reply (a loaderd.v1.StatusResponse)."""
+    from loaderd.v1 import loaderd_pb2 as pb
+    from loaderd.v1 import loaderd_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10.0)
+
+
 def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
     """torch's DataLoader as the oracle. Its worker processes come from a fork server:
     forking this process, which runs gRPC threads, can deadlock the forked worker."""

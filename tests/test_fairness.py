@@ -9,15 +9,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 import datasets
 from compare import assert_same_batches
-from conftest import RunningDaemon, client_process, oracle_loader, running_daemon, wait_for
+from conftest import RunningDaemon, client_process, daemon_status, oracle_loader, running_daemon, wait_for
 from loaderd import RemoteDataLoader
-from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.v1 import loaderd_pb2_grpc
 
 ITEM_DELAY_S = 0.002
 READER_N = 240
@@ -41,13 +38,9 @@ def daemon() -> Iterator[RunningDaemon]:
         yield running
 
 
-def _status(address: str) -> pb.StatusResponse:
-    with grpc.insecure_channel(address) as channel:
-        return loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10)
-
 
 def _computed(address: str, dataset: str) -> int:
-    return next(d.batches_computed for d in _status(address).datasets if d.info.name == dataset)
+    return next(d.batches_computed for d in daemon_status(address).datasets if d.info.name == dataset)
 
 
 _STALLED_CLIENT = """
@@ -86,7 +79,7 @@ def test_stalled_client_holds_only_its_window(daemon: RunningDaemon, kind: str) 
         _reader_epoch(daemon.address)  # the pool keeps serving others meanwhile
         held = _computed(daemon.address, name) - before
         assert window <= held <= window + 1, f"a stalled client got {held} batches made for it (window {window})"
-        streams = [s for s in _status(daemon.address).streams if s.dataset == name]
+        streams = [s for s in daemon_status(daemon.address).streams if s.dataset == name]
         assert len(streams) == 1 and streams[0].window == window
 
 

@@ -10,18 +10,16 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
 import datasets
 from compare import assert_same_batches
-from conftest import RunningDaemon, client_process, oracle_loader, running_daemon, wait_for
+from conftest import RunningDaemon, client_process, daemon_status, oracle_loader, running_daemon, wait_for
 from loaderd import RemoteDataLoader
 from loaderd.errors import InvalidRequestError
 from loaderd.share import share_seed
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.v1 import loaderd_pb2_grpc
 
 N = 300
 BATCH = 10  # 30 batches an epoch: within the default share buffer (32)
@@ -44,17 +42,13 @@ def daemon() -> Iterator[RunningDaemon]:
         yield running
 
 
-def _status(address: str) -> pb.StatusResponse:
-    with grpc.insecure_channel(address) as channel:
-        return loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10)
-
 
 def _fetched(address: str, dataset: str) -> int:
-    return next(d.samples_fetched for d in _status(address).datasets if d.info.name == dataset)
+    return next(d.samples_fetched for d in daemon_status(address).datasets if d.info.name == dataset)
 
 
 def _share(address: str, name: str) -> pb.ShareStatus | None:
-    return next((s for s in _status(address).shares if s.name == name), None)
+    return next((s for s in daemon_status(address).shares if s.name == name), None)
 
 
 def _oracle(dataset: Any, share: str, epoch: int, **kwargs: Any) -> list[Any]:

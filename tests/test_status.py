@@ -17,7 +17,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, running_daemon, wait_for, wait_serving, write_config
+from conftest import (
+    RunningDaemon,
+    STARTUP_TIMEOUT_S,
+    daemon_status,
+    popen_serve,
+    running_daemon,
+    wait_for,
+    wait_serving,
+    write_config,
+)
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +34,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from loaderd import RemoteDataLoader
 from loaderd.iterator import CLIENT_NAME
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.v1 import loaderd_pb2_grpc
 
 N = 100
 BATCH = 4
@@ -52,10 +60,6 @@ def loaderd_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
     command = [sys.executable, "-m", "loaderd.server.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
 
-
-def status(address: str) -> pb.StatusResponse:
-    with grpc.insecure_channel(address) as channel:
-        return loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10.0)
 
 
 def metrics_url(daemon_log: str) -> str:
@@ -131,7 +135,7 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     rest = list(it)
     assert len(first) + len(rest) == EPOCH
     assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(CLIENT_NAME)} ", daemon.log())
-    wait_for(lambda: not status(daemon.address).streams, 20.0, "the finished stream to leave the status")
+    wait_for(lambda: not daemon_status(daemon.address).streams, 20.0, "the finished stream to leave the status")
 
 
 @pytest.mark.timeout(120)
@@ -172,7 +176,7 @@ def test_metrics_count_an_epoch(daemon: RunningDaemon) -> None:
     assert sample(after, "loaderd_workers") == sample(after, "loaderd_workers_alive") == 2
     assert sample(after, "loaderd_worker_restarts_total") == 0
     # What the endpoint says agrees with `loaderd status`.
-    (dataset,) = status(daemon.address).datasets
+    (dataset,) = daemon_status(daemon.address).datasets
     assert dataset.batches_computed == sample(after, "loaderd_batches_computed_total", dataset="squares")
 
 
@@ -181,7 +185,7 @@ def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDa
     url = metrics_url(daemon.log())
     it = iter(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))
     next(it)
-    (stream,) = [s for s in status(daemon.address).streams if s.client == CLIENT_NAME]
+    (stream,) = [s for s in daemon_status(daemon.address).streams if s.client == CLIENT_NAME]
     samples = scrape(url)
     labels = {"client": CLIENT_NAME, "stream": str(stream.stream_id), "dataset": "squares"}
     assert client_series(samples) == {
@@ -238,18 +242,18 @@ def test_metrics_port_option_and_bind_failure(short_tmp: Path) -> None:
 def test_killed_worker_shows_as_a_restart(start_daemon: Callable[..., RunningDaemon]) -> None:
     daemon = start_daemon(DATASETS, workers=2, metrics={"port": 0})
     url = metrics_url(daemon.log())
-    victim = status(daemon.address).workers[0]
+    victim = daemon_status(daemon.address).workers[0]
     assert victim.alive and victim.restarts == 0
     assert is_descendant(victim.pid, daemon.process.pid), "status names a pid that is not this daemon's worker"
     os.kill(victim.pid, signal.SIGKILL)
 
     def replaced() -> pb.WorkerStatus | None:
-        worker = status(daemon.address).workers[0]
+        worker = daemon_status(daemon.address).workers[0]
         return worker if worker.restarts == 1 and worker.ready and worker.alive else None
 
     worker = wait_for(replaced, 30.0, "status to show worker 0 replaced")
     assert worker.pid != victim.pid
-    assert status(daemon.address).workers[1].restarts == 0
+    assert daemon_status(daemon.address).workers[1].restarts == 0
     samples = scrape(url)
     assert sample(samples, "loaderd_worker_restarts_total") == 1
     assert sample(samples, "loaderd_workers_alive") == 2

@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch.utils.data import DataLoader
 
 BENCH_DIR = Path(__file__).resolve().parent
