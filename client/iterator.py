@@ -183,6 +183,8 @@ class RemoteLoaderIter:
         # Resuming: positions before `start` were consumed in an earlier run.
         self._planned = start.start
         self._consumed = start.start
+        # Iterable streams: the consumed count last reported to the daemon (it starts from `start`).
+        self._credited = start.start
         self._stalled_s = 0.0
         self._plan_length = _length(loader._plan._index_sampler) if not self._iterable else None
         self._plan_done = self._iterable
@@ -227,8 +229,12 @@ class RemoteLoaderIter:
         asked for: an epoch stopped early leaves the user's generator where torch does.
         """
         if self._iterable:
-            # An iterable stream's credit: the daemon runs at most `window` batches past this.
-            self._requests.put(pb.StreamRequest(plan=self._progress()))
+            # An iterable stream's credit: the daemon runs at most `window` batches past
+            # what was reported. Reported every quarter window, not every batch: one
+            # message fewer per batch, and the daemon still keeps >= 3/4 window ahead.
+            if self._consumed - self._credited >= max(1, self._window // 4):
+                self._credited = self._consumed
+                self._requests.put(pb.StreamRequest(plan=self._progress()))
             return
         if self._plan_done:
             return
