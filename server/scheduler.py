@@ -190,6 +190,10 @@ class Scheduler:
         """The open client streams (for status); call with ``lock`` held."""
         return [s for s in self._streams.values() if isinstance(s, BatchStream)]
 
+    def busy(self, worker_id: int) -> int:
+        """Tasks queued or running in one worker; call with ``lock`` held."""
+        return len(self._inflight.get(worker_id, {}))
+
     def snapshot_jobs(self) -> list[SharedJob]:
         return list(self._jobs.values())
 

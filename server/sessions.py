@@ -53,6 +53,10 @@ class SessionRegistry:
             self._sessions[session.session_id] = session
             return session
 
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
     def challenge(self) -> tuple[str, bytes] | None:
         """A probe file for the client to read, or None if the daemon serves no shared memory."""
         if self.pool.shm_prefix is None:

@@ -36,15 +36,10 @@ def dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
     )
 
 
-def _open_sessions(sessions: SessionRegistry) -> int:
-    with sessions._lock:
-        return len(sessions._sessions)
-
-
 def build_status(scheduler: Scheduler, sessions: SessionRegistry) -> pb.StatusResponse:
     """A consistent snapshot of the pool, datasets, shares and streams."""
     # Taken apart from the scheduler's lock: never hold both (no lock order to get wrong).
-    reply = pb.StatusResponse(version=version(), sessions=_open_sessions(sessions))
+    reply = pb.StatusResponse(version=version(), sessions=sessions.open_count())
     pool = scheduler.pool
     with scheduler.lock:
         reply.uptime_s = time.monotonic() - scheduler.started_at
@@ -54,7 +49,7 @@ def build_status(scheduler: Scheduler, sessions: SessionRegistry) -> pb.StatusRe
                 pid=state.pid,
                 alive=state.alive,
                 ready=state.ready,
-                busy=len(scheduler._inflight.get(state.worker_id, {})),
+                busy=scheduler.busy(state.worker_id),
                 restarts=state.restarts,
                 batches=scheduler.worker_batches.get(state.worker_id, 0),
             )

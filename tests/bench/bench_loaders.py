@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,25 +157,16 @@ def start_daemon(workers: int, datasets: dict[str, Any] | None = None) -> Daemon
 
 
 def wait_serving(daemon: Daemon, timeout: float) -> None:
-    """Poll grpc.health.v1 until SERVING (creates this process's first gRPC channel)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Wait until SERVING (the tests' own health poll), then read the TCP port from the log.
 
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(daemon.unix_address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if daemon.process.poll() is not None:
-                raise RuntimeError(f"daemon exited with {daemon.process.returncode} before serving:\n{daemon.log()}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"daemon not SERVING within {timeout:.0f}s:\n{daemon.log()}")
+    Imported here, not at the top: it creates this process's first gRPC channel."""
+    sys.path.insert(0, str(BENCH_DIR.parent))
+    from conftest import wait_serving as wait_healthy
+
+    try:
+        wait_healthy(daemon.unix_address, daemon.process, daemon.log_path, timeout)
+    except AssertionError as exc:
+        raise RuntimeError(str(exc)) from None
     # The daemon sets SERVING just before it logs its addresses: poll the log for the port.
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
@@ -401,6 +393,11 @@ def print_report(
         p(f"| first batch <= {FIRST_BATCH_TARGET_MS:g} ms ({where}) | {fmt(value)} ms | {verdict} |")
     p("")
 
+    print_findings(p, findings)
+
+
+def print_findings(p: Callable[[str], None], findings: list[str]) -> None:
+    """The report's last part: loader problems the run saw, or that there were none."""
     if findings:
         p("### loaderd problems seen (not worked around)\n")
         for finding in findings:

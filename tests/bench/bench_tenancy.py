@@ -71,6 +71,7 @@ from bench_loaders import (  # noqa: E402
     Daemon,
     fmt,
     median,
+    print_findings,
     start_daemon,
     wait_serving,
 )
@@ -969,15 +970,7 @@ def print_report(bench: Bench, results: dict[str, Any], load_before: tuple[float
     for line in summary:
         p(line)
     p("")
-    if bench.findings:
-        p("### loaderd problems seen (not worked around)\n")
-        for finding in bench.findings:
-            p("```")
-            p(finding.rstrip())
-            p("```")
-    else:
-        p("No loader errors, hangs or wrong batches were seen.")
-    sys.stdout.flush()
+    print_findings(p, bench.findings)
 
 
 # ---------------------------------------------------------------- main
