@@ -15,14 +15,15 @@ from loaderd.errors import LoaderdError, error_from_rpc
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
+from loaderd.wire.limits import MAX_MESSAGE_BYTES
 
 ADDRESS_ENV = "LOADERD_ADDRESS"
 # How long a client waits for a daemon that is not (yet) answering.
 CONNECT_TIMEOUT_S = 30.0
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 
@@ -58,7 +59,7 @@ class DaemonConnection:
             self._stream_closers.add(closer)
 
     def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
-        """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.frames)."""
+        """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.wire.framing)."""
         return self._stream_batches(requests)
 
     def close(self) -> None:

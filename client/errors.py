@@ -9,13 +9,12 @@ that message back into an exception of the original type where it can
 
 from __future__ import annotations
 
-import builtins
-import sys
 import traceback
 
 import grpc
 
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.names import find_loaded
 
 
 class LoaderdError(Exception):
@@ -81,16 +80,8 @@ def capture_exception(exc: BaseException, where: str, seq: int = 0) -> pb.Remote
 
 
 def _resolve_exception_type(module: str, qualname: str) -> type[BaseException] | None:
-    """Find the remote exception's class among what the client already imported.
-
-    Nothing is imported on the server's say-so: builtins and modules already in
-    ``sys.modules`` (the user's dataset module usually is) are searched.
-    """
-    owner: object | None = builtins if module == "builtins" else sys.modules.get(module)
-    for part in qualname.split("."):
-        if owner is None:
-            return None
-        owner = getattr(owner, part, None)
+    """The remote exception's class, if the client already imported it (nothing is imported on the server's say-so)."""
+    owner = find_loaded(module, qualname)
     if isinstance(owner, type) and issubclass(owner, Exception):
         return owner
     return None

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from loaderd.codec import BatchAssembler, view_batch
+from loaderd.wire.codec import BatchAssembler, view_batch
 from loaderd.epoch import EpochStart
-from loaderd.frames import read_frame
+from loaderd.wire.framing import read_frame
 from loaderd.errors import (
     BatchTimeoutError,
     DaemonUnavailableError,

@@ -25,10 +25,10 @@ import grpc
 
 from loaderd.errors import TransportError, error_from_rpc
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import SHM_DIR, is_segment_name
 
 log = logging.getLogger("loaderd.session")
 
-SHM_DIR = "/dev/shm"
 _POLL_S = 0.25
 # Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
 _MAX_MAPPINGS = 1024
@@ -51,7 +51,7 @@ class SegmentMaps:
         self._lock = threading.Lock()
 
     def get(self, name: str, size: int, pin: bool = False) -> mmap.mmap:
-        if "/" in name or not name.startswith("loaderd-"):
+        if not is_segment_name(name):
             raise TransportError(f"refusing shared-memory name {name!r}")
         with self._lock:
             mapping = self._maps.get(name)

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loaderd.codec import EncodedBatch
+from loaderd.wire.codec import EncodedBatch
+from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
 
 log = logging.getLogger("loaderd.arena")
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "loaderd-"
 MIN_SEGMENT = 1 << 20
 # Payloads below this travel inline (pipe, then gRPC): for small batches a slot's
 # lease round trip (client -> daemon -> worker) costs more than copying the bytes.
@@ -45,7 +44,7 @@ class SlotRef:
 
 
 def daemon_prefix(pid: int, token: str) -> str:
-    return f"{NAME_PREFIX}{pid}-{token}-"
+    return f"{SEGMENT_PREFIX}{pid}-{token}-"
 
 
 def worker_prefix(daemon: str, worker_id: int, generation: int) -> str:
@@ -214,8 +213,8 @@ def unlink_segments(prefix: str) -> int:
 def sweep_stale() -> int:
     """Remove segments left by daemons that no longer run (killed with SIGKILL)."""
     removed = 0
-    for path in glob.glob(os.path.join(SHM_DIR, NAME_PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(NAME_PREFIX) :].split("-", 1)[0]
+    for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_PREFIX + "*")):
+        pid_text = os.path.basename(path)[len(SEGMENT_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit():
             continue
         try:

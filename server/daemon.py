@@ -9,9 +9,9 @@ Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
   3. the gRPC server stops (grace period for in-flight replies);
   4. the metrics HTTP server (if any) stops and its thread is joined;
   5. shared-memory sessions close, giving back every slot clients held;
-  6. workers get a stop message, then terminate/kill after a timeout, and
-     every shared-memory segment of this daemon is unlinked;
-  7. unix socket files are removed.
+  6. workers get a stop message, then terminate/kill after a timeout;
+  7. the slot ledger unlinks every shared-memory segment of this daemon;
+  8. unix socket files are removed.
 A daemon killed with SIGKILL cannot run this: its workers exit when they see
 their parent gone, and the next daemon to start sweeps its segments.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 from concurrent import futures
@@ -28,18 +29,23 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
-from loaderd.server.arena import sweep_stale
+from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
+from loaderd.server.catalog import Catalog
 from loaderd.server.config import LoaderConfig, check_imports
-from loaderd.server.metrics import Metrics
+from loaderd.server.ledger import SlotLedger
+from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import WorkerPool
+from loaderd.server.rpc import SERVICE_NAME, generic_handler
 from loaderd.server.scheduler import Scheduler
-from loaderd.server.servicer import LoaderServicer, method_handlers
-from loaderd.server.sessions import SessionRegistry
+from loaderd.server.servicer import LoaderServicer
+from loaderd.server.sessions import SessionHost, SessionRegistry
+from loaderd.server.status import StatusBoard
+from loaderd.wire.limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("loaderd")
 
-SERVICE_NAME = "loaderd.v1.Loader"
 # gRPC handler threads: about 2 per client process (its session and its open stream).
 RPC_THREADS = 1024
 
@@ -83,63 +89,89 @@ class Daemon:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._stopped = False
+        # Set by start(), in this order; shutdown() stops whatever was set.
         self.pool: WorkerPool | None = None
+        self.ledger: SlotLedger | None = None
         self.scheduler: Scheduler | None = None
-        self.sessions: SessionRegistry | None = None
+        self.session_host: SessionHost | None = None
         self.server: grpc.Server | None = None
-        self.metrics: Metrics | None = None
+        self.metrics: MetricsEndpoint | None = None
         self.health = health.HealthServicer()
         self._unix_paths: list[str] = []
 
     def start(self) -> None:
-        """Import, start the warm pool, then serve. Raises ConfigError, PoolStartError, ListenError."""
-        check_imports(self.config)
+        """Import, start the warm pool, then serve. Raises ConfigError, PoolStartError, ListenError.
+
+        Every part gets what it depends on at construction; this is the whole wiring.
+        """
+        config = self.config
+        check_imports(config)
         swept = sweep_stale()
         if swept:
             log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
-        self.pool = WorkerPool(self.config)
-        datasets = self.pool.start(timeout=self.startup_timeout)
+        shm_prefix = (
+            daemon_prefix(os.getpid(), secrets.token_hex(8)) if config.shm_bytes_per_worker > 0 and shm_available() else None
+        )
+        sessions = SessionRegistry()
+        self.pool = pool = WorkerPool(config, shm_prefix)
+        self.ledger = ledger = SlotLedger(shm_prefix, give_back=pool.give_back, on_retired=sessions.announce_retired)
+        catalog = Catalog(pool.start(timeout=self.startup_timeout), pool.size)
         log.info(
             "pool of %d workers ready with datasets: %s",
-            self.pool.size,
-            ", ".join(f"{n} ({'iterable' if m.iterable else f'{m.length} items'})" for n, m in datasets.items()),
+            pool.size,
+            ", ".join(f"{n} ({'iterable' if m.iterable else f'{m.length} items'})" for n, m in catalog.datasets.items()),
         )
-        self.scheduler = Scheduler(self.pool, self.config)
-        self.scheduler.start()
-        self.sessions = SessionRegistry(self.pool)
-        self.pool.on_retired = self.sessions.retired
-        if self.config.metrics is not None:
-            self.metrics = Metrics(self.scheduler, self.sessions)
-            host, port = self.config.metrics.host, self.config.metrics.port
+        # Our own registry, not prometheus_client's global one: two daemons in a process never mix.
+        registry = CollectorRegistry()
+        latency = BatchLatency(registry, catalog.datasets) if config.metrics is not None else None
+        self.scheduler = scheduler = Scheduler(
+            pool, ledger, catalog, config.share_buffer, on_batch=latency.observe if latency is not None else None
+        )
+        scheduler.start()
+        self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix)
+        status = StatusBoard(pool.states, catalog, scheduler, sessions)
+        if config.metrics is not None:
+            self.metrics = MetricsEndpoint(registry, status.snapshot)
+            host, port = config.metrics.host, config.metrics.port
             try:
                 url = self.metrics.serve(host, port)
             except OSError as exc:
                 raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
             log.info("metrics on %s", url)
-
+        servicer = LoaderServicer(
+            catalog,
+            scheduler,
+            sessions,
+            session_host,
+            ledger,
+            status.snapshot,
+            chunk_bytes=config.chunk_bytes,
+            max_window=config.max_window,
+        )
         self.server = grpc.server(
             # Each open stream and each client session holds one thread for its
             # lifetime; idle threads are cheap, so allow many concurrent clients.
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="loaderd-rpc"),
-            handlers=[method_handlers(LoaderServicer(self.scheduler, self.sessions, self.config.chunk_bytes))],
+            handlers=[generic_handler(servicer, raw_responses={"StreamBatches"})],
             options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", self.config.chunk_bytes + (1 << 20)),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", config.chunk_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._serve(self.server)
+
+    def _serve(self, server: grpc.Server) -> None:
+        """Add health and reflection, bind every listen address, start, and say SERVING."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Reflection lets grpcurl and friends list and call the services without the .proto files.
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            self.server,
-        )
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for address in self.config.listen:
             path = unix_path(address)
             if path is not None:
                 _claim_unix_path(path)
             try:
-                port = self.server.add_insecure_port(address)
+                port = server.add_insecure_port(address)
             except RuntimeError as exc:
                 raise ListenError(f"cannot listen on {address}: {exc}") from None
             if path is not None:
@@ -148,7 +180,7 @@ class Daemon:
             else:
                 host = address.rsplit(":", 1)[0]
                 self.bound.append(f"{host}:{port}")
-        self.server.start()
+        server.start()
         for address in self.bound:  # logged before SERVING: tools read the bound port once healthy
             log.info("listening on %s", address)
         for service in ("", SERVICE_NAME):
@@ -170,10 +202,12 @@ class Daemon:
             self.server.stop(grace).wait(grace + 1.0)
         if self.metrics is not None:
             self.metrics.shutdown()
-        if self.sessions is not None:
-            self.sessions.close_all()
+        if self.session_host is not None:
+            self.session_host.close_all()
         if self.pool is not None:
             self.pool.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
         for path in self._unix_paths:
             try:
                 os.unlink(path)

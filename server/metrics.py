@@ -1,27 +1,22 @@
 """Prometheus metrics: a per-daemon registry served over HTTP.
 
-Batch latency is the one thing observed as it happens (the scheduler's
-``on_batch`` hook feeds a histogram). Everything else is read at scrape time
-from the same snapshot ``loaderd status`` shows (``build_status``), so the two
-always agree and nothing is counted twice.
+Batch latency is the one thing observed as it happens (``BatchLatency``, the
+scheduler's ``on_batch`` observer, feeds a histogram). Everything else is read
+at scrape time from the same snapshot ``loaderd status`` shows
+(``StatusBoard.snapshot``), so the two always agree and nothing is counted twice.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loaderd.server.status import build_status
-
-if TYPE_CHECKING:
-    from loaderd.server.scheduler import Scheduler
-    from loaderd.server.sessions import SessionRegistry
+from loaderd.v1 import loaderd_pb2 as pb
 
 # From a tiny in-memory batch (~1 ms) to a slow decode-and-augment one (tens of seconds).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -42,12 +37,11 @@ _PER_DATASET: tuple[tuple[str, str, type[CounterMetricFamily] | type[GaugeMetric
 class _StatusCollector(Collector):
     """Counters and gauges derived from one status snapshot per scrape."""
 
-    def __init__(self, scheduler: Scheduler, sessions: SessionRegistry) -> None:
-        self.scheduler = scheduler
-        self.sessions = sessions
+    def __init__(self, snapshot: Callable[[], pb.StatusResponse]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        status = build_status(self.scheduler, self.sessions)
+        status = self._snapshot()
         for name, field, kind, doc in _PER_DATASET:
             family = kind(name, doc, labels=["dataset"])
             for dataset in status.datasets:
@@ -82,29 +76,33 @@ class _StatusCollector(Collector):
         yield GaugeMetricFamily("loaderd_uptime_seconds", "Seconds since the daemon started", value=status.uptime_s)
 
 
-class Metrics:
-    """The daemon's metrics: hooks the scheduler at construction, serves HTTP after ``serve``."""
+class BatchLatency:
+    """The batch-latency histogram, in ``registry``: the scheduler calls ``observe`` as batches finish."""
 
-    def __init__(self, scheduler: Scheduler, sessions: SessionRegistry) -> None:
-        # Our own registry, not prometheus_client's global one: two daemons in a process never mix.
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry, datasets: Iterable[str]) -> None:
         self._latency = Histogram(
             "loaderd_batch_latency_seconds",
             "Seconds from handing a batch to a worker to its result",
             ["dataset"],
-            registry=self.registry,
+            registry=registry,
             buckets=LATENCY_BUCKETS,
         )
-        # Children made up front: the hook runs under the scheduler's lock, so it only observes.
-        self._children = {name: self._latency.labels(name) for name in scheduler.pool.datasets}
-        self.registry.register(_StatusCollector(scheduler, sessions))
-        scheduler.on_batch = self._observe
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        # Children made up front: the observer runs under the scheduler's lock, so it only observes.
+        self._children = {name: self._latency.labels(name) for name in datasets}
 
-    def _observe(self, dataset: str, seconds: float) -> None:
+    def observe(self, dataset: str, seconds: float) -> None:
         child = self._children.get(dataset)
         (child if child is not None else self._latency.labels(dataset)).observe(seconds)
+
+
+class MetricsEndpoint:
+    """Serves ``registry`` (plus the status-derived families) over HTTP after ``serve``."""
+
+    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], pb.StatusResponse]) -> None:
+        self.registry = registry
+        self.registry.register(_StatusCollector(snapshot))
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint (port 0 picks one); returns its URL. Raises OSError if it cannot bind."""

@@ -5,25 +5,23 @@ config's modules preloaded) before any gRPC server exists, so replacing a dead
 worker later never forks a process that runs gRPC threads.
 
 The pool only moves messages: ``submit`` a task to a worker, ``poll`` for
-results and deaths, ``respawn`` a dead worker, ``shutdown``. Which task goes
-where is the scheduler's business.
+results and deaths, ``give_back`` a slot, ``respawn`` a dead worker,
+``shutdown``. Which task goes where is the scheduler's business; how long a
+shared-memory slot lives is the ledger's (server/ledger.py).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import secrets
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from loaderd.server.arena import SlotReader, SlotRef, daemon_prefix, shm_available, unlink_segments, worker_prefix
+from loaderd.server.arena import worker_prefix
 from loaderd.server.config import LoaderConfig
 from loaderd.server.tasks import BatchDone, DatasetMeta, ReleaseSlot, Result, Task, WorkerReady, WorkerStartFailed
 from loaderd.server.worker import WorkerSpec, run_worker
@@ -36,24 +34,26 @@ class PoolStartError(Exception):
 
 
 @dataclass(frozen=True)
-class WorkerResult:
-    """A message from a worker; for a ``BatchDone``, its payload as (offset, bytes) buffers.
+class WorkerMessage:
+    """A message from worker process (``worker_id``, ``generation``).
 
-    A payload in shared memory is one buffer at offset 0 that stays valid until
-    ``WorkerPool.release(result)``.
+    For a ``BatchDone`` whose payload did not go to shared memory, ``buffers``
+    holds the raw bytes that followed it on the pipe, by payload offset.
     """
 
     worker_id: int
+    generation: int
     result: Result
-    buffers: tuple[tuple[int, bytes | memoryview], ...] = ()
-    slot: SlotRef | None = None
-    generation: int = 0
+    buffers: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
 class WorkerDied:
     worker_id: int
+    generation: int
     exitcode: int | None
+    # The dead process's shared-memory segment names start with this (None: it had none).
+    shm_prefix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class WorkerState:
     restarts: int
 
 
-PoolEvent = WorkerResult | WorkerDied
+PoolEvent = WorkerMessage | WorkerDied
 
 
 @dataclass
@@ -85,9 +85,11 @@ class _Worker:
 class WorkerPool:
     """A fixed number of worker processes, each replaceable when it dies."""
 
-    def __init__(self, config: LoaderConfig) -> None:
+    def __init__(self, config: LoaderConfig, shm_prefix: str | None) -> None:
+        """``shm_prefix``: the daemon's shared-memory name prefix (None: payloads go over pipes)."""
         self.config = config
         self.size = config.workers
+        self.shm_prefix = shm_prefix
         self._ctx = mp.get_context("forkserver")
         preload = ["torch", "numpy", "loaderd.server.worker"]
         preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
@@ -97,23 +99,6 @@ class WorkerPool:
         self.datasets: dict[str, DatasetMeta] = {}
         self.restarts = 0
         self._restarts_by_slot: dict[int, int] = {}
-        # Extra references to a shared-memory result (a shared job delivers one
-        # batch to several clients): release() gives the slot back at the last one.
-        self._extra_refs: dict[tuple[int, int, str], int] = {}
-        self.shm_prefix = (
-            daemon_prefix(os.getpid(), secrets.token_hex(8))
-            if config.shm_bytes_per_worker > 0 and shm_available()
-            else None
-        )
-        self._slots = SlotReader()
-        # Slots handed out (being sent, or leased to a client) per worker generation:
-        # a dead worker's segments are unlinked only once none is still in use, so a
-        # client can still open the slot of a batch that worker finished.
-        self._held: dict[tuple[int, int], int] = {}
-        self._retiring: dict[tuple[int, int], str] = {}
-        self._held_lock = threading.Lock()
-        # Told of removed segments so clients can unmap them (set by the daemon).
-        self.on_retired: Callable[[tuple[str, ...], tuple[str, ...]], None] = lambda names, prefixes: None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -184,19 +169,6 @@ class WorkerPool:
         worker.results.close()
         worker.tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
         worker.tasks.close()
-        if worker.shm_prefix:
-            key = (worker.worker_id, worker.generation)
-            with self._held_lock:
-                busy = self._held.get(key, 0) > 0
-                if busy:
-                    self._retiring[key] = worker.shm_prefix
-            if not busy:
-                self._retire(worker.shm_prefix)
-
-    def _retire(self, prefix: str) -> None:
-        unlink_segments(prefix)
-        self._slots.forget(prefix=prefix)
-        self.on_retired((), (prefix,))
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Ask every worker to exit, then terminate and kill stragglers. Idempotent."""
@@ -220,8 +192,6 @@ class WorkerPool:
         for w in self._workers.values():
             if w.alive:
                 self._close(w)
-        if self.shm_prefix:
-            unlink_segments(self.shm_prefix)
 
     # ------------------------------------------------------------ messaging
 
@@ -231,58 +201,25 @@ class WorkerPool:
     def submit(self, worker_id: int, task: Task) -> None:
         self._workers[worker_id].tasks.put(task)
 
-    def _receive(self, worker: _Worker) -> WorkerResult:
+    def _receive(self, worker: _Worker) -> WorkerMessage:
         result: Result = worker.results.recv()
-        if isinstance(result, BatchDone):
-            if result.retired:
-                self._slots.forget(names=result.retired)
-                self.on_retired(result.retired, ())
-            if result.slot is not None:
-                key = (worker.worker_id, worker.generation)
-                with self._held_lock:
-                    self._held[key] = self._held.get(key, 0) + 1
-                view = self._slots.view(result.slot, result.payload_bytes)
-                return WorkerResult(worker.worker_id, result, ((0, view),), result.slot, worker.generation)
+        buffers: tuple[tuple[int, bytes], ...] = ()
+        if isinstance(result, BatchDone) and result.slot is None:
             buffers = tuple((offset, worker.results.recv_bytes()) for offset in result.buffer_offsets)
-            return WorkerResult(worker.worker_id, result, buffers)
-        if isinstance(result, WorkerReady):
+        elif isinstance(result, WorkerReady):
             worker.ready = True
             self.datasets = self.datasets or result.datasets
-        return WorkerResult(worker.worker_id, result)
+        return WorkerMessage(worker.worker_id, worker.generation, result, buffers)
 
-    def release(self, result: WorkerResult) -> None:
-        """The daemon is done with a result's shared-memory payload: let its worker reuse the segment."""
-        if result.slot is None:
+    def give_back(self, worker_id: int, generation: int, name: str) -> None:
+        """Tell worker process (``worker_id``, ``generation``) it may reuse segment ``name``; no-op if it is gone."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.alive or worker.generation != generation:
             return
-        key = (result.worker_id, result.generation)
-        ref = (result.worker_id, result.generation, result.slot.name)
-        with self._held_lock:
-            extra = self._extra_refs.get(ref, 0)
-            if extra:
-                if extra == 1:
-                    del self._extra_refs[ref]
-                else:
-                    self._extra_refs[ref] = extra - 1
-                return
-            self._held[key] -= 1
-            retiring = self._retiring.pop(key, None) if self._held[key] == 0 else None
-        if retiring is not None:
-            self._retire(retiring)
-            return
-        worker = self._workers.get(result.worker_id)
-        if worker is not None and worker.alive and worker.generation == result.generation:
-            try:
-                worker.tasks.put(ReleaseSlot(result.slot.name))
-            except (ValueError, OSError):  # closed: the worker died meanwhile
-                pass
-
-    def retain(self, result: WorkerResult) -> None:
-        """One more holder of ``result``'s payload: it takes one more release() to give the slot back."""
-        if result.slot is None:
-            return
-        ref = (result.worker_id, result.generation, result.slot.name)
-        with self._held_lock:
-            self._extra_refs[ref] = self._extra_refs.get(ref, 0) + 1
+        try:
+            worker.tasks.put(ReleaseSlot(name))
+        except (ValueError, OSError):  # closed: the worker died meanwhile
+            pass
 
     def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
         """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready)."""
@@ -317,5 +254,5 @@ class WorkerPool:
             worker.process.join(0.1)
             worker.alive = False
             worker.ready = False
-            events.append(WorkerDied(worker.worker_id, worker.process.exitcode))
+            events.append(WorkerDied(worker.worker_id, worker.generation, worker.process.exitcode, worker.shm_prefix))
         return events

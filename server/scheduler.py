@@ -1,9 +1,12 @@
 """Scheduler: feeds the shared worker pool from every open stream, fairly.
 
-One thread owns the pool's pipes. Each round it gives every stream with work
-and window room one task in turn (round-robin, so a stream cannot starve the
-others), keeps at most ``PER_WORKER`` tasks queued per worker, routes results
-back to their streams, and replaces dead workers, re-running what they held.
+One thread owns the pool's pipes. Each round (``step``) it gives every
+producer with work and window room one task in turn (round-robin, so a stream
+cannot starve the others), keeps at most ``PER_WORKER`` tasks queued per
+worker, routes results back to their producers, and replaces dead workers,
+re-running what they held. Producers are client streams and shared jobs (the
+contract is in server/producer.py); a finished shared-memory batch is held
+through the slot ledger from the moment it arrives.
 """
 
 from __future__ import annotations
@@ -13,21 +16,24 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
 from loaderd.errors import WorkerCrashedError, capture_exception
-from loaderd.server.config import LoaderConfig
-from loaderd.server.pool import WorkerDied, WorkerPool, WorkerResult
-from loaderd.server.share import SharedJob, ShareMismatchError
-from loaderd.server.stream import BatchStream, Delivery, StreamFailed
+from loaderd.server.catalog import Catalog
+from loaderd.server.ledger import SlotLedger
+from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
+from loaderd.server.producer import Delivery, Producer, StreamFailed
+from loaderd.server.share import ShareKey, SharedJob
+from loaderd.server.stream import BatchStream, StreamSpec
 from loaderd.server.tasks import (
     BatchDone,
     BatchFailed,
-    DatasetMeta,
     FetchTask,
+    Indices,
     IterTask,
     ReleaseStream,
     ReplicaExhausted,
@@ -35,7 +41,6 @@ from loaderd.server.tasks import (
     WorkerReady,
     WorkerStartFailed,
 )
-from loaderd.v1 import loaderd_pb2 as pb
 
 log = logging.getLogger("loaderd.scheduler")
 
@@ -47,12 +52,23 @@ MAX_ATTEMPTS = 3
 MAX_RESPAWN_FAILURES = 5
 
 
-class UnknownDatasetError(LookupError):
-    pass
+class Pool(Protocol):
+    """What the scheduler needs of the worker pool (server/pool.py; a fake one in the unit tests)."""
 
+    @property
+    def size(self) -> int: ...
 
-class BadStreamError(ValueError):
-    """An OpenStream the daemon cannot serve; the message says why."""
+    def is_ready(self, worker_id: int) -> bool: ...
+
+    def submit(self, worker_id: int, task: Task) -> None:
+        """Queue ``task`` to the worker; ValueError or OSError if its queue is closed (it died)."""
+        ...
+
+    def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
+        """Results and deaths within ``timeout`` (returning early when any of ``extra`` is readable)."""
+        ...
+
+    def respawn(self, worker_id: int) -> None: ...
 
 
 @dataclass
@@ -73,24 +89,27 @@ class DatasetCounters:
     delivered_closed: int = 0
 
 
-Producer = BatchStream | SharedJob
+# Told (dataset, seconds from dispatch to result) of each finished batch, under the scheduler's lock.
+BatchObserver = Callable[[str, float], None]
 
 
 class Scheduler:
-    """Routes tasks from streams to the pool and results back."""
+    """Routes tasks from producers to the pool and results back."""
 
-    def __init__(self, pool: WorkerPool, config: LoaderConfig) -> None:
-        self.pool = pool
-        self.config = config
+    def __init__(self, pool: Pool, ledger: SlotLedger, catalog: Catalog, share_buffer: int, on_batch: BatchObserver | None = None) -> None:
+        self._pool = pool
+        self._ledger = ledger
+        self._catalog = catalog
+        self._share_buffer = share_buffer
+        self._on_batch = on_batch
         self.lock = threading.Lock()
-        # Everything that produces tasks: plain streams, shared jobs, and (idle) share consumers.
-        self._streams: dict[int, Producer] = {}
+        self._streams: dict[int, BatchStream] = {}  # every open client stream
+        self._producers: dict[int, Producer] = {}  # what dispatch draws from: streams and shared jobs
         self._jobs: dict[tuple[str, int], SharedJob] = {}
-        self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in pool.datasets}
+        self._job_of: dict[int, SharedJob] = {}  # consumer stream id -> its job
+        self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in catalog.datasets}
         self.worker_batches: dict[int, int] = {}
         self.started_at = time.monotonic()
-        # Called (dataset, seconds from dispatch to result) for each finished batch; set by the metrics.
-        self.on_batch: Callable[[str, float], None] = lambda dataset, seconds: None
         self._turn = 0
         self._ids = itertools.count(1)
         self._inflight: dict[int, dict[tuple[int, int], _InFlight]] = {w: {} for w in range(pool.size)}
@@ -117,89 +136,50 @@ class Scheduler:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
-    def dataset(self, name: str) -> DatasetMeta:
-        """A dataset the config defines; UnknownDatasetError naming what exists otherwise."""
-        meta = self.pool.datasets.get(name)
-        if meta is None:
-            known = ", ".join(sorted(self.pool.datasets)) or "none"
-            raise UnknownDatasetError(f"no dataset named {name!r} in this daemon's config (it defines: {known})")
-        return meta
-
-    def open_stream(self, request: pb.OpenStream, peer: str, shm: bool = False) -> BatchStream:
-        """A new stream; UnknownDatasetError, BadStreamError or ShareMismatchError if it cannot be served."""
-        meta = self.dataset(request.dataset)
-        pool_size = self.pool.size
-        replicas = max(1, request.num_workers) if meta.iterable else pool_size
-        default_window = 4 * replicas
-        window = min(request.window or default_window, self.config.max_window)
-        share = request.share if request.HasField("share") else None
-        if share is not None:
-            if meta.iterable:
-                raise BadStreamError(f"dataset {request.dataset!r} is an IterableDataset: shares serve map-style datasets")
-            if not share.name:
-                raise BadStreamError("a share needs a name")
+    def open_stream(self, spec: StreamSpec, share: ShareKey | None = None) -> BatchStream:
+        """A new stream (a consumer of ``share``'s job if given); ShareMismatchError if it cannot join."""
         with self.lock:
-            stream = BatchStream(
-                stream_id=next(self._ids),
-                dataset=request.dataset,
-                iterable=meta.iterable,
-                auto_collation=request.auto_collation,
-                batch_size=request.batch_size,
-                drop_last=request.drop_last,
-                num_workers=request.num_workers,
-                base_seed=request.base_seed,
-                window=max(1, window),
-                peer=peer,
-                stream_token=request.stream_token,
-                cond=threading.Condition(self.lock),
-                release=self.pool.release,
-                start=request.start,
-                client=request.client,
-                shm=shm,
-            )
-            if share is not None:
-                self._join(stream, share)
+            job = self._join(share) if share is not None else None
+            stream = BatchStream(next(self._ids), spec, threading.Condition(self.lock), self._ledger.release, upstream=job)
+            if job is not None:
+                job.attach(stream)
+                self._job_of[stream.stream_id] = job
+            else:
+                self._producers[stream.stream_id] = stream
             self._streams[stream.stream_id] = stream
         self.wake()
         return stream
 
-    def _join(self, stream: BatchStream, share: pb.ShareSpec) -> None:
-        key = (share.name, share.epoch)
-        job = self._jobs.get(key)
-        if job is None:
-            job = SharedJob(
-                job_id=next(self._ids),
-                name=share.name,
-                epoch=share.epoch,
-                dataset=stream.dataset,
-                fingerprint=share.fingerprint,
-                auto_collation=stream.auto_collation,
-                base_seed=stream.base_seed,
-                buffer_limit=self.config.share_buffer,
-                retain=self.pool.retain,
-                release=self.pool.release,
-            )
-            self._jobs[key] = job
-            self._streams[job.job_id] = job
-            log.info("share %r epoch %d started on %r", share.name, share.epoch, stream.dataset)
-        else:
-            job.check_join(stream.dataset, share.fingerprint, stream.auto_collation, stream.base_seed)
-        job.attach(stream)
+    def _join(self, key: ShareKey) -> SharedJob:
+        job = self._jobs.get((key.name, key.epoch))
+        if job is not None:
+            job.check_join(key)
+            return job
+        job = SharedJob(
+            job_id=next(self._ids),
+            key=key,
+            buffer_limit=self._share_buffer,
+            retain=self._ledger.retain,
+            release=self._ledger.release,
+        )
+        self._jobs[(key.name, key.epoch)] = job
+        self._producers[job.job_id] = job
+        log.info("share %r epoch %d started on %r", key.name, key.epoch, key.dataset)
+        return job
 
-    def snapshot_streams(self) -> list[BatchStream]:
+    def streams(self) -> list[BatchStream]:
         """The open client streams (for status); call with ``lock`` held."""
-        return [s for s in self._streams.values() if isinstance(s, BatchStream)]
+        return list(self._streams.values())
+
+    def jobs(self) -> list[SharedJob]:
+        """The running shared jobs (for status); call with ``lock`` held."""
+        return list(self._jobs.values())
 
     def busy(self, worker_id: int) -> int:
         """Tasks queued or running in one worker; call with ``lock`` held."""
         return len(self._inflight.get(worker_id, {}))
 
-    def snapshot_jobs(self) -> list[SharedJob]:
-        return list(self._jobs.values())
-
-    def add_plan(
-        self, stream: BatchStream, batches: list[tuple[int, ...] | int], end: bool, consumed: int = 0, stalled_us: int = 0
-    ) -> None:
+    def add_plan(self, stream: BatchStream, batches: list[Indices], end: bool, consumed: int = 0, stalled_us: int = 0) -> None:
         with self.lock:
             stream.progress(consumed, stalled_us)
             stream.add_plan(batches, end)
@@ -212,22 +192,20 @@ class Scheduler:
     def close_stream(self, stream: BatchStream) -> None:
         """The client is gone or done: stop working for it. Idempotent."""
         with self.lock:
-            if stream.closed:
+            if not stream.close():
                 return
-            stream.closed = True
-            stream.discard()
-            stream.cond.notify_all()
             self._streams.pop(stream.stream_id, None)
+            self._producers.pop(stream.stream_id, None)
             self.counters[stream.dataset].delivered_closed += stream.delivered
-            job = stream.job
+            job = self._job_of.pop(stream.stream_id, None)
             if job is not None:
                 job.detach(stream)
                 if not job.consumers:
                     job.discard()
-                    self._streams.pop(job.job_id, None)
+                    self._producers.pop(job.job_id, None)
                     self._jobs.pop((job.name, job.epoch), None)
                     log.info("share %r epoch %d ended: %d batches produced", job.name, job.epoch, job.produced)
-            owners = {stream.replica_owner(r, self.pool.size) for r in range(len(stream.replicas))}
+            owners = stream.replica_workers(self._pool.size)
         for worker_id in owners:
             self._submit(worker_id, ReleaseStream(stream.stream_id))
         self.wake()
@@ -247,88 +225,94 @@ class Scheduler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self.lock:
-                self._dispatch()
             try:
-                events = self.pool.poll(0.5, extra=[self._wake_r])
+                self.step(0.5)
             except OSError:
                 if self._stop.is_set():
                     break
                 raise
-            if self._wake_r.poll(0):
-                while self._wake_r.poll(0):
-                    self._wake_r.recv_bytes()
-                with self.lock:
-                    self._woken = False
-            for event in events:
-                if isinstance(event, WorkerDied):
-                    self._on_death(event)
-                else:
-                    self._on_result(event)
+
+    def step(self, timeout: float) -> None:
+        """One round: dispatch what fits, wait up to ``timeout`` for the pool, handle what came."""
+        with self.lock:
+            self._dispatch()
+        events = self._pool.poll(timeout, extra=[self._wake_r])
+        if self._wake_r.poll(0):
+            while self._wake_r.poll(0):
+                self._wake_r.recv_bytes()
+            with self.lock:
+                self._woken = False
+        for event in events:
+            if isinstance(event, WorkerDied):
+                self._on_death(event)
+            else:
+                self._on_result(event)
 
     def _submit(self, worker_id: int, task: Task) -> None:
         try:
-            self.pool.submit(worker_id, task)
+            self._pool.submit(worker_id, task)
         except (ValueError, OSError):  # the worker's queue was closed: it died; its death event re-runs work
             pass
 
     def _dispatch(self) -> None:
-        """Hand out tasks round-robin over streams until workers or windows are full."""
-        size = self.pool.size
-        capacity = {
-            w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self.pool.is_ready(w)
-        }
+        """Hand out tasks round-robin over producers until workers or windows are full."""
+        size = self._pool.size
+        capacity = {w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self._pool.is_ready(w)}
         progress = True
         while progress and any(c > 0 for c in capacity.values()):
             progress = False
-            streams = list(self._streams.values())
-            if not streams:
+            producers = list(self._producers.values())
+            if not producers:
                 return
-            self._turn = (self._turn + 1) % len(streams)
-            for stream in streams[self._turn :] + streams[: self._turn]:
-                if not stream.wants_dispatch():
+            self._turn = (self._turn + 1) % len(producers)
+            for producer in producers[self._turn :] + producers[: self._turn]:
+                if not producer.wants_dispatch():
                     continue
-                task, required = stream.next_task(size)
+                task, required = producer.next_task(size)
                 if required is None:
                     worker = max(capacity, key=lambda w: (capacity[w], -w), default=None)
                 else:
                     worker = required if required in capacity else None
                 if worker is None or capacity[worker] <= 0:
                     continue
-                stream.commit(task)
+                producer.commit(task)
                 key = (task.stream_id, task.seq)
-                attempts = self._attempts.get(key, 0)
-                self._inflight[worker][key] = _InFlight(task, attempts)
+                self._inflight[worker][key] = _InFlight(task, self._attempts.get(key, 0))
                 capacity[worker] -= 1
                 self._submit(worker, task)
                 progress = True
 
-    def _on_result(self, event: WorkerResult) -> None:
-        result = event.result
+    def _on_result(self, message: WorkerMessage) -> None:
+        result = message.result
         if isinstance(result, WorkerReady):
-            self._respawn_failures.pop(event.worker_id, None)
-            log.info("worker %d ready", event.worker_id)
+            self._respawn_failures.pop(message.worker_id, None)
+            log.info("worker %d ready", message.worker_id)
             return
         if isinstance(result, WorkerStartFailed):
-            log.error("replacement worker %d failed to start: %s", event.worker_id, result.message)
-            self._respawn(event.worker_id)
+            log.error("replacement worker %d failed to start: %s", message.worker_id, result.message)
+            self._respawn(message.worker_id)
             return
+        if isinstance(result, BatchDone):
+            # Held (and mapped) from here on: whoever drops the delivery releases it.
+            batch = self._ledger.receive(message.worker_id, message.generation, result, message.buffers)
+            delivery = Delivery(seq=result.seq, batch=batch)
+        elif isinstance(result, BatchFailed):
+            delivery = Delivery(seq=result.seq, error=result.error)
+        else:
+            assert isinstance(result, ReplicaExhausted)
+            delivery = Delivery(seq=result.seq, exhausted=True)
         key = (result.stream_id, result.seq)
         with self.lock:
-            record = self._inflight[event.worker_id].pop(key, None)
+            record = self._inflight[message.worker_id].pop(key, None)
             self._attempts.pop(key, None)
             if record is not None:
-                self._count(event.worker_id, record, result)
-            stream = self._streams.get(result.stream_id)
-            if stream is None:
-                self.pool.release(event)
-                return  # the client left; drop what was still in flight for it
-            if isinstance(result, BatchDone):
-                stream.resolve(Delivery(seq=result.seq, batch=event))
-            elif isinstance(result, BatchFailed):
-                stream.resolve(Delivery(seq=result.seq, error=result.error))
-            elif isinstance(result, ReplicaExhausted):
-                stream.replica_exhausted(result.seq)
+                self._count(message.worker_id, record, result)
+            producer = self._producers.get(result.stream_id)
+            if producer is not None:
+                producer.resolve(delivery)
+                return
+        if delivery.batch is not None:
+            self._ledger.release(delivery.batch)  # the client left; drop what was still in flight for it
 
     def _count(self, worker_id: int, record: _InFlight, result: object) -> None:
         task = record.task
@@ -342,7 +326,8 @@ class Scheduler:
                 counters.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1
             elif isinstance(task, IterTask):
                 counters.samples_fetched += task.batch_size or 1
-            self.on_batch(task.dataset, time.monotonic() - record.sent_at)
+            if self._on_batch is not None:
+                self._on_batch(task.dataset, time.monotonic() - record.sent_at)
 
     def _on_death(self, event: WorkerDied) -> None:
         log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
@@ -350,18 +335,21 @@ class Scheduler:
             lost = self._inflight[event.worker_id]
             self._inflight[event.worker_id] = {}
             for position, (key, record) in enumerate(lost.items()):
-                stream = self._streams.get(key[0])
-                if stream is None:
+                producer = self._producers.get(key[0])
+                if producer is None:
                     continue
                 # A worker runs its tasks in dispatch order: only the first was
                 # running when it died; the ones queued behind it are not to blame.
                 attempts = record.attempts + (1 if position == 0 else 0)
                 if attempts >= MAX_ATTEMPTS:
                     self._attempts.pop(key, None)
-                    stream.resolve(Delivery(seq=record.task.seq, error=self._crash_error(record.task, attempts, event)))
+                    error = self._crash_error(record.task, attempts, event)
+                    producer.resolve(Delivery(seq=record.task.seq, error=error))
                 else:
                     self._attempts[key] = attempts
-                    stream.retry(record.task)
+                    producer.retry(record.task)
+        # Its segments go once no client holds a batch it made.
+        self._ledger.retire(event.worker_id, event.generation, event.shm_prefix)
         self._respawn(event.worker_id)
 
     def _respawn(self, worker_id: int) -> None:
@@ -370,10 +358,11 @@ class Scheduler:
             log.error("giving up on worker slot %d after %d failed starts", worker_id, failures)
             return
         self._respawn_failures[worker_id] = failures + 1
-        self.pool.respawn(worker_id)
+        self._pool.respawn(worker_id)
 
     @staticmethod
     def _crash_error(task: Task, attempts: int, event: WorkerDied) -> bytes:
+        assert isinstance(task, (FetchTask, IterTask))
         what = f"replica {task.replica} batch {task.batch_index}" if isinstance(task, IterTask) else f"batch {task.seq}"
         exc = WorkerCrashedError(
             f"pool workers died {attempts} times running {what} of dataset {task.dataset!r} "

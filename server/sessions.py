@@ -1,10 +1,20 @@
-"""ShmSession: a client process's leases on shared-memory slots.
+"""Client sessions: the same-host proof for shared memory, and a session's life.
 
-On a shared-memory stream a batch's payload stays in its worker's segment and
-the client maps it; the segment is leased to the client's session until the
-client releases it (its last reference to the batch is gone) or the session
-ends (the client closed its channel, crashed or was killed). Only then does the
-worker get the segment back, so a batch a user keeps never changes under it.
+A client process opens one ``Session`` call per daemon. The handshake
+(``SessionHost.serve``) goes:
+
+  1. client: ``hello`` (its pid);
+  2. daemon: ``challenge``, the path of a fresh 0600 file of random bytes in
+     its /dev/shm (no challenge if the daemon serves no shared memory);
+  3. client: ``proof``, the bytes it read there (or why it could not);
+  4. daemon: ``ready`` with the session id and whether shared memory is usable.
+
+Only a client that read the token shares the daemon's /dev/shm, so nothing is
+guessed from the address. Afterwards the client sends ``release`` (batches it
+dropped) and ``abandon`` (a stream it stopped) messages, and the daemon sends
+``retired`` notices (segments it removed, to unmap). The session's slot leases
+are kept by the ledger (server/ledger.py); when the call ends, however it ends,
+every lease goes back.
 """
 
 from __future__ import annotations
@@ -14,42 +24,44 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import grpc
+
 from loaderd.server.arena import create_probe
-from loaderd.server.pool import WorkerPool, WorkerResult
+from loaderd.server.ledger import SlotLedger
 from loaderd.v1 import loaderd_pb2 as pb
 
 log = logging.getLogger("loaderd.sessions")
 
+# How often the session's handler re-checks that its client is still there.
+_POLL_S = 0.25
+
 
 @dataclass
-class ShmSession:
+class ClientSession:
+    """One client process's session with the daemon."""
+
     session_id: int
     peer: str
     shm: bool = False
-    # lease -> (the batch's result, the stream token it was sent on)
-    leases: dict[int, tuple[WorkerResult, int]] = field(default_factory=dict)
-    abandoned: set[int] = field(default_factory=set)
     closed: bool = False
     # Messages for the client (segments it should unmap), sent by the session's handler.
     outbox: queue.Queue[pb.SessionResponse] = field(default_factory=queue.Queue)
 
 
 class SessionRegistry:
-    """Every open session and the slots each one holds."""
+    """Every open session."""
 
-    def __init__(self, pool: WorkerPool) -> None:
-        self.pool = pool
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sessions: dict[int, ShmSession] = {}
-        self._session_ids = itertools.count(1)
-        self._lease_ids = itertools.count(1)
-        self._probes = itertools.count()
+        self._sessions: dict[int, ClientSession] = {}
+        self._ids = itertools.count(1)
 
-    def open(self, peer: str) -> ShmSession:
+    def open(self, peer: str) -> ClientSession:
         with self._lock:
-            session = ShmSession(session_id=next(self._session_ids), peer=peer)
+            session = ClientSession(session_id=next(self._ids), peer=peer)
             self._sessions[session.session_id] = session
             return session
 
@@ -57,65 +69,22 @@ class SessionRegistry:
         with self._lock:
             return len(self._sessions)
 
-    def challenge(self) -> tuple[str, bytes] | None:
-        """A probe file for the client to read, or None if the daemon serves no shared memory."""
-        if self.pool.shm_prefix is None:
-            return None
-        return create_probe(self.pool.shm_prefix, next(self._probes))
-
-    @staticmethod
-    def finish_challenge(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-    def get(self, session_id: int) -> ShmSession | None:
+    def shm_session(self, session_id: int) -> ClientSession | None:
+        """The open session ``session_id`` if it proved shared memory, else None."""
         with self._lock:
             session = self._sessions.get(session_id)
             return session if session is not None and session.shm and not session.closed else None
 
-    def lease(self, session: ShmSession, result: WorkerResult, stream_token: int) -> int | None:
-        """Hand a slot to the session; None if the session or stream is gone (the caller sends bytes instead)."""
-        with self._lock:
-            if session.closed or stream_token in session.abandoned:
-                return None
-            lease = next(self._lease_ids)
-            session.leases[lease] = (result, stream_token)
-            return lease
-
-    def release(self, session: ShmSession, leases: list[int]) -> None:
-        with self._lock:
-            held = [session.leases.pop(lease, None) for lease in leases]
-        for entry in held:
-            if entry is not None:
-                self.pool.release(entry[0])
-
-    def abandon(self, session: ShmSession, stream_token: int, kept: list[int]) -> None:
-        """The client stopped a stream: take back its leases that the client never used."""
-        keep = set(kept)
-        with self._lock:
-            session.abandoned.add(stream_token)
-            unused = [lease for lease, (_, token) in session.leases.items() if token == stream_token and lease not in keep]
-            results = [session.leases.pop(lease)[0] for lease in unused]
-        for result in results:
-            self.pool.release(result)
-
-    def close(self, session: ShmSession) -> None:
-        """The client is gone: every slot it held goes back to its worker. Idempotent."""
+    def close(self, session: ClientSession) -> bool:
+        """Forget ``session``; False if it was closed already."""
         with self._lock:
             if session.closed:
-                return
+                return False
             session.closed = True
             self._sessions.pop(session.session_id, None)
-            results = [result for result, _ in session.leases.values()]
-            session.leases.clear()
-        if results:
-            log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, len(results))
-        for result in results:
-            self.pool.release(result)
+            return True
 
-    def retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
+    def announce_retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
         """Tell every shared-memory client which segments are gone, so it unmaps them."""
         message = pb.SessionResponse(retired=pb.SegmentsRetired(names=names, prefixes=prefixes))
         with self._lock:
@@ -123,8 +92,90 @@ class SessionRegistry:
                 if session.shm:
                     session.outbox.put(message)
 
-    def close_all(self) -> None:
+    def close_all(self) -> list[ClientSession]:
+        """Close every session (shutdown); returns those it closed."""
         with self._lock:
             sessions = list(self._sessions.values())
-        for session in sessions:
-            self.close(session)
+        return [s for s in sessions if self.close(s)]
+
+
+class SessionHost:
+    """Runs the ``Session`` call: the handshake, then the client's releases until it goes away."""
+
+    def __init__(self, registry: SessionRegistry, ledger: SlotLedger, shm_prefix: str | None) -> None:
+        self._registry = registry
+        self._ledger = ledger
+        self._shm_prefix = shm_prefix
+        self._probes = itertools.count()
+
+    def end(self, session: ClientSession) -> None:
+        """The client is gone: every slot it held goes back to its worker. Idempotent."""
+        if not self._registry.close(session):
+            return
+        released = self._ledger.close_session(session.session_id)
+        if released:
+            log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, released)
+
+    def close_all(self) -> None:
+        """Shutdown: end every session."""
+        for session in self._registry.close_all():
+            self._ledger.close_session(session.session_id)
+
+    def serve(
+        self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionResponse]:
+        """The session's responses, from the challenge on (see the module docstring)."""
+        session = self._registry.open(context.peer())
+        self._ledger.open_session(session.session_id)
+        context.add_callback(lambda: self.end(session))
+        try:
+            probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
+            if probe is None:
+                reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
+            else:
+                path, token = probe
+                try:
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path))
+                    proof = next(requests, None)
+                finally:
+                    _unlink(path)
+                if proof is None or proof.WhichOneof("kind") != "proof":
+                    return
+                session.shm = proof.proof.token == token
+                reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
+            verdict = "yes" if session.shm else f"no ({reason})"
+            log.info("session %d from %s (pid %d): shared memory %s", session.session_id, context.peer(), hello.pid, verdict)
+            yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
+            reader = threading.Thread(
+                target=self._read, args=(requests, session), name=f"loaderd-session-{session.session_id}", daemon=True
+            )
+            reader.start()
+            while not session.closed and context.is_active():
+                try:
+                    yield session.outbox.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+        finally:
+            self.end(session)
+
+    def _read(self, requests: Iterator[pb.SessionRequest], session: ClientSession) -> None:
+        """Apply the client's releases until it goes away; then every slot it held goes back."""
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "release":
+                    self._ledger.release_leases(session.session_id, list(request.release.leases))
+                elif kind == "abandon":
+                    abandon = request.abandon
+                    self._ledger.abandon(session.session_id, abandon.stream_token, list(abandon.kept_leases))
+        except grpc.RpcError:
+            pass  # the client went away
+        finally:
+            self.end(session)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

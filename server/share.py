@@ -5,7 +5,7 @@ loader parameters) are consumers of one job. Each consumer plans its epoch as
 usual; the job checks that every consumer asks for the same indices at each
 position, runs each position once on the pool, and hands the result to every
 consumer that asked for it (the shared-memory slot gains one reference per
-consumer, see ``WorkerPool.retain``).
+consumer, see ``SlotLedger.retain``).
 
 The job keeps the last ``buffer_limit`` batches it produced: a consumer that
 joins a little late, or reads a little slower, takes them from there. Past the
@@ -26,75 +26,98 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from loaderd.server.pool import WorkerResult
-from loaderd.server.stream import BatchStream, Delivery, StreamFailed, fetch_task
-from loaderd.server.tasks import Task
+from loaderd.server.ledger import FinishedBatch
+from loaderd.server.producer import Backlog, Consumer, Delivery, StreamFailed
+from loaderd.server.stream import fetch_task
+from loaderd.server.tasks import Indices, Task
 
 
 class ShareMismatchError(Exception):
     """A stream asked to join a share with other loader parameters."""
 
 
-@dataclass
-class SharedJob:
-    job_id: int  # also the stream_id its tasks carry
+@dataclass(frozen=True)
+class ShareKey:
+    """What identifies a shared job and what its consumers must agree on."""
+
     name: str
     epoch: int
     dataset: str
     fingerprint: str
     auto_collation: bool
     base_seed: int
+
+
+@dataclass
+class SharedJob:
+    job_id: int  # the producer id its tasks carry
+    key: ShareKey
     buffer_limit: int
-    retain: Callable[[WorkerResult], None]
-    release: Callable[[WorkerResult], None]
-    consumers: list[BatchStream] = field(default_factory=list)
+    retain: Callable[[FinishedBatch], None]
+    release: Callable[[FinishedBatch], None]
+    consumers: list[Consumer] = field(default_factory=list)
     # The indices each position was first asked for: every consumer must agree.
-    plan: dict[int, tuple[int, ...] | int] = field(default_factory=dict)
-    queue: list[tuple[int, tuple[int, ...] | int]] = field(default_factory=list)  # heap by position
-    queued: set[int] = field(default_factory=set)
-    outstanding: set[int] = field(default_factory=set)
-    retries: list[Task] = field(default_factory=list)
-    waiters: dict[int, list[BatchStream]] = field(default_factory=dict)
+    plan: dict[int, Indices] = field(default_factory=dict)
+    queue: list[tuple[int, Indices]] = field(default_factory=list)  # heap by position
+    queued_seqs: set[int] = field(default_factory=set)
+    backlog: Backlog = field(default_factory=Backlog)
+    waiters: dict[int, list[Consumer]] = field(default_factory=dict)
     buffer: OrderedDict[int, Delivery] = field(default_factory=OrderedDict)
     produced_once: set[int] = field(default_factory=set)
     produced: int = 0
     recomputed: int = 0
     closed: bool = False
 
+    @property
+    def name(self) -> str:
+        return self.key.name
+
+    @property
+    def epoch(self) -> int:
+        return self.key.epoch
+
+    @property
+    def dataset(self) -> str:
+        return self.key.dataset
+
+    @property
+    def producer_id(self) -> int:
+        return self.job_id
+
     # ------------------------------------------------------------ consumers
 
-    def check_join(self, dataset: str, fingerprint: str, auto_collation: bool, base_seed: int) -> None:
-        """Raise ShareMismatchError unless a stream with these parameters may join."""
-        if fingerprint != self.fingerprint or dataset != self.dataset or auto_collation != self.auto_collation:
+    def check_join(self, key: ShareKey) -> None:
+        """Raise ShareMismatchError unless a stream asking for ``key`` may join."""
+        mine = self.key
+        if (key.fingerprint, key.dataset, key.auto_collation) != (mine.fingerprint, mine.dataset, mine.auto_collation):
             raise ShareMismatchError(
-                f"share {self.name!r} (epoch {self.epoch}) was opened with [{self.fingerprint}]; "
-                f"this loader has [{fingerprint}]: every loader of a share needs the same parameters"
+                f"share {mine.name!r} (epoch {mine.epoch}) was opened with [{mine.fingerprint}]; "
+                f"this loader has [{key.fingerprint}]: every loader of a share needs the same parameters"
             )
-        if base_seed != self.base_seed:
+        if key.base_seed != mine.base_seed:
             raise ShareMismatchError(
-                f"share {self.name!r} (epoch {self.epoch}): this loader drew another base seed than the share's "
+                f"share {mine.name!r} (epoch {mine.epoch}): this loader drew another base seed than the share's "
                 "(loaders of a share must not pass their own generator)"
             )
 
-    def attach(self, stream: BatchStream) -> None:
-        stream.job = self
-        self.consumers.append(stream)
+    def attach(self, consumer: Consumer) -> None:
+        self.consumers.append(consumer)
 
-    def detach(self, stream: BatchStream) -> None:
+    def detach(self, consumer: Consumer) -> None:
         """A consumer closed: forget what it waited for; drop what nobody needs any more."""
-        if stream in self.consumers:
-            self.consumers.remove(stream)
-        for seq, streams in list(self.waiters.items()):
-            if stream in streams:
-                streams.remove(stream)
-            if not streams:
+        if consumer in self.consumers:
+            self.consumers.remove(consumer)
+        for seq, waiting in list(self.waiters.items()):
+            if consumer in waiting:
+                waiting.remove(consumer)
+            if not waiting:
                 del self.waiters[seq]
 
-    def need(self, stream: BatchStream, seq: int, indices: tuple[int, ...] | int) -> None:
-        """``stream`` planned position ``seq``: serve it from the buffer, or wait for the pool."""
+    def need(self, consumer: Consumer, seq: int, indices: Indices) -> None:
+        """``consumer`` planned position ``seq``: serve it from the buffer, or wait for the pool."""
         known = self.plan.setdefault(seq, indices)
         if known != indices:
-            stream.fail(
+            consumer.fail(
                 StreamFailed(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"share {self.name!r} (epoch {self.epoch}): batch {seq} of this loader has other indices than "
@@ -104,73 +127,62 @@ class SharedJob:
             return
         buffered = self.buffer.get(seq)
         if buffered is not None:
-            self._hand(stream, buffered)
+            self._hand(consumer, buffered)
             return
-        self.waiters.setdefault(seq, []).append(stream)
-        if seq in self.outstanding or seq in self.queued or any(t.seq == seq for t in self.retries):
+        self.waiters.setdefault(seq, []).append(consumer)
+        if seq in self.queued_seqs or self.backlog.holds(seq):
             return
         if seq in self.produced_once:
             self.recomputed += 1
         heapq.heappush(self.queue, (seq, indices))
-        self.queued.add(seq)
+        self.queued_seqs.add(seq)
 
-    def _hand(self, stream: BatchStream, delivery: Delivery) -> None:
+    def _hand(self, consumer: Consumer, delivery: Delivery) -> None:
         if delivery.batch is not None:
             self.retain(delivery.batch)
-        stream.resolve(delivery)
+        consumer.resolve(delivery)
 
-    # ------------------------------------------------------------ producer side (as BatchStream)
-
-    @property
-    def stream_id(self) -> int:
-        return self.job_id
+    # ------------------------------------------------------------ producing (server/producer.py)
 
     def wants_dispatch(self) -> bool:
-        return not self.closed and bool(self.retries or self.queue)
+        return not self.closed and bool(self.backlog.retries or self.queue)
 
     def next_task(self, pool_size: int) -> tuple[Task, int | None]:
-        if self.retries:
-            return self.retries[0], None
+        retry = self.backlog.next_retry()
+        if retry is not None:
+            return retry, None
         seq, indices = self.queue[0]
-        return fetch_task(self.job_id, self.dataset, seq, indices, self.auto_collation, self.base_seed), None
+        key = self.key
+        return fetch_task(self.job_id, key.dataset, seq, indices, key.auto_collation, key.base_seed), None
 
     def commit(self, task: Task) -> None:
-        if self.retries and self.retries[0] is task:
-            self.retries.pop(0)
-        else:
+        if not self.backlog.sent(task):
             heapq.heappop(self.queue)
-            self.queued.discard(task.seq)
-        self.outstanding.add(task.seq)
+            self.queued_seqs.discard(task.seq)
 
     def retry(self, task: Task) -> None:
-        self.outstanding.discard(task.seq)
-        self.retries.append(task)
-        self.retries.sort(key=lambda t: t.seq)
+        self.backlog.retry(task)
+
+    def queued(self) -> int:
+        return len(self.queue) + len(self.backlog.retries)
 
     def resolve(self, delivery: Delivery) -> None:
         """The pool finished a position: every waiting consumer gets it; keep it for those still to come."""
         seq = delivery.seq
-        if seq not in self.outstanding:
+        if not self.backlog.settle(seq):
             self._drop(delivery)
             return
-        self.outstanding.discard(seq)
         self.produced += 1
         self.produced_once.add(seq)
-        for stream in self.waiters.pop(seq, []):
-            self._hand(stream, delivery)
+        for consumer in self.waiters.pop(seq, []):
+            self._hand(consumer, delivery)
         self.buffer[seq] = delivery  # the job's own reference, for consumers still to come
         self._trim()
-
-    def replica_exhausted(self, seq: int) -> None:  # map-style only: never sent
-        self.resolve(Delivery(seq=seq))
-
-    def fail(self, failure: StreamFailed) -> None:
-        """Consumers are failed one by one; the job itself only stops."""
 
     def _trim(self) -> None:
         """Beyond the limit, drop a batch every consumer is past, else the oldest."""
         while len(self.buffer) > self.buffer_limit:
-            horizon = min((stream.planned for stream in self.consumers), default=0)
+            horizon = min((consumer.planned for consumer in self.consumers), default=0)
             victim = next((seq for seq in self.buffer if seq < horizon), next(iter(self.buffer)))
             self._drop(self.buffer.pop(victim))
 
@@ -185,10 +197,6 @@ class SharedJob:
             self._drop(delivery)
         self.buffer.clear()
         self.queue.clear()
-        self.queued.clear()
-        self.retries.clear()
+        self.queued_seqs.clear()
+        self.backlog.clear()
         self.waiters.clear()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.outstanding) + len(self.queue) + len(self.retries)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
+from loaderd.server.catalog import Catalog, dataset_info
 from loaderd.v1 import loaderd_pb2 as pb
 
 if TYPE_CHECKING:
+    from loaderd.server.pool import WorkerState
     from loaderd.server.scheduler import Scheduler
     from loaderd.server.sessions import SessionRegistry
-    from loaderd.server.tasks import DatasetMeta
 
 
 @functools.cache
@@ -26,80 +28,85 @@ def version() -> str:
         return "unknown"
 
 
-def dataset_info(name: str, meta: DatasetMeta) -> pb.DatasetInfo:
-    """A dataset as the wire describes it."""
-    return pb.DatasetInfo(
-        name=name,
-        kind=pb.DatasetInfo.ITERABLE if meta.iterable else pb.DatasetInfo.MAP,
-        has_length=meta.length is not None,
-        length=meta.length or 0,
-    )
+class StatusBoard:
+    """Takes the daemon's status snapshot (the ``Status`` RPC, ``loaderd status``, metrics) from each part's owner."""
 
+    def __init__(
+        self,
+        workers: Callable[[], list[WorkerState]],
+        catalog: Catalog,
+        scheduler: Scheduler,
+        sessions: SessionRegistry,
+    ) -> None:
+        self._workers = workers
+        self._catalog = catalog
+        self._scheduler = scheduler
+        self._sessions = sessions
 
-def build_status(scheduler: Scheduler, sessions: SessionRegistry) -> pb.StatusResponse:
-    """A consistent snapshot of the pool, datasets, shares and streams."""
-    # Taken apart from the scheduler's lock: never hold both (no lock order to get wrong).
-    reply = pb.StatusResponse(version=version(), sessions=sessions.open_count())
-    pool = scheduler.pool
-    with scheduler.lock:
-        reply.uptime_s = time.monotonic() - scheduler.started_at
-        for state in pool.states():
-            reply.workers.add(
-                worker_id=state.worker_id,
-                pid=state.pid,
-                alive=state.alive,
-                ready=state.ready,
-                busy=scheduler.busy(state.worker_id),
-                restarts=state.restarts,
-                batches=scheduler.worker_batches.get(state.worker_id, 0),
-            )
-        streams = sorted(scheduler.snapshot_streams(), key=lambda s: s.stream_id)
-        jobs = scheduler.snapshot_jobs()
-        datasets: dict[str, pb.DatasetStatus] = {}
-        for name in sorted(set(pool.datasets) | set(scheduler.counters)):
-            meta = pool.datasets.get(name)
-            counters = scheduler.counters.get(name)
-            entry = datasets[name] = reply.datasets.add()
-            entry.info.CopyFrom(dataset_info(name, meta) if meta is not None else pb.DatasetInfo(name=name))
-            if counters is not None:
-                entry.batches_computed = counters.batches_computed
-                entry.samples_fetched = counters.samples_fetched
-                entry.errors = counters.errors
-                entry.batches_delivered = counters.delivered_closed
-        for stream in streams:
-            entry = datasets.get(stream.dataset)
-            if entry is not None:
-                entry.batches_delivered += stream.delivered
-                entry.open_streams += 1
-                entry.queued += len(stream.pending) + len(stream.retries)
-            reply.streams.add(
-                stream_id=stream.stream_id,
-                peer=stream.peer,
-                client=stream.client,
-                dataset=stream.dataset,
-                window=stream.window,
-                delivered=stream.delivered,
-                consumed=stream.consumed,
-                in_flight=len(stream.outstanding) + len(stream.ready),
-                stalled_s=stream.stalled_us / 1e6,
-                open_s=time.monotonic() - stream.opened_at,
-                share=stream.job.name if stream.job is not None else "",
-                shm=stream.shm,
-            )
-        for job in sorted(jobs, key=lambda j: (j.name, j.epoch)):
-            entry = datasets.get(job.dataset)
-            if entry is not None:
-                entry.queued += len(job.queue) + len(job.retries)
-            reply.shares.add(
-                name=job.name,
-                epoch=job.epoch,
-                dataset=job.dataset,
-                consumers=len(job.consumers),
-                produced=job.produced,
-                recomputed=job.recomputed,
-                buffered=len(job.buffer),
-            )
-    return reply
+    def snapshot(self) -> pb.StatusResponse:
+        """A consistent snapshot of the pool, datasets, shares and streams."""
+        scheduler = self._scheduler
+        # Taken apart from the scheduler's lock: never hold both (no lock order to get wrong).
+        reply = pb.StatusResponse(version=version(), sessions=self._sessions.open_count())
+        known = self._catalog.datasets
+        with scheduler.lock:
+            reply.uptime_s = time.monotonic() - scheduler.started_at
+            for state in self._workers():
+                reply.workers.add(
+                    worker_id=state.worker_id,
+                    pid=state.pid,
+                    alive=state.alive,
+                    ready=state.ready,
+                    busy=scheduler.busy(state.worker_id),
+                    restarts=state.restarts,
+                    batches=scheduler.worker_batches.get(state.worker_id, 0),
+                )
+            datasets: dict[str, pb.DatasetStatus] = {}
+            for name in sorted(set(known) | set(scheduler.counters)):
+                meta = known.get(name)
+                counters = scheduler.counters.get(name)
+                entry = datasets[name] = reply.datasets.add()
+                entry.info.CopyFrom(dataset_info(name, meta) if meta is not None else pb.DatasetInfo(name=name))
+                if counters is not None:
+                    entry.batches_computed = counters.batches_computed
+                    entry.samples_fetched = counters.samples_fetched
+                    entry.errors = counters.errors
+                    entry.batches_delivered = counters.delivered_closed
+            for stream in sorted(scheduler.streams(), key=lambda s: s.stream_id):
+                spec = stream.spec
+                entry = datasets.get(spec.dataset)
+                if entry is not None:
+                    entry.batches_delivered += stream.delivered
+                    entry.open_streams += 1
+                    entry.queued += stream.queued()
+                reply.streams.add(
+                    stream_id=stream.stream_id,
+                    peer=spec.peer,
+                    client=spec.client,
+                    dataset=spec.dataset,
+                    window=spec.window,
+                    delivered=stream.delivered,
+                    consumed=stream.consumed,
+                    in_flight=stream.in_flight(),
+                    stalled_s=stream.stalled_us / 1e6,
+                    open_s=time.monotonic() - stream.opened_at,
+                    share=spec.share or "",
+                    shm=spec.shm,
+                )
+            for job in sorted(scheduler.jobs(), key=lambda j: (j.name, j.epoch)):
+                entry = datasets.get(job.dataset)
+                if entry is not None:
+                    entry.queued += job.queued()
+                reply.shares.add(
+                    name=job.name,
+                    epoch=job.epoch,
+                    dataset=job.dataset,
+                    consumers=len(job.consumers),
+                    produced=job.produced,
+                    recomputed=job.recomputed,
+                    buffered=len(job.buffer),
+                )
+        return reply
 
 
 # ------------------------------------------------------------ showing it (`loaderd status`)

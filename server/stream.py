@@ -6,6 +6,9 @@ them to the servicer strictly in order. It never holds more than ``window``
 batches between dispatch and delivery, which is what keeps a slow client from
 piling up memory or taking the pool from the others.
 
+A stream is a ``Producer`` (server/producer.py) unless it consumes a shared
+job: then its plan goes ``upstream`` and the job resolves its positions.
+
 All methods are called with the scheduler's lock held unless they say otherwise;
 ``cond`` is a condition on that lock.
 """
@@ -18,47 +21,35 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import grpc
-
-from loaderd.server.pool import WorkerResult
+from loaderd.server.ledger import FinishedBatch
+from loaderd.server.producer import END, Backlog, Delivery, StreamFailed, Upstream
 from loaderd.server.seeding import derive_seed
-from loaderd.server.tasks import FetchTask, IterTask, Task
-
-if TYPE_CHECKING:
-    from loaderd.server.share import SharedJob
+from loaderd.server.tasks import FetchTask, Indices, IterTask, Task
 
 
 @dataclass(frozen=True)
-class Delivery:
-    """A resolved position of the stream: a batch, a user error, or nothing (a spent replica)."""
+class StreamSpec:
+    """What a client's ``OpenStream`` asked for, once checked, and who asked."""
 
-    seq: int
-    batch: WorkerResult | None = None  # a BatchDone and its payload
-    error: bytes | None = None  # serialized RemoteError
-    # Resuming an iterable stream: produced again only to reach the resume point; not sent.
-    replay: bool = False
-
-    @property
-    def skipped(self) -> bool:
-        return self.batch is None and self.error is None
-
-
-END = Delivery(seq=-1)
-
-
-class StreamFailed(Exception):
-    """The stream cannot go on; carries the gRPC status to end it with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+    dataset: str
+    iterable: bool
+    auto_collation: bool
+    batch_size: int  # iterable streams: samples per batch (0: no automatic batching)
+    drop_last: bool
+    num_workers: int  # iterable streams: torch's num_workers (replicas; 0 means one that sees no worker info)
+    base_seed: int
+    window: int
+    # Positions consumed in an earlier run (resume): plans start there; iterable streams drop them.
+    start: int = 0
+    client: str = ""
+    peer: str = ""
+    stream_token: int = 0
+    shm: bool = False
+    share: str | None = None  # the share's name, for a consumer of a shared job
 
 
-def fetch_task(
-    stream_id: int, dataset: str, seq: int, indices: tuple[int, ...] | int, auto_collation: bool, base_seed: int
-) -> FetchTask:
+def fetch_task(stream_id: int, dataset: str, seq: int, indices: Indices, auto_collation: bool, base_seed: int) -> FetchTask:
     """Position ``seq`` of a map-style plan as a task; its seed follows the position, not the worker."""
     return FetchTask(
         stream_id=stream_id,
@@ -79,35 +70,21 @@ class _ReplicaCursor:
 @dataclass
 class BatchStream:
     stream_id: int
-    dataset: str
-    iterable: bool
-    auto_collation: bool
-    batch_size: int
-    drop_last: bool
-    num_workers: int
-    base_seed: int
-    window: int
-    peer: str
-    stream_token: int
+    spec: StreamSpec
     cond: threading.Condition
-    # Gives a batch's shared-memory payload back to its worker once it is sent or dropped.
-    release: Callable[[WorkerResult], None]
-    # Positions consumed in an earlier run (resume): plans start there; iterable streams drop them.
-    start: int = 0
-    client: str = ""
-    shm: bool = False
-    # Set when the stream is a consumer of a shared job: the job produces, the stream only receives.
-    job: SharedJob | None = None
+    # Gives a batch's shared-memory slot back (the ledger's release) once it is sent or dropped.
+    release: Callable[[FinishedBatch], None]
+    # The shared job that produces this stream's batches (None: the stream is its own producer).
+    upstream: Upstream | None = None
     opened_at: float = field(default_factory=time.monotonic)
     # Client-reported: batches taken from the loader (counting ``start``) and time spent waiting.
     consumed: int = 0
     stalled_us: int = 0
     replayed: int = 0  # iterable resume: batches produced again and dropped so far
-    pending: deque[tuple[int, tuple[int, ...] | int]] = field(default_factory=deque)
-    retries: list[Task] = field(default_factory=list)
+    pending: deque[tuple[int, Indices]] = field(default_factory=deque)
+    backlog: Backlog = field(default_factory=Backlog)
     plan_end: bool = False
     planned: int = 0  # seqs assigned so far (map: plan items received; iterable: tasks dispatched)
-    outstanding: set[int] = field(default_factory=set)
     ready: dict[int, Delivery] = field(default_factory=dict)
     next_seq: int = 0
     delivered: int = 0
@@ -119,19 +96,27 @@ class BatchStream:
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.iterable:
-            self.replicas = [_ReplicaCursor() for _ in range(max(1, self.num_workers))]
+        if self.spec.iterable:
+            self.replicas = [_ReplicaCursor() for _ in range(max(1, self.spec.num_workers))]
         else:
-            self.planned = self.next_seq = self.start
-        self.consumed = self.start
+            self.planned = self.next_seq = self.spec.start
+        self.consumed = self.spec.start
+
+    @property
+    def producer_id(self) -> int:
+        return self.stream_id
+
+    @property
+    def dataset(self) -> str:
+        return self.spec.dataset
 
     # ------------------------------------------------------------ planning
 
-    def add_plan(self, batches: list[tuple[int, ...] | int], end: bool) -> None:
+    def add_plan(self, batches: list[Indices], end: bool) -> None:
         for indices in batches:
-            if self.job is not None:
-                self.outstanding.add(self.planned)
-                self.job.need(self, self.planned, indices)
+            if self.upstream is not None:
+                self.backlog.expect(self.planned)
+                self.upstream.need(self, self.planned, indices)
             else:
                 self.pending.append((self.planned, indices))
             self.planned += 1
@@ -152,116 +137,123 @@ class BatchStream:
                 return r
         return None
 
+    # ------------------------------------------------------------ producing (server/producer.py)
+
     def wants_dispatch(self) -> bool:
-        if self.closed or self.failure is not None or self.job is not None:
+        if self.closed or self.failure is not None or self.upstream is not None:
             return False
-        if self.retries:
+        if self.backlog.retries:
             return True
-        if len(self.outstanding) + len(self.ready) >= self.window:
+        if len(self.backlog.outstanding) + len(self.ready) >= self.spec.window:
             return False
-        if self.iterable:
+        if self.spec.iterable:
             # The credit: never more than ``window`` batches beyond what the client took
             # (batches still inside gRPC's buffers have left ``ready`` but not the client).
-            in_credit = self.planned < max(self.consumed, self.start) + self.window
+            in_credit = self.planned < max(self.consumed, self.spec.start) + self.spec.window
             return in_credit and self._active_replica() is not None
         return bool(self.pending)
 
-    def replica_owner(self, replica: int, pool_size: int) -> int:
+    def _replica_owner(self, replica: int, pool_size: int) -> int:
         """Iterable replicas live in one worker each, spread over the pool."""
         return (self.stream_id + replica) % pool_size
 
+    def replica_workers(self, pool_size: int) -> set[int]:
+        """The workers that hold this stream's iterable replicas."""
+        return {self._replica_owner(r, pool_size) for r in range(len(self.replicas))}
+
     def next_task(self, pool_size: int) -> tuple[Task, int | None]:
-        """The next task to run and the worker it must run on (None: any). Does not consume it."""
-        if self.retries:
-            task = self.retries[0]
-            return task, (self.replica_owner(task.replica, pool_size) if isinstance(task, IterTask) else None)
-        if self.iterable:
+        retry = self.backlog.next_retry()
+        if retry is not None:
+            return retry, (self._replica_owner(retry.replica, pool_size) if isinstance(retry, IterTask) else None)
+        spec = self.spec
+        if spec.iterable:
             r = self._active_replica()
             assert r is not None
             task: Task = IterTask(
                 stream_id=self.stream_id,
                 seq=self.planned,
-                dataset=self.dataset,
+                dataset=spec.dataset,
                 replica=r,
-                num_replicas=self.num_workers,
+                num_replicas=spec.num_workers,
                 batch_index=self.replicas[r].next_batch,
-                batch_size=self.batch_size,
-                drop_last=self.drop_last,
-                base_seed=self.base_seed,
+                batch_size=spec.batch_size,
+                drop_last=spec.drop_last,
+                base_seed=spec.base_seed,
             )
-            return task, self.replica_owner(r, pool_size)
+            return task, self._replica_owner(r, pool_size)
         seq, indices = self.pending[0]
-        return fetch_task(self.stream_id, self.dataset, seq, indices, self.auto_collation, self.base_seed), None
+        return fetch_task(self.stream_id, spec.dataset, seq, indices, spec.auto_collation, spec.base_seed), None
 
     def commit(self, task: Task) -> None:
-        """``task`` (from next_task) was sent to a worker."""
-        if self.retries and self.retries[0] is task:
-            self.retries.pop(0)
-        elif isinstance(task, IterTask):
+        if self.backlog.sent(task):
+            return
+        if isinstance(task, IterTask):
             self.slot_replica[task.seq] = (task.replica, task.batch_index)
             self.replicas[task.replica].next_batch += 1
             self.replica_turn = (task.replica + 1) % len(self.replicas)
             self.planned += 1
         else:
             self.pending.popleft()
-        self.outstanding.add(task.seq)
 
     def retry(self, task: Task) -> None:
-        """A worker died holding ``task``: run it again before anything new."""
-        self.outstanding.discard(task.seq)
-        self.retries.append(task)
-        self.retries.sort(key=lambda t: t.seq)
+        self.backlog.retry(task)
+
+    def queued(self) -> int:
+        return len(self.pending) + len(self.backlog.retries)
+
+    def in_flight(self) -> int:
+        """Batches computing or ready to send (status)."""
+        return len(self.backlog.outstanding) + len(self.ready)
 
     # ------------------------------------------------------------ results
 
     def resolve(self, delivery: Delivery) -> None:
         seq = delivery.seq
-        if seq not in self.outstanding:
+        if not self.backlog.settle(seq):
             self._drop(delivery)  # a duplicate from a worker that was presumed dead
             return
-        self.outstanding.discard(seq)
-        if self.iterable and seq in self.slot_replica:
+        if self.spec.iterable and seq in self.slot_replica:
             replica, batch_index = self.slot_replica.pop(seq)
             cursor = self.replicas[replica]
+            if delivery.exhausted:
+                cursor.exhausted_at = batch_index if cursor.exhausted_at is None else min(cursor.exhausted_at, batch_index)
             if cursor.exhausted_at is not None and batch_index >= cursor.exhausted_at:
                 self._drop(delivery)
                 delivery = Delivery(seq=seq)  # torch drops what a spent worker was still asked for
         self.ready[seq] = delivery
         self.cond.notify_all()
 
-    def replica_exhausted(self, seq: int) -> None:
-        if seq in self.slot_replica:
-            replica, batch_index = self.slot_replica[seq]
-            cursor = self.replicas[replica]
-            cursor.exhausted_at = batch_index if cursor.exhausted_at is None else min(cursor.exhausted_at, batch_index)
-        self.resolve(Delivery(seq=seq))
-
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:
             self.release(delivery.batch)
-
-    def discard(self) -> None:
-        """The stream is closed: give back every payload it still holds."""
-        for delivery in self.ready.values():
-            self._drop(delivery)
-        self.ready.clear()
 
     def fail(self, failure: StreamFailed) -> None:
         if self.failure is None:
             self.failure = failure
         self.cond.notify_all()
 
-    def _finished(self) -> bool:
-        if self.outstanding or self.retries or self.ready:
+    def close(self) -> bool:
+        """The stream is closed: give back every payload it still holds. False if it was already closed."""
+        if self.closed:
             return False
-        if self.iterable:
+        self.closed = True
+        for delivery in self.ready.values():
+            self._drop(delivery)
+        self.ready.clear()
+        self.cond.notify_all()
+        return True
+
+    def _finished(self) -> bool:
+        if self.backlog or self.ready:
+            return False
+        if self.spec.iterable:
             return self._active_replica() is None and self.next_seq == self.planned
         return self.plan_end and not self.pending and self.next_seq == self.planned
 
     def next_delivery(self, timeout: float) -> Delivery | None:
         """The next batch in order, END, or None if none arrived within ``timeout``.
 
-        Called by the servicer without the lock; raises StreamFailed.
+        Called by the servicer without the lock (it takes ``cond``); raises StreamFailed.
         """
         with self.cond:
             while True:
@@ -272,13 +264,14 @@ class BatchStream:
                     self.next_seq += 1
                     if delivery.skipped:
                         continue
-                    if self.iterable and self.replayed < self.start:
+                    if self.spec.iterable and self.replayed < self.spec.start:
                         # Resuming: the client had this batch before; the caller drops it.
                         self.replayed += 1
                         return dataclasses.replace(delivery, replay=True)
                     self.delivered += 1
                     return delivery
                 if self._finished():
+                    self.finished = True
                     return END
                 if not self.cond.wait(timeout):
                     return None

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from loaderd.server.arena import SlotRef
 
 
+# A map-style batch's indices: a list to collate, or one index when auto_collation is off.
+Indices = tuple[int, ...] | int
+
+
 @dataclass(frozen=True)
 class DatasetMeta:
     """What the client needs to plan: the dataset's kind and length."""
@@ -30,8 +34,7 @@ class FetchTask:
     stream_id: int
     seq: int
     dataset: str
-    # A list of indices to collate, or one index when auto_collation is off.
-    indices: tuple[int, ...] | int
+    indices: Indices
     auto_collation: bool
     seed: int
 

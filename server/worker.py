@@ -24,7 +24,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from loaderd.codec import encode_batch
+from loaderd.wire.codec import encode_batch
 from loaderd.errors import TransportError, capture_exception
 from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve

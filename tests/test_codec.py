@@ -13,7 +13,7 @@ import torch
 from compare import assert_same
 
 import loaderd
-from loaderd.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
+from loaderd.wire.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
 from loaderd.v1 import loaderd_pb2 as pb
 
 # Module-level namedtuple: the decoder finds it through sys.modules and reuses it.

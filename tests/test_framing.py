@@ -1,4 +1,4 @@
-"""server/framing.py writes protobuf by hand: check it against the generated classes."""
+"""loaderd.wire.framing writes protobuf by hand: check it against the generated classes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from loaderd.codec import BatchAssembler, encode_batch
-from loaderd.server import framing
+from loaderd.wire.codec import BatchAssembler, encode_batch
+from loaderd.wire import framing
 from loaderd.v1 import loaderd_pb2 as pb
 
 CHUNK = 256

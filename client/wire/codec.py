@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from loaderd.errors import TransportError
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.names import find_loaded
 
 ALIGN = 64
 
@@ -196,9 +196,7 @@ _namedtuple_cache: dict[tuple[str, str, tuple[str, ...]], type] = {}
 def _namedtuple_type(nt: pb.NamedTuple) -> type:
     """The client's own class when it has it loaded, else an equivalent namedtuple."""
     fields = tuple(nt.fields)
-    owner: object | None = sys.modules.get(nt.module)
-    for part in nt.qualname.split("."):
-        owner = getattr(owner, part, None) if owner is not None else None
+    owner = find_loaded(nt.module, nt.qualname)
     if isinstance(owner, type) and issubclass(owner, tuple) and getattr(owner, "_fields", None) == fields:
         return owner
     key = (nt.module, nt.qualname, fields)
@@ -210,9 +208,7 @@ def _namedtuple_type(nt: pb.NamedTuple) -> type:
 
 def _mapping_type(type_name: str) -> type | None:
     module, _, qualname = type_name.partition(":")
-    owner: object | None = sys.modules.get(module)
-    for part in qualname.split("."):
-        owner = getattr(owner, part, None) if owner is not None else None
+    owner = find_loaded(module, qualname)
     return owner if isinstance(owner, type) and issubclass(owner, Mapping) else None
 
 

@@ -1,0 +1,17 @@
+"""Constants the daemon and the client must agree on."""
+
+from __future__ import annotations
+
+# The largest gRPC message either side accepts. Data chunks are far smaller
+# (``chunk_bytes``, 4 MiB by default); this bounds headers and plans.
+MAX_MESSAGE_BYTES = 64 << 20
+
+# Where workers' shared-memory segments live, and how their names start:
+# ``loaderd-<daemon pid>-<token>-w<worker>g<generation>-<n>`` (see server/arena.py).
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "loaderd-"
+
+
+def is_segment_name(name: str) -> bool:
+    """Whether ``name`` can be one of a daemon's segments (a client maps nothing else)."""
+    return name.startswith(SEGMENT_PREFIX) and "/" not in name and name not in (".", "..")

@@ -1,0 +1,160 @@
+"""The producer contract: what the scheduler dispatches from and routes results to.
+
+Two kinds of producer exist: a client's ``BatchStream`` (server/stream.py) and
+a ``SharedJob`` (server/share.py) that produces one epoch for several
+consumer streams. The scheduler sees only this contract. Its rules:
+
+- Every method runs with the scheduler's lock held.
+- ``next_task`` only looks; the task is the producer's again until ``commit``
+  says a worker took it. A task that a dying worker held comes back through
+  ``retry`` and is dispatched again, before any new work, in position order.
+- ``resolve`` receives each position's result once; a second result for the
+  same position (a worker presumed dead that finished after all) is released
+  and dropped. ``Backlog`` keeps that bookkeeping for every producer alike.
+- A ``Delivery`` holding a shared-memory batch holds one reference to its slot
+  (server/ledger.py): whoever drops a delivery releases it.
+
+A consumer stream of a shared job is no producer: its plan goes ``Upstream``
+to the job, which hands results back through the ``Consumer`` side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from loaderd.server.ledger import FinishedBatch
+from loaderd.server.tasks import Indices, Task
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A resolved position: a batch, a user error, or nothing (a spent replica)."""
+
+    seq: int
+    batch: FinishedBatch | None = None  # holds one reference to its slot, if any
+    error: bytes | None = None  # serialized RemoteError
+    # The iterable replica this position asked for had nothing left.
+    exhausted: bool = False
+    # Resuming an iterable stream: produced again only to reach the resume point; not sent.
+    replay: bool = False
+
+    @property
+    def skipped(self) -> bool:
+        return self.batch is None and self.error is None
+
+
+END = Delivery(seq=-1)
+
+
+class StreamFailed(Exception):
+    """The stream cannot go on; carries the gRPC status to end it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Producer(Protocol):
+    """Something the scheduler hands out tasks for (see the module docstring for the rules)."""
+
+    @property
+    def producer_id(self) -> int:
+        """The id the tasks carry (``Task.stream_id``): results are routed back by it."""
+        ...
+
+    @property
+    def dataset(self) -> str: ...
+
+    def wants_dispatch(self) -> bool:
+        """Whether a task is ready to run (and its window has room)."""
+        ...
+
+    def next_task(self, pool_size: int) -> tuple[Task, int | None]:
+        """The next task and the worker it must run on (None: any). Does not consume it."""
+        ...
+
+    def commit(self, task: Task) -> None:
+        """``task`` (from ``next_task``) went to a worker."""
+        ...
+
+    def retry(self, task: Task) -> None:
+        """A worker died holding ``task``: run it again before anything new."""
+        ...
+
+    def resolve(self, delivery: Delivery) -> None:
+        """A position's result (or a duplicate of one, to be released)."""
+        ...
+
+    def queued(self) -> int:
+        """Tasks waiting for a worker (status)."""
+        ...
+
+
+class Consumer(Protocol):
+    """A stream fed by a shared job."""
+
+    @property
+    def planned(self) -> int:
+        """Positions this consumer has planned so far (the job trims its buffer behind the slowest)."""
+        ...
+
+    def resolve(self, delivery: Delivery) -> None: ...
+
+    def fail(self, failure: StreamFailed) -> None: ...
+
+
+class Upstream(Protocol):
+    """Where a consumer's plan goes: the shared job that produces its batches."""
+
+    def need(self, consumer: Consumer, seq: int, indices: Indices) -> None:
+        """``consumer`` planned position ``seq`` with ``indices``."""
+        ...
+
+
+@dataclass
+class Backlog:
+    """Positions a producer has handed to workers and not yet got back, and tasks to re-run first."""
+
+    outstanding: set[int] = field(default_factory=set)
+    retries: list[Task] = field(default_factory=list)
+
+    def next_retry(self) -> Task | None:
+        return self.retries[0] if self.retries else None
+
+    def sent(self, task: Task) -> bool:
+        """``task`` went to a worker; True if it was the retry at the head (else it was new work)."""
+        was_retry = bool(self.retries) and self.retries[0] is task
+        if was_retry:
+            self.retries.pop(0)
+        self.outstanding.add(task.seq)
+        return was_retry
+
+    def retry(self, task: Task) -> None:
+        self.outstanding.discard(task.seq)
+        self.retries.append(task)
+        self.retries.sort(key=lambda t: t.seq)
+
+    def expect(self, seq: int) -> None:
+        """Position ``seq`` will be resolved by someone else (a consumer's shared job)."""
+        self.outstanding.add(seq)
+
+    def settle(self, seq: int) -> bool:
+        """The result for ``seq`` arrived: True the first time, False for a duplicate."""
+        if seq not in self.outstanding:
+            return False
+        self.outstanding.discard(seq)
+        return True
+
+    def holds(self, seq: int) -> bool:
+        """Whether ``seq`` is running or waiting to run again."""
+        return seq in self.outstanding or any(t.seq == seq for t in self.retries)
+
+    def __len__(self) -> int:
+        return len(self.outstanding) + len(self.retries)
+
+    def clear(self) -> None:
+        self.outstanding.clear()
+        self.retries.clear()
