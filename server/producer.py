@@ -26,7 +26,7 @@ from typing import Protocol
 import grpc
 
 from loaderd.server.ledger import FinishedBatch
-from loaderd.server.tasks import Indices, Task
+from loaderd.server.tasks import BatchTask, Indices
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,15 @@ class Producer(Protocol):
         """Whether a task is ready to run (and its window has room)."""
         ...
 
-    def next_task(self, pool_size: int) -> tuple[Task, int | None]:
+    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
         """The next task and the worker it must run on (None: any). Does not consume it."""
         ...
 
-    def commit(self, task: Task) -> None:
+    def commit(self, task: BatchTask) -> None:
         """``task`` (from ``next_task``) went to a worker."""
         ...
 
-    def retry(self, task: Task) -> None:
+    def retry(self, task: BatchTask) -> None:
         """A worker died holding ``task``: run it again before anything new."""
         ...
 
@@ -119,12 +119,12 @@ class Backlog:
     """Positions a producer has handed to workers and not yet got back, and tasks to re-run first."""
 
     outstanding: set[int] = field(default_factory=set)
-    retries: list[Task] = field(default_factory=list)
+    retries: list[BatchTask] = field(default_factory=list)
 
-    def next_retry(self) -> Task | None:
+    def next_retry(self) -> BatchTask | None:
         return self.retries[0] if self.retries else None
 
-    def sent(self, task: Task) -> bool:
+    def sent(self, task: BatchTask) -> bool:
         """``task`` went to a worker; True if it was the retry at the head (else it was new work)."""
         was_retry = bool(self.retries) and self.retries[0] is task
         if was_retry:
@@ -132,7 +132,7 @@ class Backlog:
         self.outstanding.add(task.seq)
         return was_retry
 
-    def retry(self, task: Task) -> None:
+    def retry(self, task: BatchTask) -> None:
         self.outstanding.discard(task.seq)
         self.retries.append(task)
         self.retries.sort(key=lambda t: t.seq)

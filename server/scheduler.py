@@ -32,6 +32,7 @@ from loaderd.server.stream import BatchStream, StreamSpec
 from loaderd.server.tasks import (
     BatchDone,
     BatchFailed,
+    BatchTask,
     FetchTask,
     Indices,
     IterTask,
@@ -73,7 +74,7 @@ class Pool(Protocol):
 
 @dataclass
 class _InFlight:
-    task: Task
+    task: BatchTask
     attempts: int
     sent_at: float = field(default_factory=time.monotonic)
 
@@ -361,8 +362,7 @@ class Scheduler:
         self._pool.respawn(worker_id)
 
     @staticmethod
-    def _crash_error(task: Task, attempts: int, event: WorkerDied) -> bytes:
-        assert isinstance(task, (FetchTask, IterTask))
+    def _crash_error(task: BatchTask, attempts: int, event: WorkerDied) -> bytes:
         what = f"replica {task.replica} batch {task.batch_index}" if isinstance(task, IterTask) else f"batch {task.seq}"
         exc = WorkerCrashedError(
             f"pool workers died {attempts} times running {what} of dataset {task.dataset!r} "

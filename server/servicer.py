@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import grpc
 
@@ -134,7 +134,7 @@ class LoaderServicer:
 
     def _deliver(
         self, stream: BatchStream, session: ClientSession | None, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
+    ) -> Generator[bytes, None, bool]:
         """The stream's batches as wire messages; returns True once END was sent."""
         while True:
             delivery = stream.next_delivery(_POLL_S)

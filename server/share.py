@@ -29,7 +29,7 @@ import grpc
 from loaderd.server.ledger import FinishedBatch
 from loaderd.server.producer import Backlog, Consumer, Delivery, StreamFailed
 from loaderd.server.stream import fetch_task
-from loaderd.server.tasks import Indices, Task
+from loaderd.server.tasks import BatchTask, Indices
 
 
 class ShareMismatchError(Exception):
@@ -147,7 +147,7 @@ class SharedJob:
     def wants_dispatch(self) -> bool:
         return not self.closed and bool(self.backlog.retries or self.queue)
 
-    def next_task(self, pool_size: int) -> tuple[Task, int | None]:
+    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
         retry = self.backlog.next_retry()
         if retry is not None:
             return retry, None
@@ -155,12 +155,12 @@ class SharedJob:
         key = self.key
         return fetch_task(self.job_id, key.dataset, seq, indices, key.auto_collation, key.base_seed), None
 
-    def commit(self, task: Task) -> None:
+    def commit(self, task: BatchTask) -> None:
         if not self.backlog.sent(task):
             heapq.heappop(self.queue)
             self.queued_seqs.discard(task.seq)
 
-    def retry(self, task: Task) -> None:
+    def retry(self, task: BatchTask) -> None:
         self.backlog.retry(task)
 
     def queued(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from loaderd.server.ledger import FinishedBatch
 from loaderd.server.producer import END, Backlog, Delivery, StreamFailed, Upstream
 from loaderd.server.seeding import derive_seed
-from loaderd.server.tasks import FetchTask, Indices, IterTask, Task
+from loaderd.server.tasks import BatchTask, FetchTask, Indices, IterTask
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class BatchStream:
         """The workers that hold this stream's iterable replicas."""
         return {self._replica_owner(r, pool_size) for r in range(len(self.replicas))}
 
-    def next_task(self, pool_size: int) -> tuple[Task, int | None]:
+    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
         retry = self.backlog.next_retry()
         if retry is not None:
             return retry, (self._replica_owner(retry.replica, pool_size) if isinstance(retry, IterTask) else None)
@@ -169,7 +169,7 @@ class BatchStream:
         if spec.iterable:
             r = self._active_replica()
             assert r is not None
-            task: Task = IterTask(
+            task: BatchTask = IterTask(
                 stream_id=self.stream_id,
                 seq=self.planned,
                 dataset=spec.dataset,
@@ -184,7 +184,7 @@ class BatchStream:
         seq, indices = self.pending[0]
         return fetch_task(self.stream_id, spec.dataset, seq, indices, spec.auto_collation, spec.base_seed), None
 
-    def commit(self, task: Task) -> None:
+    def commit(self, task: BatchTask) -> None:
         if self.backlog.sent(task):
             return
         if isinstance(task, IterTask):
@@ -195,7 +195,7 @@ class BatchStream:
         else:
             self.pending.popleft()
 
-    def retry(self, task: Task) -> None:
+    def retry(self, task: BatchTask) -> None:
         self.backlog.retry(task)
 
     def queued(self) -> int:

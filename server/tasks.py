@@ -69,6 +69,8 @@ class ReleaseSlot:
     name: str
 
 
+# Work for a batch position (what producers hand out), and everything a worker's queue carries.
+BatchTask = FetchTask | IterTask
 Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot
 
 
