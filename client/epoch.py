@@ -87,6 +87,14 @@ class EpochStart:
     start: int
 
 
+def sized_len(obj: Any) -> int | None:
+    """``len(obj)``, or None where ``obj`` has no length (an unsized sampler or dataset)."""
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
 def _sampler_objects(plan: DataLoader) -> list[Any]:
     """The sampler objects of a plan, outermost first, each once."""
     found: list[Any] = []

@@ -1,4 +1,4 @@
-"""What identifies a loader's stream of batches: its fingerprint, and a share's per-epoch seed.
+"""A loader's identity: the fingerprint of what decides its batches, and a share's seed and job name.
 
 Loaders of one share must plan the same batches with the same randomness, so
 their parameters (the fingerprint) must agree and their RNG is seeded from

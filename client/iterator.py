@@ -1,10 +1,11 @@
 """RemoteLoaderIter: one epoch of a RemoteDataLoader.
 
-It plays the part of torch's ``_MultiProcessingDataLoaderIter``: starting from
-the epoch's RNG draws (made by ``loaderd.epoch``, fresh or replayed for a
-resume), it walks the index sampler in the caller's thread (so the client's RNG
-is consumed exactly as torch consumes it), keeps the daemon ``window`` batches
-of plan ahead of what the caller consumed, and hands out batches in order. A
+It plays the part of torch's ``_MultiProcessingDataLoaderIter``: given the
+epoch's ``EpochStream`` (built by the loader; the epoch's RNG draws are made
+already by ``loaderd.epoch``, fresh or replayed for a resume), it walks the
+index sampler in the caller's thread (so the client's RNG is consumed exactly
+as torch consumes it), keeps the daemon ``window`` batches of plan ahead of
+what the caller consumed, and hands out batches in order. A
 receiver thread reassembles batches off the gRPC stream while the caller
 trains. It counts what it hands out into the epoch's ``EpochProgress``, which
 is what ``RemoteDataLoader.state_dict()`` reads.
@@ -22,14 +23,12 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from loaderd.wire.codec import BatchAssembler, view_batch
-from loaderd.epoch import EpochStart
-from loaderd.wire.framing import read_frame
+from loaderd.epoch_stream import EpochStream
 from loaderd.errors import (
     BatchTimeoutError,
     DaemonUnavailableError,
@@ -39,9 +38,8 @@ from loaderd.errors import (
 )
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
-
-if TYPE_CHECKING:
-    from loaderd.loader import RemoteDataLoader
+from loaderd.wire.codec import BatchAssembler, view_batch
+from loaderd.wire.framing import read_frame
 
 # How often blocked waits re-check that the stream is still alive.
 _POLL_S = 0.25
@@ -166,19 +164,23 @@ def _cancel(
 
 
 class RemoteLoaderIter:
-    """Iterator over one epoch; created by ``iter(RemoteDataLoader)``."""
+    """Iterator over one epoch; created by ``iter(RemoteDataLoader)``.
 
-    def __init__(self, loader: RemoteDataLoader, start: EpochStart) -> None:
-        self._loader = loader
-        self._timeout = loader.timeout
-        self._iterable = loader._iterable
-        self._auto_collation = loader._plan.batch_size is not None or loader._plan.batch_sampler is not None
+    It holds no reference to the loader: everything it needs comes in ``stream``.
+    """
+
+    def __init__(self, stream: EpochStream) -> None:
+        start = stream.start
+        session = stream.session
+        self._timeout = stream.timeout
+        self._iterable = stream.iterable
+        self._auto_collation = stream.auto_collation
+        self._length = stream.length
         # The epoch's RNG draws are made (or replayed) already, in torch's order (see loaderd.epoch).
         self._record = start.progress
         self._sampler_iter: Iterator[Any] | None = start.sampler_iter
         self._base_seed = start.progress.base_seed
-        self._window = loader._window
-        session = loader._shm_session()
+        self._window = stream.window
         self._stream_token = next(_stream_tokens)
         # Resuming: positions before `start` were consumed in an earlier run.
         self._planned = start.start
@@ -186,36 +188,36 @@ class RemoteLoaderIter:
         # Iterable streams: the consumed count last reported to the daemon (it starts from `start`).
         self._credited = start.start
         self._stalled_s = 0.0
-        self._plan_length = _length(loader._plan._index_sampler) if not self._iterable else None
+        self._plan_length = stream.plan_length
         self._plan_done = self._iterable
         self._finished = False
         self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
         self._requests.put(
             pb.StreamRequest(
                 open=pb.OpenStream(
-                    dataset=loader.dataset_name,
+                    dataset=stream.dataset,
                     auto_collation=self._auto_collation,
-                    batch_size=(loader.batch_size or 0) if self._iterable else 0,
-                    drop_last=loader.drop_last,
-                    num_workers=loader.num_workers,
+                    batch_size=(stream.batch_size or 0) if self._iterable else 0,
+                    drop_last=stream.drop_last,
+                    num_workers=stream.num_workers,
                     base_seed=self._base_seed,
                     window=self._window,
                     session_id=session.session_id if session is not None else 0,
                     stream_token=self._stream_token,
                     client=CLIENT_NAME,
                     start=start.start,
-                    share=loader._share_spec(start.progress.epoch),
+                    share=stream.share,
                 )
             )
         )
         self._stop = threading.Event()
-        call = loader._connection.stream_batches(_request_stream(self._requests, self._stop))
-        self._receiver = _Receiver(call, loader._pin, loader.address, self._stop, session, self._stream_token)
+        call = stream.connection.stream_batches(_request_stream(self._requests, self._stop))
+        self._receiver = _Receiver(call, stream.pin_memory, stream.address, self._stop, session, self._stream_token)
         self._receiver.thread.start()
         # Cancels the stream when the caller drops the iterator (break, del,
         # exception) without relying on __del__; close() does it explicitly.
         self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests, session, self._stream_token)
-        loader._connection.track_stream(self._finalizer)
+        stream.connection.track_stream(self._finalizer)
 
     # ------------------------------------------------------------ plan
 
@@ -310,14 +312,10 @@ class RemoteLoaderIter:
         self._finalizer()
 
     def __len__(self) -> int:
-        return len(self._loader)
-
-
-def _length(sampler: Any) -> int | None:
-    try:
-        return len(sampler)
-    except TypeError:  # an unsized sampler: plan a window ahead, end when it ends
-        return None
+        """``len(loader)``; a TypeError where the loader has no length, as torch's iterator."""
+        if self._length is None:
+            raise TypeError(f"object of type {type(self).__name__!r} has no len()")
+        return self._length
 
 
 def _as_indices(item: Any, auto_collation: bool) -> list[int]:

@@ -7,51 +7,27 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
+from loaderd.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
 from loaderd.connection import DaemonConnection, get_connection, resolve_address
-from loaderd.epoch import EpochProgress, begin_epoch, epoch_aware, next_epoch_state, sampler_generators
-from loaderd.errors import ConfigOnlyArgumentError, LoaderdError, TransportError
+from loaderd.epoch import (
+    EpochProgress,
+    EpochStart,
+    begin_epoch,
+    epoch_aware,
+    next_epoch_state,
+    sampler_generators,
+    sized_len,
+)
+from loaderd.epoch_stream import EpochStream
+from loaderd.errors import TransportError
+from loaderd.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.iterator import RemoteLoaderIter
+from loaderd.plan import build_plan, proxy_dataset, window_size
 from loaderd.session import ShmSession
-from loaderd.share import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.state import LoaderState
 from loaderd.v1 import loaderd_pb2 as pb
-
-TRANSPORTS = ("auto", "shm", "grpc")
-
-
-class _RemoteMapDataset(Dataset):
-    """Stands in for the daemon's map-style dataset so torch builds the samplers."""
-
-    def __init__(self, name: str, length: int | None) -> None:
-        self.name = name
-        self._length = length
-
-    def __len__(self) -> int:
-        if self._length is None:
-            raise TypeError(f"dataset {self.name!r} in the daemon has no __len__")
-        return self._length
-
-    def __getitem__(self, index: int) -> Any:
-        raise LoaderdError(f"dataset {self.name!r} lives in the daemon; iterate the RemoteDataLoader instead")
-
-
-class _RemoteIterableDataset(IterableDataset):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __iter__(self) -> Any:
-        raise LoaderdError(f"dataset {self.name!r} lives in the daemon; iterate the RemoteDataLoader instead")
-
-
-class _RemoteSizedIterableDataset(_RemoteIterableDataset):
-    def __init__(self, name: str, length: int) -> None:
-        super().__init__(name)
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
 
 
 class RemoteDataLoader:
@@ -65,6 +41,9 @@ class RemoteDataLoader:
     For map-style datasets the daemon's pool does the work whatever
     ``num_workers`` says; for an IterableDataset, ``num_workers=k`` asks for
     k replicas, each seeing ``get_worker_info()`` as a torch worker would.
+    ``persistent_workers``, ``pin_memory_device`` and ``in_order`` are accepted
+    and ignored: the daemon's workers persist anyway, ``pin_memory`` pins for
+    the current accelerator, and batches always arrive in order.
 
     Beyond DataLoader's arguments:
 
@@ -116,125 +95,81 @@ class RemoteDataLoader:
         seed: int | None = None,
         share: str | None = None,
     ) -> None:
-        for name, value in (
-            ("collate_fn", collate_fn),
-            ("worker_init_fn", worker_init_fn),
-            ("multiprocessing_context", multiprocessing_context),
-        ):
-            if value is not None:
-                raise ConfigOnlyArgumentError(
-                    f"{name} runs in the daemon's workers, so it belongs in the daemon's config "
-                    f"(datasets.{dataset_name}.{name}: 'module:function'), not in RemoteDataLoader"
-                    if name != "multiprocessing_context"
-                    else "multiprocessing_context is chosen by the daemon; remove it from RemoteDataLoader"
-                )
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError("num_workers option should be non-negative")
-        if timeout < 0:
-            raise ValueError("timeout option should be non-negative")
-        if prefetch_factor is not None and prefetch_factor < 1:
-            raise ValueError("prefetch_factor option should be a positive integer")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
-        distributed = _check_distributed(rank, world_size, sampler, batch_sampler)
-        if share is not None:
-            if not isinstance(share, str) or not share:
-                raise ValueError(f"share must be a non-empty string naming the shared job; got {share!r}")
-            if generator is not None:
-                raise ValueError(
-                    "share= and generator= cannot go together: loaders of a share must draw the same random "
-                    "numbers, so the loader seeds its own generator from the share name, seed= and the epoch"
-                )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an int; got {seed!r}")
-        if seed is not None and not distributed and share is None:
-            raise ValueError("seed= seeds DistributedSampler (rank=/world_size=) and shares (share=); "
-                             "to seed plain shuffling, pass generator=torch.Generator().manual_seed(...)")
+        refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
+        check_options(num_workers, timeout, prefetch_factor, transport)
+        distributed = check_distributed(rank, world_size, sampler, batch_sampler)
+        check_share(share, generator, seed, distributed)
+        del persistent_workers, pin_memory_device, in_order  # DataLoader's, meaningless here (see above)
 
         self.dataset_name = dataset_name
         self.address = resolve_address(address)
         self.num_workers = num_workers
         self.timeout = timeout
         self.prefetch_factor = prefetch_factor
-        self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
-        self.in_order = in_order
         self.transport = transport
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = 0 if seed is None else seed
+        self.share = share
+        self.generator = generator
         self._connection: DaemonConnection = get_connection(self.address)
         described = self._connection.describe(dataset_name)
         info = described.dataset
         self._iterable = info.kind == pb.DatasetInfo.ITERABLE
         self.pool_workers = described.pool_workers
-        if self._iterable:
-            proxy: Dataset[Any] = (
-                _RemoteSizedIterableDataset(dataset_name, info.length)
-                if info.has_length
-                else _RemoteIterableDataset(dataset_name)
-            )
-        else:
-            proxy = _RemoteMapDataset(dataset_name, info.length if info.has_length else None)
-        if self._iterable and (distributed or share is not None):
-            what = "rank=/world_size= shard" if distributed else "share= serves"
-            raise ValueError(f"{what} map-style datasets; {dataset_name!r} is an IterableDataset")
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = 0 if seed is None else seed
-        self.share = share
-        if distributed:
-            if not info.has_length:
-                raise ValueError(f"rank=/world_size= need the dataset's length; {dataset_name!r} has no __len__")
-            shuffle = True if shuffle is None else shuffle  # DistributedSampler's default
-            sampler = DistributedSampler(
-                proxy, num_replicas=world_size, rank=rank, shuffle=bool(shuffle), seed=self.seed, drop_last=drop_last
-            )
+        check_dataset_fits(dataset_name, info, distributed, share)
+
+        if distributed and shuffle is None:
+            shuffle = True  # DistributedSampler's default
         # Loaders of a share draw from a generator of their own, reseeded every epoch.
         self._share_generator = torch.Generator() if share is not None else None
-        # torch's own DataLoader builds (and validates) the sampler and batch
-        # sampler exactly as it would for the real dataset; it never loads data here.
-        self._plan = DataLoader(
-            proxy,
+        self.dataset = proxy_dataset(dataset_name, info)
+        self._plan: DataLoader = build_plan(
+            self.dataset,
             batch_size=batch_size,
-            shuffle=None if distributed else shuffle,
+            shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
             drop_last=drop_last,
             generator=self._share_generator if self._share_generator is not None else generator,
+            distributed=(rank, world_size, self.seed) if distributed else None,
         )
-        self.dataset = proxy
         self.batch_size = self._plan.batch_size
         self.drop_last = self._plan.drop_last
         self.sampler = self._plan.sampler
         self.batch_sampler = self._plan.batch_sampler
-        self.generator = generator
-        self._identity = LoaderIdentity(
-            dataset=dataset_name,
-            batch_size=self.batch_size,
-            shuffle=bool(shuffle),
-            drop_last=self.drop_last,
-            sampler=class_name(self.sampler),
-            batch_sampler=class_name(self.batch_sampler),
-            length=info.length if info.has_length else None,
-            seed=self.seed,
-            world_size=world_size if distributed else 1,
-            rank=rank if distributed else 0,
-            num_workers=num_workers if self._iterable else None,
-            share=share,
-        )
+        self._identity = self._make_identity(bool(shuffle), info.length if info.has_length else None)
+
         # The epoch counter (share epochs, state_dict); set_epoch sets it, each __iter__ advances it.
         self._epoch = 0
         # The latest epoch's replay record; a strong reference, so state_dict()
         # still knows the position after its iterator is gone (a break, a failure).
         self._progress: EpochProgress | None = None
         self._resume: LoaderState | None = None  # armed by load_state_dict for the next __iter__
-        # The default is twice torch's 2: a batch crosses more hops (client, daemon,
-        # worker and back) than in a local DataLoader, and small batches need the depth.
-        factor = 4 if prefetch_factor is None else prefetch_factor
-        parallelism = max(1, num_workers) if self._iterable else max(1, self.pool_workers)
-        self._window = factor * parallelism
+        self._window = window_size(prefetch_factor, num_workers if self._iterable else self.pool_workers)
         self._pin = pin_memory and torch.cuda.is_available()
         # Weak: holding the epoch's iterator would keep its stream open after a `break`.
         self._iterator: weakref.ref[RemoteLoaderIter] | None = None
         self._shm_session()  # transport="shm" where it cannot work fails here, not mid-training
+
+    def _make_identity(self, shuffle: bool, length: int | None) -> LoaderIdentity:
+        """What decides this loader's batches: shares and ``load_state_dict`` compare its fingerprint."""
+        return LoaderIdentity(
+            dataset=self.dataset_name,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=self.drop_last,
+            sampler=class_name(self.sampler),
+            batch_sampler=class_name(self.batch_sampler),
+            length=length,
+            seed=self.seed,
+            # rank=/world_size= come together (checked); without them, the whole dataset.
+            world_size=1 if self.world_size is None else self.world_size,
+            rank=0 if self.rank is None else self.rank,
+            num_workers=self.num_workers if self._iterable else None,
+            share=self.share,
+        )
 
     def _shm_session(self) -> ShmSession | None:
         """The session to stream through shared memory, or None for plain gRPC."""
@@ -248,6 +183,7 @@ class RemoteDataLoader:
         return None
 
     def __iter__(self) -> RemoteLoaderIter:
+        """Start the next epoch (ending the previous one's stream) and stream it from the daemon."""
         if self.pin_memory and not self._pin:
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
@@ -270,11 +206,36 @@ class RemoteDataLoader:
         self._resume = None
         self._epoch = epoch + 1
         self._progress = start.progress
-        iterator = RemoteLoaderIter(self, start)
+        iterator = RemoteLoaderIter(self._epoch_stream(start))
         self._iterator = weakref.ref(iterator)
         return iterator
 
+    def _epoch_stream(self, start: EpochStart) -> EpochStream:
+        """All that the iterator of the epoch ``start`` begins needs, so it needs no loader."""
+        # len(loader); map-style, that is the index sampler's length, which bounds the plan.
+        length = sized_len(self._plan)
+        return EpochStream(
+            dataset=self.dataset_name,
+            auto_collation=self._plan.batch_size is not None or self._plan.batch_sampler is not None,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            window=self._window,
+            timeout=self.timeout,
+            pin_memory=self._pin,
+            address=self.address,
+            connection=self._connection,
+            # Looked up once an epoch: the connection reopens a session that ended (a daemon restart).
+            session=self._shm_session(),
+            share=self._share_spec(start.progress.epoch),
+            iterable=self._iterable,
+            plan_length=None if self._iterable else length,
+            length=length,
+            start=start,
+        )
+
     def __len__(self) -> int:
+        """Batches per epoch, as torch's DataLoader counts them; TypeError where that is unknown."""
         return len(self._plan)
 
     @property
@@ -346,7 +307,7 @@ class RemoteDataLoader:
             # A share reseeds its RNG; otherwise mid-epoch the epoch RNG's state,
             # and between epochs an explicit generator's, must be there.
             rng=self.share is None and (loaded.mid_epoch or self.generator is not None),
-            epoch_length=None if self._iterable else _sized(self._plan),
+            epoch_length=None if self._iterable else sized_len(self._plan),
         )
         self._resume = loaded
         self._epoch = loaded.epoch
@@ -367,29 +328,3 @@ class RemoteDataLoader:
             epoch=epoch,
             fingerprint=self._identity.fingerprint(),
         )
-
-
-def _check_distributed(rank: Any, world_size: Any, sampler: Any, batch_sampler: Any) -> bool:
-    """Validate rank=/world_size=; True when given."""
-    if rank is None and world_size is None:
-        return False
-    if rank is None or world_size is None:
-        raise ValueError("rank and world_size go together: pass both, or neither")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}); got {rank!r}")
-    if sampler is not None or batch_sampler is not None:
-        which = "sampler=" if sampler is not None else "batch_sampler="
-        raise ValueError(
-            f"rank=/world_size= build a DistributedSampler, so they cannot go with {which}; "
-            "pass your own DistributedSampler as sampler= instead (loader.set_epoch reaches it)"
-        )
-    return True
-
-
-def _sized(plan: DataLoader) -> int | None:
-    try:
-        return len(plan)
-    except TypeError:
-        return None

@@ -22,7 +22,7 @@ import loaderd
 from compare import assert_same_batches
 from conftest import RunningDaemon, running_daemon
 from loaderd import RemoteDataLoader
-from loaderd.share import share_seed
+from loaderd.identity import share_seed
 
 SIZES = (103, 10, 12)
 DATASETS: dict[str, Any] = {

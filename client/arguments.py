@@ -1,0 +1,91 @@
+"""Checks of RemoteDataLoader's arguments: the errors a wrong one gets, before any batch is planned.
+
+Most run before the loader contacts the daemon; ``check_dataset_fits`` runs
+once the daemon has described the dataset. Where torch's DataLoader has the
+argument, the message is torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loaderd.errors import ConfigOnlyArgumentError
+from loaderd.v1 import loaderd_pb2 as pb
+
+TRANSPORTS = ("auto", "shm", "grpc")
+
+
+def refuse_config_only(dataset_name: str, collate_fn: Any, worker_init_fn: Any, multiprocessing_context: Any) -> None:
+    """Refuse DataLoader's arguments that name code: it runs in the daemon's workers, so its config names it."""
+    for name, value in (
+        ("collate_fn", collate_fn),
+        ("worker_init_fn", worker_init_fn),
+        ("multiprocessing_context", multiprocessing_context),
+    ):
+        if value is not None:
+            raise ConfigOnlyArgumentError(
+                f"{name} runs in the daemon's workers, so it belongs in the daemon's config "
+                f"(datasets.{dataset_name}.{name}: 'module:function'), not in RemoteDataLoader"
+                if name != "multiprocessing_context"
+                else "multiprocessing_context is chosen by the daemon; remove it from RemoteDataLoader"
+            )
+
+
+def check_options(num_workers: Any, timeout: float, prefetch_factor: int | None, transport: str) -> None:
+    """Validate the numeric and option arguments (in torch's words where torch has the argument)."""
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError("num_workers option should be non-negative")
+    if timeout < 0:
+        raise ValueError("timeout option should be non-negative")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError("prefetch_factor option should be a positive integer")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+
+
+def check_distributed(rank: Any, world_size: Any, sampler: Any, batch_sampler: Any) -> bool:
+    """Validate rank=/world_size=; True when given."""
+    if rank is None and world_size is None:
+        return False
+    if rank is None or world_size is None:
+        raise ValueError("rank and world_size go together: pass both, or neither")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}); got {rank!r}")
+    if sampler is not None or batch_sampler is not None:
+        which = "sampler=" if sampler is not None else "batch_sampler="
+        raise ValueError(
+            f"rank=/world_size= build a DistributedSampler, so they cannot go with {which}; "
+            "pass your own DistributedSampler as sampler= instead (loader.set_epoch reaches it)"
+        )
+    return True
+
+
+def check_share(share: Any, generator: torch.Generator | None, seed: Any, distributed: bool) -> None:
+    """Validate share= and seed= (seed= seeds only DistributedSampler and shares)."""
+    if share is not None:
+        if not isinstance(share, str) or not share:
+            raise ValueError(f"share must be a non-empty string naming the shared job; got {share!r}")
+        if generator is not None:
+            raise ValueError(
+                "share= and generator= cannot go together: loaders of a share must draw the same random "
+                "numbers, so the loader seeds its own generator from the share name, seed= and the epoch"
+            )
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int; got {seed!r}")
+    if seed is not None and not distributed and share is None:
+        raise ValueError("seed= seeds DistributedSampler (rank=/world_size=) and shares (share=); "
+                         "to seed plain shuffling, pass generator=torch.Generator().manual_seed(...)")
+
+
+def check_dataset_fits(dataset_name: str, info: pb.DatasetInfo, distributed: bool, share: str | None) -> None:
+    """Refuse what the daemon's dataset cannot serve: rank=/world_size= or share= over an
+    IterableDataset, and rank=/world_size= without a length."""
+    if info.kind == pb.DatasetInfo.ITERABLE and (distributed or share is not None):
+        what = "rank=/world_size= shard" if distributed else "share= serves"
+        raise ValueError(f"{what} map-style datasets; {dataset_name!r} is an IterableDataset")
+    if distributed and not info.has_length:
+        raise ValueError(f"rank=/world_size= need the dataset's length; {dataset_name!r} has no __len__")
