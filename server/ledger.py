@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loaderd.errors import TransportError
 from loaderd.server.arena import SlotReader, SlotRef, unlink_segments
 from loaderd.server.tasks import BatchDone
 
@@ -89,16 +90,28 @@ class SlotLedger:
     def receive(
         self, worker_id: int, generation: int, done: BatchDone, buffers: tuple[tuple[int, bytes], ...] = ()
     ) -> FinishedBatch:
-        """A worker's finished batch; a slot payload is mapped and held once."""
+        """A worker's finished batch; a slot payload is mapped and held once.
+
+        TransportError if the slot cannot be mapped (e.g. out of file descriptors):
+        the slot goes straight back to its worker and the position fails.
+        """
         if done.retired:
             self.forget(done.retired)
         if done.slot is None:
             return FinishedBatch(worker_id, generation, done, buffers)
         key = (worker_id, generation, done.slot.name)
         with self._lock:
-            view = self._reader.view(done.slot, done.payload_bytes)
-            self._refs[key] = self._refs.get(key, 0) + 1
-            self._held[key[:2]] = self._held.get(key[:2], 0) + 1
+            try:
+                view = self._reader.view(done.slot, done.payload_bytes)
+            except OSError as exc:
+                failure: OSError | None = exc
+            else:
+                failure = None
+                self._refs[key] = self._refs.get(key, 0) + 1
+                self._held[key[:2]] = self._held.get(key[:2], 0) + 1
+        if failure is not None:
+            self._give_back(*key)  # unmapped, so never held: the worker may reuse it now
+            raise TransportError(f"cannot map {done.slot.name}: {failure.strerror or failure}") from None
         return FinishedBatch(worker_id, generation, done, ((0, view),))
 
     def retain(self, batch: FinishedBatch) -> None:
@@ -129,7 +142,7 @@ class SlotLedger:
             self._give_back(*key)
 
     def held(self) -> int:
-        """Slots held by anyone (status, tests)."""
+        """How many slots anyone holds."""
         with self._lock:
             return len(self._refs)
 

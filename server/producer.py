@@ -65,9 +65,6 @@ class Producer(Protocol):
         """The id the tasks carry (``Task.stream_id``): results are routed back by it."""
         ...
 
-    @property
-    def dataset(self) -> str: ...
-
     def wants_dispatch(self) -> bool:
         """Whether a task is ready to run (and its window has room)."""
         ...

@@ -36,9 +36,9 @@ class Opening:
 
 def open_spec(request: pb.OpenStream, catalog: Catalog, max_window: int, *, peer: str, shm: bool) -> Opening:
     """Check an ``OpenStream``; UnknownDatasetError or BadRequestError if it cannot be served."""
-    meta = catalog.lookup(request.dataset)
     if not request.auto_collation and request.batch_size:
         raise BadRequestError("batch_size must be 0 without automatic batching")
+    meta = catalog.lookup(request.dataset)
     replicas = max(1, request.num_workers) if meta.iterable else catalog.pool_size
     window = min(request.window or DEFAULT_WINDOW_PER_WORKER * replicas, max_window)
     share = None

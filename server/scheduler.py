@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from loaderd.errors import WorkerCrashedError, capture_exception
+from loaderd.errors import TransportError, WorkerCrashedError, capture_exception
 from loaderd.server.catalog import Catalog
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
@@ -146,7 +146,7 @@ class Scheduler:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
             else:
-                self._producers[stream.stream_id] = stream
+                self._producers[stream.producer_id] = stream
             self._streams[stream.stream_id] = stream
         self.wake()
         return stream
@@ -164,7 +164,7 @@ class Scheduler:
             release=self._ledger.release,
         )
         self._jobs[(key.name, key.epoch)] = job
-        self._producers[job.job_id] = job
+        self._producers[job.producer_id] = job
         log.info("share %r epoch %d started on %r", key.name, key.epoch, key.dataset)
         return job
 
@@ -182,6 +182,8 @@ class Scheduler:
 
     def add_plan(self, stream: BatchStream, batches: list[Indices], end: bool, consumed: int = 0, stalled_us: int = 0) -> None:
         with self.lock:
+            if stream.closed:  # the plan raced the stream's close: a consumer would be handed batches nobody drops
+                return
             stream.progress(consumed, stalled_us)
             stream.add_plan(batches, end)
         self.wake()
@@ -203,7 +205,7 @@ class Scheduler:
                 job.detach(stream)
                 if not job.consumers:
                     job.discard()
-                    self._producers.pop(job.job_id, None)
+                    self._producers.pop(job.producer_id, None)
                     self._jobs.pop((job.name, job.epoch), None)
                     log.info("share %r epoch %d ended: %d batches produced", job.name, job.epoch, job.produced)
             owners = stream.replica_workers(self._pool.size)
@@ -294,9 +296,14 @@ class Scheduler:
             self._respawn(message.worker_id)
             return
         if isinstance(result, BatchDone):
-            # Held (and mapped) from here on: whoever drops the delivery releases it.
-            batch = self._ledger.receive(message.worker_id, message.generation, result, message.buffers)
-            delivery = Delivery(seq=result.seq, batch=batch)
+            try:
+                # Held (and mapped) from here on: whoever drops the delivery releases it.
+                batch = self._ledger.receive(message.worker_id, message.generation, result, message.buffers)
+                delivery = Delivery(seq=result.seq, batch=batch)
+            except TransportError as exc:
+                log.error("batch %d of stream %d: %s", result.seq, result.stream_id, exc)
+                where = f"in the daemon, receiving batch {result.seq} from pool worker {message.worker_id}"
+                delivery = Delivery(seq=result.seq, error=capture_exception(exc, where, result.seq).SerializeToString())
         elif isinstance(result, BatchFailed):
             delivery = Delivery(seq=result.seq, error=result.error)
         else:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fakes import LedgerLog, Segments
 
+from loaderd.errors import TransportError
 from loaderd.server.arena import SlotRef
 from loaderd.server.ledger import FinishedBatch, SlotLedger
 from loaderd.server.tasks import BatchDone
@@ -115,3 +116,12 @@ def test_segments_a_worker_destroyed_are_forgotten_and_announced(segments: Segme
     ledger.release(old)
     ledger.receive(0, 0, done(segments.make(0, 0, 1), retired=(old.slot.name,)))
     assert log.retired == [((old.slot.name,), ())]
+
+
+def test_a_slot_that_cannot_be_mapped_goes_back_and_fails_its_position(segments: Segments) -> None:
+    log = LedgerLog()
+    ledger = log.ledger()
+    missing = SlotRef(name=f"{segments.prefix}w0g0-404", size=4096)  # never created
+    with pytest.raises(TransportError, match="cannot map"):
+        ledger.receive(0, 0, done(missing))
+    assert log.given_back == [(0, 0, missing.name)] and ledger.held() == 0

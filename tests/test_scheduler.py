@@ -213,6 +213,19 @@ def test_shared_job_runs_each_position_once_for_every_consumer(scheduler: Schedu
     assert scheduler.jobs() == [], "the job ends with its last consumer"
 
 
+def test_a_plan_that_arrives_after_its_consumer_closed_is_ignored(scheduler: Scheduler, pool: FakePool) -> None:
+    key = ShareKey("late", 0, "m", "fp", True, 7)
+    a = scheduler.open_stream(map_spec(window=8), key)
+    b = scheduler.open_stream(map_spec(window=8), key)
+    plan(scheduler, a, 1)
+    scheduler.step(0)
+    pool.finish(pool.batch_tasks()[0][1])
+    scheduler.step(0)
+    scheduler.close_stream(b)
+    plan(scheduler, b, 1)  # buffered at the job: it must not be handed to the closed stream
+    assert b.ready == {} and [j.waiters for j in scheduler.jobs()] == [{}]
+
+
 def test_a_share_refuses_a_loader_with_other_parameters(scheduler: Scheduler) -> None:
     scheduler.open_stream(map_spec(), ShareKey("s", 0, "m", "fp", True, 7))
     with pytest.raises(ShareMismatchError, match="same parameters"):
