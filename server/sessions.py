@@ -92,11 +92,9 @@ class SessionRegistry:
                 if session.shm:
                     session.outbox.put(message)
 
-    def close_all(self) -> list[ClientSession]:
-        """Close every session (shutdown); returns those it closed."""
+    def open_sessions(self) -> list[ClientSession]:
         with self._lock:
-            sessions = list(self._sessions.values())
-        return [s for s in sessions if self.close(s)]
+            return list(self._sessions.values())
 
 
 class SessionHost:
@@ -117,9 +115,9 @@ class SessionHost:
             log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, released)
 
     def close_all(self) -> None:
-        """Shutdown: end every session."""
-        for session in self._registry.close_all():
-            self._ledger.close_session(session.session_id)
+        """Shutdown: end every session (each gives back what it held, as when its client goes)."""
+        for session in self._registry.open_sessions():
+            self.end(session)
 
     def serve(
         self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
