@@ -10,6 +10,7 @@ that message back into an exception of the original type where it can
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 
 import grpc
 
@@ -53,6 +54,10 @@ class TransportError(LoaderdError, ValueError):
     """A batch cannot be encoded for, or decoded from, the wire."""
 
 
+class LimitExceededError(LoaderdError):
+    """The daemon refused a request over one of its limits (the config's ``limits:``); the message names it."""
+
+
 class _KeyErrorMessage(str):
     """KeyError reprs its message; keep the remote traceback readable (as torch does)."""
 
@@ -63,16 +68,44 @@ class _KeyErrorMessage(str):
 # ----------------------------------------------------------- worker side
 
 
+# Bounds on what an error carries: user code controls the text, and it is
+# echoed into the daemon's log and every reply (a 100 MB message must not be).
+MAX_ERROR_MESSAGE = 4096
+MAX_ERROR_TRACEBACK = 32768
+_U64 = (1 << 64) - 1
+
+
+def clip(text: str, limit: int, *, keep_end: bool = False) -> str:
+    """``text`` cut to about ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    cut = f" [... {len(text) - limit} characters cut ...] "
+    return cut + text[-limit:] if keep_end else text[:limit] + cut
+
+
+def _text(render: Callable[[], str]) -> str:
+    try:
+        return render()
+    except Exception as exc:  # a __str__ that raises must not take the worker down with it
+        return f"<unprintable: {type(exc).__name__}>"
+
+
+def _format(exc: BaseException) -> str:
+    # Each part (a frame, the final "Type: message" line) bounded on its own, so a huge message cannot push the frames out.
+    return "".join(clip(part, MAX_ERROR_MESSAGE) for part in traceback.format_exception(exc))
+
+
 def capture_exception(exc: BaseException, where: str, seq: int = 0) -> pb.RemoteError:
-    """Turn an exception raised by user code into wire data."""
+    """Turn an exception raised by user code into wire data. Never raises; texts are bounded."""
     cls = type(exc)
     return pb.RemoteError(
-        seq=seq,
-        type_module=cls.__module__,
-        type_qualname=cls.__qualname__,
-        message=str(exc),
-        traceback="".join(traceback.format_exception(exc)),
-        where=where,
+        seq=seq if 0 <= seq <= _U64 else 0,
+        type_module=clip(str(cls.__module__), 256),
+        type_qualname=clip(str(cls.__qualname__), 256),
+        message=clip(_text(lambda: str(exc)), MAX_ERROR_MESSAGE),
+        # The end of a traceback is where it happened: keep that.
+        traceback=clip(_text(lambda: _format(exc)), MAX_ERROR_TRACEBACK, keep_end=True),
+        where=clip(where, 1024),
     )
 
 
@@ -107,6 +140,7 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[LoaderdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: BatchTimeoutError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
 }
 
 

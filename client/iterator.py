@@ -47,7 +47,9 @@ _POLL_S = 0.25
 _RECEIVED_AHEAD = 2
 _stream_tokens = itertools.count(1)
 # Who this process is, for the daemon's status, logs and metrics.
-CLIENT_NAME = f"{socket.gethostname()}:{os.getpid()}"
+def client_name() -> str:
+    """Who is asking, for the daemon's logs and status: host and pid, read when asked (a forked child has its own)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ class RemoteLoaderIter:
                     window=self._window,
                     session_id=session.session_id if session is not None else 0,
                     stream_token=self._stream_token,
-                    client=CLIENT_NAME,
+                    client=client_name(),
                     start=start.start,
                     share=stream.share,
                 )

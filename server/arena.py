@@ -15,11 +15,13 @@ shutdown, and at start sweeps what a killed daemon (pid no longer alive) left.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import logging
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,32 @@ class SlotRef:
 
     name: str
     size: int  # the segment's size (>= payload)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_fd(fd: int, size: int, writable: bool) -> memoryview:
+    """``size`` bytes of file ``fd`` mapped shared, as a byte memoryview; the caller may close ``fd`` at once.
+
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for the mapping's
+    whole life, so a daemon mapping thousands of segments ran out of descriptors.
+    This mapping holds none: it lives as long as any view of it does, and is
+    unmapped when the last one goes (a finalizer on the buffer, not ``__del__``).
+    """
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    buffer = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(buffer, _libc.munmap, addr, size)
+    view = memoryview(buffer).cast("B")
+    return view if writable else view.toreadonly()
 
 
 def daemon_prefix(pid: int, token: str) -> str:
@@ -68,7 +96,7 @@ class SlotWriter:
     def __init__(self, prefix: str, cap_bytes: int) -> None:
         self.prefix = prefix
         self.cap_bytes = cap_bytes
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, memoryview] = {}
         # A uint8 tensor over each segment: collation writes into slices of it.
         self._bases: dict[str, torch.Tensor] = {}
         self._free: list[str] = []
@@ -90,7 +118,7 @@ class SlotWriter:
             return None
         try:
             os.posix_fallocate(fd, 0, size)
-            self._maps[name] = mmap.mmap(fd, size)
+            self._maps[name] = map_fd(fd, size, writable=True)
             self._bases[name] = torch.frombuffer(self._maps[name], dtype=torch.uint8)
         except OSError as exc:
             os.unlink(path)
@@ -146,6 +174,11 @@ class SlotWriter:
         if name in self._maps and name not in self._free:
             self._free.append(name)
 
+    def trim(self) -> None:
+        """Remove every idle segment (the worker has been idle a while); the daemon hears of it via ``retired``."""
+        for name in list(self._free):
+            self._destroy(name)
+
     def _destroy(self, name: str) -> None:
         """Remove one idle segment to make room; the daemon hears of it via ``retired``."""
         self.retired.append(name)
@@ -153,41 +186,39 @@ class SlotWriter:
         self._total -= len(self._maps[name])
         self._remove(name)
 
-    def _remove(self, name: str) -> None:
+    def _remove(self, name: str, unlink: bool = True) -> None:
+        # The mapping goes when the last view of it does.
         self._bases.pop(name, None)
-        mapping = self._maps.pop(name)
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-        try:
-            mapping.close()
-        except BufferError:  # a view is still alive; the mapping goes when it does
-            pass
+        self._maps.pop(name)
+        if unlink:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
 
-    def close(self) -> None:
-        """Unlink every segment (the daemon's own mappings stay valid until it drops them)."""
+    def close(self, unlink: bool) -> None:
+        """Drop every mapping; with ``unlink``, remove the segments too (the daemon's own mappings stay valid)."""
         for name in list(self._maps):
-            self._remove(name)
+            self._remove(name, unlink)
         self._free.clear()
         self._total = 0
 
 
 class SlotReader:
-    """The daemon's read-only mappings of worker segments, opened once and reused."""
+    """The daemon's read-only mappings of worker segments, made once and reused; they hold no descriptor."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, memoryview] = {}
 
     def view(self, slot: SlotRef, nbytes: int) -> memoryview:
         mapping = self._maps.get(slot.name)
         if mapping is None:
             fd = os.open(os.path.join(SHM_DIR, slot.name), os.O_RDONLY)
             try:
-                mapping = self._maps[slot.name] = mmap.mmap(fd, slot.size, prot=mmap.PROT_READ)
+                mapping = self._maps[slot.name] = map_fd(fd, slot.size, writable=False)
             finally:
                 os.close(fd)
-        return memoryview(mapping)[:nbytes]
+        return mapping[:nbytes]
 
     def forget(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
         """Drop mappings of removed segments (each closes once no view uses it)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loaderd.errors import clip
 from loaderd.server.tasks import DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -34,7 +35,7 @@ class Catalog:
         meta = self.datasets.get(name)
         if meta is None:
             known = ", ".join(sorted(self.datasets)) or "none"
-            raise UnknownDatasetError(f"no dataset named {name!r} in this daemon's config (it defines: {known})")
+            raise UnknownDatasetError(f"no dataset named {clip(name, 80)!r} in this daemon's config (it defines: {known})")
         return meta
 
     def describe(self, name: str) -> pb.DescribeDatasetResponse:

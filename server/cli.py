@@ -24,6 +24,7 @@ from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 
 EXIT_CONFIG = 2
 EXIT_START = 1
+EXIT_FAILED = 1  # the daemon ran, then could no longer serve (see its log)
 EXIT_UNREACHABLE = 1  # `loaderd status`: no daemon answered
 
 
@@ -71,10 +72,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"loaderd: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
     try:
-        while not stop.wait(0.5):
+        while not stop.wait(0.5) and not daemon.failed.is_set():
             pass
     finally:
         daemon.shutdown()
+    if daemon.failed.is_set():
+        print(f"loaderd: stopped: {daemon.fatal}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

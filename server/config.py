@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from loaderd.wire.limits import MAX_CHUNK_BYTES
+
 DEFAULT_LISTEN = ("unix:///tmp/loaderd.sock",)
 
 
@@ -28,6 +30,9 @@ class DatasetSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     collate_fn: str | None = None
     worker_init_fn: str | None = None
+    # Seconds one batch may run in a worker before the worker is killed and replaced
+    # and the client gets a BatchTimeoutError for that batch (None: no limit).
+    task_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,28 @@ class MetricsConfig:
     port: int = 9464  # 0 picks a free port; the log says which
     # Loopback by default: the endpoint names clients and datasets, so exposing it is a choice.
     host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``limits:``: what clients may ask of the daemon. Over a limit: RESOURCE_EXHAUSTED naming it.
+
+    "Per client" means per client process (its session) or, for a client
+    without one, per connection.
+    """
+
+    max_streams: int = 1024  # open streams in total
+    max_streams_per_client: int = 256
+    max_sessions: int = 1024  # client processes connected at once
+    # Batches a stream may plan beyond what its client consumed (a loader plans its window ahead).
+    max_plan_ahead: int = 4096
+    # Indices a stream may have planned but not yet dispatched (bounds the daemon's memory per stream).
+    max_plan_indices: int = 1 << 22
+    max_replicas: int = 256  # an iterable stream's num_workers
+    max_name_bytes: int = 1024  # dataset, client and share names, share fingerprints
+    max_request_bytes: int = 16 << 20  # one request message
+    # Seconds a new Session or StreamBatches call has to send its first message.
+    handshake_timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,11 @@ class LoaderConfig:
     shm_bytes_per_worker: int = 1 << 30
     log_level: str = "INFO"
     metrics: MetricsConfig | None = None  # None: no metrics endpoint
+    limits: Limits = field(default_factory=Limits)
+    # Recycling (0: off): a worker is replaced, between batches, after this many
+    # batches or once its resident memory exceeds this many MiB (leaky datasets).
+    max_tasks_per_worker: int = 0
+    worker_max_rss_mb: int = 0
 
 
 _TOP_KEYS = {
@@ -71,8 +103,11 @@ _TOP_KEYS = {
     "shm_bytes_per_worker",
     "log_level",
     "metrics",
+    "limits",
+    "max_tasks_per_worker",
+    "worker_max_rss_mb",
 }
-_DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn"}
+_DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn", "task_timeout"}
 _METRICS_KEYS = {"port", "host"}
 
 
@@ -96,11 +131,38 @@ def _import_path(value: Any, where: str) -> str:
     return value
 
 
-def _int_at_least(raw: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = _expect(raw.get(key, default), int, key, "an integer")
+def _int_at_least(raw: dict[str, Any], key: str, default: int, minimum: int, where: str = "") -> int:
+    value = _expect(raw.get(key, default), int, where + key, "an integer")
     if value < minimum:
-        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+        raise ConfigError(f"{where}{key}: must be at least {minimum}, got {value}")
     return value
+
+
+def _chunk_bytes(raw: dict[str, Any]) -> int:
+    value = _int_at_least(raw, "chunk_bytes", 4 << 20, 1)
+    if value > MAX_CHUNK_BYTES:
+        raise ConfigError(f"chunk_bytes: at most {MAX_CHUNK_BYTES} (16 MiB), got {value}")
+    return value
+
+
+def _seconds(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _limits(raw: Any) -> Limits:
+    raw = {} if raw is None else raw
+    _expect(raw, dict, "limits", "a mapping")
+    default = Limits()
+    _unknown_keys(raw, set(default.__dataclass_fields__), "limits")
+    values: dict[str, Any] = {}
+    for key in default.__dataclass_fields__:
+        if key == "handshake_timeout":
+            values[key] = _seconds(raw.get(key, default.handshake_timeout), "limits.handshake_timeout")
+        else:
+            values[key] = _int_at_least(raw, key, getattr(default, key), 1, "limits.")
+    return Limits(**values)
 
 
 def check_port(value: Any, where: str) -> int:
@@ -174,6 +236,7 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
                 if entry.get("worker_init_fn")
                 else None
             ),
+            task_timeout=_seconds(entry["task_timeout"], f"{where}.task_timeout") if entry.get("task_timeout") is not None else None,
         )
     log_level = _expect(raw.get("log_level", "INFO"), str, "log_level", "a logging level name").upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -184,12 +247,15 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         workers=_int_at_least(raw, "workers", 2, 1),
         python_path=python_path,
         datasets=datasets,
-        chunk_bytes=_int_at_least(raw, "chunk_bytes", 4 << 20, 1),
+        chunk_bytes=_chunk_bytes(raw),
         max_window=_int_at_least(raw, "max_window", 64, 1),
         share_buffer=_int_at_least(raw, "share_buffer", 32, 0),
         shm_bytes_per_worker=_int_at_least(raw, "shm_bytes_per_worker", 1 << 30, 0),
         log_level=log_level,
         metrics=_metrics(raw["metrics"]) if "metrics" in raw else None,
+        limits=_limits(raw.get("limits")),
+        max_tasks_per_worker=_int_at_least(raw, "max_tasks_per_worker", 0, 0),
+        worker_max_rss_mb=_int_at_least(raw, "worker_max_rss_mb", 0, 0),
     )
 
 

@@ -6,12 +6,17 @@ gRPC server, so no process is ever forked from one running gRPC threads.
 Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
   1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
   2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
-  3. the gRPC server stops (grace period for in-flight replies);
+  3. the gRPC server stops (grace period for in-flight replies), then the
+     watchdog that cuts silent calls;
   4. the metrics HTTP server (if any) stops and its thread is joined;
   5. shared-memory sessions close, giving back every slot clients held;
-  6. workers get a stop message, then terminate/kill after a timeout;
+  6. workers get a stop message, then terminate/kill after a timeout, and the
+     fork server is stopped and reaped;
   7. the slot ledger unlinks every shared-memory segment of this daemon;
   8. unix socket files are removed.
+A daemon that cannot serve any more (its scheduler keeps failing, no worker
+can start) says NOT_SERVING at once and sets ``failed``; ``loaderd serve``
+then runs this protocol and exits non-zero so a supervisor restarts it.
 A daemon killed with SIGKILL cannot run this: its workers exit when they see
 their parent gone, and the next daemon to start sweeps its segments.
 """
@@ -20,34 +25,35 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import secrets
 import socket
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from loaderd.server.admission import handler_threads
 from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
 from loaderd.server.catalog import Catalog
 from loaderd.server.config import LoaderConfig, check_imports
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import WorkerPool
-from loaderd.server.rpc import SERVICE_NAME, generic_handler
-from loaderd.server.scheduler import Scheduler
+from loaderd.server.executor import ElasticExecutor
+from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
+from loaderd.server.scheduler import Scheduler, SchedulerPolicy
 from loaderd.server.servicer import LoaderServicer
 from loaderd.server.sessions import SessionHost, SessionRegistry
 from loaderd.server.status import StatusBoard
+from loaderd.server.watchdog import Watchdog
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("loaderd")
 
-# gRPC handler threads: about 2 per client process (its session and its open stream).
-RPC_THREADS = 1024
 
 
 class ListenError(Exception):
@@ -61,6 +67,22 @@ def unix_path(address: str) -> str | None:
     if address.startswith("unix:"):
         return address[len("unix:") :]
     return None
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the limit now in force.
+
+    Each client connection and each worker's pipes and queue take descriptors;
+    systemd's default soft limit (1,024) is easily reached by a busy daemon.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft
 
 
 def _claim_unix_path(path: str) -> None:
@@ -96,8 +118,13 @@ class Daemon:
         self.session_host: SessionHost | None = None
         self.server: grpc.Server | None = None
         self.metrics: MetricsEndpoint | None = None
+        self.watchdog = Watchdog()
+        self._executor: ElasticExecutor | None = None
         self.health = health.HealthServicer()
         self._unix_paths: list[str] = []
+        # Set when the daemon cannot serve any more (the reason is in ``fatal``): the caller shuts down and exits non-zero.
+        self.failed = threading.Event()
+        self.fatal: str | None = None
 
     def start(self) -> None:
         """Import, start the warm pool, then serve. Raises ConfigError, PoolStartError, ListenError.
@@ -106,6 +133,7 @@ class Daemon:
         """
         config = self.config
         check_imports(config)
+        fd_limit = raise_fd_limit()
         swept = sweep_stale()
         if swept:
             log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
@@ -125,10 +153,17 @@ class Daemon:
         registry = CollectorRegistry()
         latency = BatchLatency(registry, catalog.datasets) if config.metrics is not None else None
         self.scheduler = scheduler = Scheduler(
-            pool, ledger, catalog, config.share_buffer, on_batch=latency.observe if latency is not None else None
+            pool,
+            ledger,
+            catalog,
+            SchedulerPolicy.from_config(config),
+            on_batch=latency.observe if latency is not None else None,
+            on_fatal=self._on_fatal,
         )
         scheduler.start()
-        self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix)
+        self.watchdog.start()
+        limits = config.limits
+        self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
         status = StatusBoard(pool.states, catalog, scheduler, sessions)
         if config.metrics is not None:
             self.metrics = MetricsEndpoint(registry, status.snapshot)
@@ -138,24 +173,24 @@ class Daemon:
             except OSError as exc:
                 raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
             log.info("metrics on %s", url)
-        servicer = LoaderServicer(
-            catalog,
-            scheduler,
-            sessions,
-            session_host,
-            ledger,
-            status.snapshot,
-            chunk_bytes=config.chunk_bytes,
-            max_window=config.max_window,
-        )
+        servicer = LoaderServicer(config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog)
+        threads = handler_threads(limits)
+        log.info("open-file limit %d; up to %d handler threads", fd_limit, threads)
+        # Threads idle for 30 s exit: a burst of streams leaves none behind.
+        self._executor = executor = ElasticExecutor(threads, idle_timeout=30.0, thread_name_prefix="loaderd-rpc")
         self.server = grpc.server(
             # Each open stream and each client session holds one thread for its
-            # lifetime; idle threads are cheap, so allow many concurrent clients.
-            futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="loaderd-rpc"),
+            # lifetime; admission (server/admission.py) keeps their number below
+            # this, so short calls (health, Status) always find a thread.
+            executor,
             handlers=[generic_handler(servicer, raw_responses={"StreamBatches"})],
+            # A backstop to admission: past this many calls at once (health's Watch included),
+            # new ones are refused RESOURCE_EXHAUSTED rather than queued behind busy threads.
+            maximum_concurrent_rpcs=threads,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", config.chunk_bytes + (1 << 20)),
+                ("grpc.max_receive_message_length", limits.max_request_bytes),
+                # A batch header carries up to MAX_HEADER_BYTES of structure plus a data chunk.
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -163,9 +198,10 @@ class Daemon:
 
     def _serve(self, server: grpc.Server) -> None:
         """Add health and reflection, bind every listen address, start, and say SERVING."""
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_parsing(health_pb2_grpc.add_HealthServicer_to_server, self.health, server)
         # Reflection lets grpcurl and friends list and call the services without the .proto files.
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        add_parsing(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.ReflectionServicer(names), server)
         for address in self.config.listen:
             path = unix_path(address)
             if path is not None:
@@ -186,6 +222,16 @@ class Daemon:
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
+    def _on_fatal(self, reason: str) -> None:
+        """The daemon cannot serve any more: say so at once; ``loaderd serve`` shuts down and exits non-zero."""
+        if self.failed.is_set():
+            return
+        self.fatal = reason
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.critical("cannot serve any more (%s); shutting down so a supervisor can restart the daemon", reason)
+        self.failed.set()
+
     def shutdown(self, grace: float = 2.0) -> None:
         """The shutdown protocol in the module docstring. Safe to call twice or after a failed start."""
         with self._lock:
@@ -200,6 +246,9 @@ class Daemon:
             self.scheduler.stop()
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1.0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)  # its threads are daemon threads; the calls they ran have ended
+        self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.shutdown()
         if self.session_host is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +29,47 @@ from loaderd.server.tasks import BatchDone, DatasetMeta, ReleaseSlot, Result, Ta
 from loaderd.server.worker import WorkerSpec, run_worker
 
 log = logging.getLogger("loaderd.pool")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _close_queue(tasks: Any) -> None:
+    tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
+    tasks.close()
+
+
+def _stop_fork_server(timeout: float) -> None:
+    """Stop this process's fork server, if it started one, and reap it (so it does not outlive the daemon).
+
+    multiprocessing's own ``_stop`` waits without a timeout; this waits ``timeout`` seconds, then kills.
+    """
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)  # EOF tells it to exit
+        server._forkserver_alive_fd = None
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # SIGKILLed: returns at once
+                break
+            time.sleep(0.02)
+    except ChildProcessError:  # already reaped
+        pass
+    server._forkserver_pid = None
+    address = server._forkserver_address
+    server._forkserver_address = None
+    if address and not address.startswith("\0"):
+        try:
+            os.unlink(address)
+        except OSError:
+            pass
 
 
 class PoolStartError(Exception):
@@ -103,8 +146,22 @@ class WorkerPool:
     # ------------------------------------------------------------ lifecycle
 
     def _spawn(self, worker_id: int) -> _Worker:
+        """Start worker process ``worker_id``; OSError (nothing left open) if it cannot."""
         tasks = self._ctx.Queue()
-        recv_end, send_end = self._ctx.Pipe(duplex=False)
+        try:
+            recv_end, send_end = self._ctx.Pipe(duplex=False)
+        except OSError:
+            _close_queue(tasks)
+            raise
+        try:
+            return self._start_process(worker_id, tasks, recv_end, send_end)
+        except BaseException:
+            for end in (recv_end, send_end):
+                end.close()
+            _close_queue(tasks)
+            raise
+
+    def _start_process(self, worker_id: int, tasks: Any, recv_end: Connection, send_end: Connection) -> _Worker:
         generation = self._generations[worker_id] = self._generations.get(worker_id, -1) + 1
         prefix = worker_prefix(self.shm_prefix, worker_id, generation) if self.shm_prefix else None
         spec = WorkerSpec(
@@ -143,19 +200,52 @@ class WorkerPool:
             for event in self.poll(min(remaining, 0.5)):
                 if isinstance(event, WorkerDied):
                     self.shutdown()
-                    raise PoolStartError(f"worker {event.worker_id} died while starting (exit code {event.exitcode})")
+                    raise PoolStartError(
+                        f"worker {event.worker_id} died while building the datasets "
+                        f"({', '.join(repr(n) for n in self.config.datasets)}) with exit code {event.exitcode}; "
+                        "a dataset's constructor, __len__ or worker_init_fn ended the process (see the log above)"
+                    )
                 if isinstance(event.result, WorkerStartFailed):
                     self.shutdown()
                     raise PoolStartError(event.result.message)
         return self.datasets
 
     def respawn(self, worker_id: int) -> None:
-        """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll."""
+        """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
+
+        OSError if no process can be started now (e.g. out of file descriptors);
+        the slot stays dead and may be respawned again later.
+        """
         old = self._workers[worker_id]
         self._close(old)
+        self._spawn(worker_id)
         self.restarts += 1
         self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
-        self._spawn(worker_id)
+
+    def stop_worker(self, worker_id: int, kill: bool) -> int:
+        """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.
+
+        Returns its generation; its death comes through ``poll`` like any other.
+        """
+        worker = self._workers[worker_id]
+        if worker.alive:
+            if kill:
+                worker.process.kill()
+            else:
+                try:
+                    worker.tasks.put(None)
+                except (ValueError, OSError):  # closed: it is dying anyway
+                    pass
+        return worker.generation
+
+    def rss_bytes(self, worker_id: int) -> int:
+        """The worker's resident memory, from /proc (0 if it cannot be read)."""
+        pid = self._workers[worker_id].process.pid
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as statm:
+                return int(statm.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def states(self) -> list[WorkerState]:
         return [
@@ -167,8 +257,7 @@ class WorkerPool:
         worker.alive = False
         worker.ready = False
         worker.results.close()
-        worker.tasks.cancel_join_thread()  # a dead reader must not block the feeder thread at exit
-        worker.tasks.close()
+        _close_queue(worker.tasks)
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Ask every worker to exit, then terminate and kill stragglers. Idempotent."""
@@ -192,6 +281,7 @@ class WorkerPool:
         for w in self._workers.values():
             if w.alive:
                 self._close(w)
+        _stop_fork_server(timeout)
 
     # ------------------------------------------------------------ messaging
 

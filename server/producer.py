@@ -36,7 +36,8 @@ class Delivery:
     seq: int
     batch: FinishedBatch | None = None  # holds one reference to its slot, if any
     error: bytes | None = None  # serialized RemoteError
-    # The iterable replica this position asked for had nothing left.
+    # The iterable replica this position asked for had nothing left (with ``error``:
+    # this position fails and its replica ends after it).
     exhausted: bool = False
     # Resuming an iterable stream: produced again only to reach the resume point; not sent.
     replay: bool = False
@@ -94,8 +95,8 @@ class Consumer(Protocol):
     """A stream fed by a shared job."""
 
     @property
-    def planned(self) -> int:
-        """Positions this consumer has planned so far (the job trims its buffer behind the slowest)."""
+    def asked(self) -> int:
+        """Positions this consumer has asked the job for so far (the job trims its buffer behind the slowest)."""
         ...
 
     def resolve(self, delivery: Delivery) -> None: ...
@@ -107,7 +108,12 @@ class Upstream(Protocol):
     """Where a consumer's plan goes: the shared job that produces its batches."""
 
     def need(self, consumer: Consumer, seq: int, indices: Indices) -> None:
-        """``consumer`` planned position ``seq`` with ``indices``."""
+        """``consumer`` asks for position ``seq`` with ``indices``.
+
+        A consumer asks only for positions within its window (``seq`` < its next
+        undelivered position + window), so what a job hands out is bounded by its
+        consumers' windows however far ahead they plan.
+        """
         ...
 
 

@@ -11,19 +11,22 @@ through the slot ledger from the moment it arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 
-from loaderd.errors import TransportError, WorkerCrashedError, capture_exception
+from loaderd.errors import BatchTimeoutError, TransportError, WorkerCrashedError, capture_exception, clip
 from loaderd.server.catalog import Catalog
+from loaderd.server.config import LoaderConfig
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
 from loaderd.server.producer import Delivery, Producer, StreamFailed
@@ -38,6 +41,7 @@ from loaderd.server.tasks import (
     IterTask,
     ReleaseStream,
     ReplicaExhausted,
+    SlotsRetired,
     Task,
     WorkerReady,
     WorkerStartFailed,
@@ -51,6 +55,12 @@ PER_WORKER = 2
 MAX_ATTEMPTS = 3
 # A worker slot whose replacement fails to start this many times in a row is given up.
 MAX_RESPAWN_FAILURES = 5
+# Seconds before retrying a failed start: doubling from the first, up to the last.
+RESPAWN_BACKOFF_S = (0.5, 30.0)
+# The scheduler thread survives a failing round; this many within FATAL_WINDOW_S
+# seconds mean it cannot work any more: the daemon says NOT_SERVING and exits.
+FATAL_FAILURES = 20
+FATAL_WINDOW_S = 60.0
 
 
 class Pool(Protocol):
@@ -69,7 +79,40 @@ class Pool(Protocol):
         """Results and deaths within ``timeout`` (returning early when any of ``extra`` is readable)."""
         ...
 
-    def respawn(self, worker_id: int) -> None: ...
+    def respawn(self, worker_id: int) -> None:
+        """Start a replacement for a dead worker; OSError if it cannot (e.g. out of file descriptors)."""
+        ...
+
+    def stop_worker(self, worker_id: int, kill: bool) -> int:
+        """End a live worker (SIGKILL, or after its queue with ``kill=False``); returns its generation.
+
+        Its death then comes through ``poll`` like any other.
+        """
+        ...
+
+    def rss_bytes(self, worker_id: int) -> int:
+        """The worker's resident memory (0 if unknown)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """The scheduler's knobs, from the config."""
+
+    share_buffer: int = 32
+    # dataset -> seconds a batch may run before its worker is killed (absent: no limit).
+    task_timeouts: Mapping[str, float] = field(default_factory=dict)
+    max_tasks_per_worker: int = 0  # 0: never recycle by count
+    worker_max_rss_bytes: int = 0  # 0: never recycle by memory
+
+    @classmethod
+    def from_config(cls, config: LoaderConfig) -> SchedulerPolicy:
+        return cls(
+            share_buffer=config.share_buffer,
+            task_timeouts={n: d.task_timeout for n, d in config.datasets.items() if d.task_timeout is not None},
+            max_tasks_per_worker=config.max_tasks_per_worker,
+            worker_max_rss_bytes=config.worker_max_rss_mb << 20,
+        )
 
 
 @dataclass
@@ -77,6 +120,8 @@ class _InFlight:
     task: BatchTask
     attempts: int
     sent_at: float = field(default_factory=time.monotonic)
+    # When its worker started on it (None: still queued behind another task).
+    started_at: float | None = None
 
 
 @dataclass
@@ -92,17 +137,28 @@ class DatasetCounters:
 
 # Told (dataset, seconds from dispatch to result) of each finished batch, under the scheduler's lock.
 BatchObserver = Callable[[str, float], None]
+# Told why, once, when the scheduler cannot go on (the daemon then says NOT_SERVING and exits).
+FatalHandler = Callable[[str], None]
 
 
 class Scheduler:
     """Routes tasks from producers to the pool and results back."""
 
-    def __init__(self, pool: Pool, ledger: SlotLedger, catalog: Catalog, share_buffer: int, on_batch: BatchObserver | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        ledger: SlotLedger,
+        catalog: Catalog,
+        policy: SchedulerPolicy,
+        on_batch: BatchObserver | None = None,
+        on_fatal: FatalHandler | None = None,
+    ) -> None:
         self._pool = pool
         self._ledger = ledger
         self._catalog = catalog
-        self._share_buffer = share_buffer
+        self._policy = policy
         self._on_batch = on_batch
+        self._on_fatal = on_fatal
         self.lock = threading.Lock()
         self._streams: dict[int, BatchStream] = {}  # every open client stream
         self._producers: dict[int, Producer] = {}  # what dispatch draws from: streams and shared jobs
@@ -116,6 +172,13 @@ class Scheduler:
         self._inflight: dict[int, dict[tuple[int, int], _InFlight]] = {w: {} for w in range(pool.size)}
         self._attempts: dict[tuple[int, int], int] = {}
         self._respawn_failures: dict[int, int] = {}
+        self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
+        self._given_up: set[int] = set()
+        # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
+        self._expected_deaths: set[tuple[int, int]] = set()
+        self._draining: set[int] = set()  # to be recycled once idle: no new work
+        self._tasks_done: dict[int, int] = {}
+        self._failures: deque[float] = deque()
         # A pipe rather than an Event: the scheduler thread waits on it together with the workers' pipes.
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._woken = False
@@ -159,7 +222,7 @@ class Scheduler:
         job = SharedJob(
             job_id=next(self._ids),
             key=key,
-            buffer_limit=self._share_buffer,
+            buffer_limit=self._policy.share_buffer,
             retain=self._ledger.retain,
             release=self._ledger.release,
         )
@@ -227,13 +290,35 @@ class Scheduler:
     # ------------------------------------------------------------ thread
 
     def _run(self) -> None:
+        """The scheduler thread: rounds until stopped. No exception ends it: a failed
+        round is logged and the next one runs; only a scheduler that keeps failing
+        (FATAL_FAILURES within FATAL_WINDOW_S) gives up and tells ``on_fatal``."""
         while not self._stop.is_set():
             try:
                 self.step(0.5)
-            except OSError:
+            except Exception as exc:
                 if self._stop.is_set():
                     break
-                raise
+                log.exception("scheduler round failed; carrying on")
+                if self._failed(f"{type(exc).__name__}: {clip(str(exc), 300)}"):
+                    return
+                self._stop.wait(0.05)  # a round that fails at once must not spin
+
+    def _failed(self, why: str) -> bool:
+        """Count one failed round; True (and ``on_fatal`` told) if the scheduler must give up."""
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and self._failures[0] < now - FATAL_WINDOW_S:
+            self._failures.popleft()
+        if len(self._failures) < FATAL_FAILURES:
+            return False
+        self._fatal(f"the scheduler failed {len(self._failures)} times within {FATAL_WINDOW_S:g}s (last: {why})")
+        return True
+
+    def _fatal(self, why: str) -> None:
+        log.critical("the scheduler cannot go on: %s", why)
+        if self._on_fatal is not None:
+            self._on_fatal(why)
 
     def step(self, timeout: float) -> None:
         """One round: dispatch what fits, wait up to ``timeout`` for the pool, handle what came."""
@@ -246,10 +331,28 @@ class Scheduler:
             with self.lock:
                 self._woken = False
         for event in events:
-            if isinstance(event, WorkerDied):
-                self._on_death(event)
-            else:
-                self._on_result(event)
+            # One event's failure fails what it concerns, not the round's other events.
+            try:
+                if isinstance(event, WorkerDied):
+                    self._on_death(event)
+                else:
+                    self._on_result(event)
+            except Exception as exc:
+                log.exception("handling %s failed", type(event).__name__)
+                if isinstance(event, WorkerMessage):
+                    self._fail_producer(getattr(event.result, "stream_id", None), exc)
+        self._check_timeouts()
+        self._start_due_workers()
+
+    def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:
+        """The daemon could not handle a result for ``producer_id``: end its streams with INTERNAL, not silence."""
+        failure = StreamFailed(grpc.StatusCode.INTERNAL, f"the daemon failed handling a batch: {type(exc).__name__}: {clip(str(exc), 300)}")
+        with self.lock:
+            job = next((j for j in self._jobs.values() if j.producer_id == producer_id), None)
+            streams = list(job.consumers) if job is not None else [self._streams.get(producer_id or 0)]
+            for stream in streams:
+                if isinstance(stream, BatchStream):
+                    stream.fail(failure)
 
     def _submit(self, worker_id: int, task: Task) -> None:
         try:
@@ -260,7 +363,9 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Hand out tasks round-robin over producers until workers or windows are full."""
         size = self._pool.size
-        capacity = {w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self._pool.is_ready(w)}
+        capacity = {
+            w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self._pool.is_ready(w) and w not in self._draining
+        }
         progress = True
         while progress and any(c > 0 for c in capacity.values()):
             progress = False
@@ -280,7 +385,10 @@ class Scheduler:
                     continue
                 producer.commit(task)
                 key = (task.stream_id, task.seq)
-                self._inflight[worker][key] = _InFlight(task, self._attempts.get(key, 0))
+                record = _InFlight(task, self._attempts.get(key, 0))
+                if not self._inflight[worker]:
+                    record.started_at = record.sent_at  # an idle worker starts on it now
+                self._inflight[worker][key] = record
                 capacity[worker] -= 1
                 self._submit(worker, task)
                 progress = True
@@ -291,8 +399,11 @@ class Scheduler:
             self._respawn_failures.pop(message.worker_id, None)
             log.info("worker %d ready", message.worker_id)
             return
+        if isinstance(result, SlotsRetired):
+            self._ledger.forget(result.retired)
+            return
         if isinstance(result, WorkerStartFailed):
-            log.error("replacement worker %d failed to start: %s", message.worker_id, result.message)
+            log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
             self._respawn(message.worker_id)
             return
         if isinstance(result, BatchDone):
@@ -310,11 +421,18 @@ class Scheduler:
             assert isinstance(result, ReplicaExhausted)
             delivery = Delivery(seq=result.seq, exhausted=True)
         key = (result.stream_id, result.seq)
+        worker = message.worker_id
         with self.lock:
-            record = self._inflight[message.worker_id].pop(key, None)
+            inflight = self._inflight[worker]
+            record = inflight.pop(key, None)
             self._attempts.pop(key, None)
+            if inflight:
+                head = next(iter(inflight.values()))
+                if head.started_at is None:
+                    head.started_at = time.monotonic()  # the worker moved on to the next task
             if record is not None:
-                self._count(message.worker_id, record, result)
+                self._count(worker, record, result)
+                self._maybe_recycle(worker)
             producer = self._producers.get(result.stream_id)
             if producer is not None:
                 producer.resolve(delivery)
@@ -338,8 +456,15 @@ class Scheduler:
                 self._on_batch(task.dataset, time.monotonic() - record.sent_at)
 
     def _on_death(self, event: WorkerDied) -> None:
-        log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
+        expected = (event.worker_id, event.generation) in self._expected_deaths
+        self._expected_deaths.discard((event.worker_id, event.generation))
+        if expected:
+            log.info("worker %d exited as asked; replacing it", event.worker_id)
+        else:
+            log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
         with self.lock:
+            self._draining.discard(event.worker_id)
+            self._tasks_done.pop(event.worker_id, None)
             lost = self._inflight[event.worker_id]
             self._inflight[event.worker_id] = {}
             for position, (key, record) in enumerate(lost.items()):
@@ -348,7 +473,8 @@ class Scheduler:
                     continue
                 # A worker runs its tasks in dispatch order: only the first was
                 # running when it died; the ones queued behind it are not to blame.
-                attempts = record.attempts + (1 if position == 0 else 0)
+                # Nor is any, when the scheduler ended the worker itself.
+                attempts = record.attempts + (1 if position == 0 and not expected else 0)
                 if attempts >= MAX_ATTEMPTS:
                     self._attempts.pop(key, None)
                     error = self._crash_error(record.task, attempts, event)
@@ -361,12 +487,98 @@ class Scheduler:
         self._respawn(event.worker_id)
 
     def _respawn(self, worker_id: int) -> None:
+        """Start a replacement for worker slot ``worker_id`` now, or later if its last starts failed."""
         failures = self._respawn_failures.get(worker_id, 0)
         if failures >= MAX_RESPAWN_FAILURES:
             log.error("giving up on worker slot %d after %d failed starts", worker_id, failures)
+            self._given_up.add(worker_id)
+            if len(self._given_up) == self._pool.size:
+                self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
             return
-        self._respawn_failures[worker_id] = failures + 1
-        self._pool.respawn(worker_id)
+        first, most = RESPAWN_BACKOFF_S
+        delay = 0.0 if failures == 0 else min(most, first * 2 ** (failures - 1))
+        self._respawn_due[worker_id] = time.monotonic() + delay
+
+    def _start_due_workers(self) -> None:
+        now = time.monotonic()
+        for worker_id, due in list(self._respawn_due.items()):
+            if due > now:
+                continue
+            del self._respawn_due[worker_id]
+            self._respawn_failures[worker_id] = self._respawn_failures.get(worker_id, 0) + 1
+            try:
+                self._pool.respawn(worker_id)
+            except OSError as exc:  # e.g. out of file descriptors: try again later
+                log.error("cannot start a replacement for worker %d: %s", worker_id, exc)
+                self._respawn(worker_id)
+
+    # ------------------------------------------------------------ task timeouts and recycling
+
+    def _check_timeouts(self) -> None:
+        """Kill a worker whose running batch is past its dataset's ``task_timeout``; that batch fails."""
+        timeouts = self._policy.task_timeouts
+        if not timeouts:
+            return
+        now = time.monotonic()
+        with self.lock:
+            overdue = []
+            for worker_id, inflight in self._inflight.items():
+                if not inflight:
+                    continue
+                key, record = next(iter(inflight.items()))
+                limit = timeouts.get(record.task.dataset)
+                if limit is not None and record.started_at is not None and now - record.started_at > limit:
+                    overdue.append((worker_id, key, record, limit))
+            for worker_id, key, record, limit in overdue:
+                assert record.started_at is not None
+                del self._inflight[worker_id][key]
+                self._attempts.pop(key, None)
+                self.counters.setdefault(record.task.dataset, DatasetCounters()).errors += 1
+                producer = self._producers.get(key[0])
+                if producer is not None:
+                    error = self._timeout_error(record.task, limit, worker_id, now - record.started_at)
+                    # An iterable replica that hung cannot be replayed past the hang: it ends there.
+                    producer.resolve(Delivery(seq=record.task.seq, error=error, exhausted=isinstance(record.task, IterTask)))
+        for worker_id, _, record, limit in overdue:
+            log.warning(
+                "batch %d of dataset %r ran past its task_timeout of %gs in worker %d; killing the worker",
+                record.task.seq,
+                record.task.dataset,
+                limit,
+                worker_id,
+            )
+            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
+
+    @staticmethod
+    def _timeout_error(task: BatchTask, limit: float, worker_id: int, ran: float) -> bytes:
+        if isinstance(task, IterTask):
+            what = f"batch {task.batch_index} of replica {task.replica}"
+        else:
+            what = f"batch {task.seq} (indices {clip(str(list(task.indices) if isinstance(task.indices, tuple) else task.indices), 200)})"
+        exc = BatchTimeoutError(
+            f"{what} of dataset {task.dataset!r} ran {ran:.1f}s, past its task_timeout of {limit:g}s; "
+            "its pool worker was killed and replaced, and the loader goes on with the next batch"
+        )
+        return capture_exception(exc, f"in pool worker {worker_id}", task.seq).SerializeToString()
+
+    def _maybe_recycle(self, worker_id: int) -> None:
+        """After a batch: replace a worker that did its share of tasks or grew too big, once it is idle."""
+        policy = self._policy
+        if worker_id not in self._draining:
+            done = self._tasks_done[worker_id] = self._tasks_done.get(worker_id, 0) + 1
+            why = None
+            if policy.max_tasks_per_worker and done >= policy.max_tasks_per_worker:
+                why = f"it ran {done} batches (max_tasks_per_worker)"
+            elif policy.worker_max_rss_bytes:
+                rss = self._pool.rss_bytes(worker_id)
+                if rss > policy.worker_max_rss_bytes:
+                    why = f"it uses {rss >> 20} MiB (worker_max_rss_mb is {policy.worker_max_rss_bytes >> 20})"
+            if why is None:
+                return
+            log.info("recycling worker %d: %s", worker_id, why)
+            self._draining.add(worker_id)
+        if not self._inflight[worker_id]:
+            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=False)))
 
     @staticmethod
     def _crash_error(task: BatchTask, attempts: int, event: WorkerDied) -> bytes:

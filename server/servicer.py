@@ -12,17 +12,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Generator, Iterator
+from typing import Any, NoReturn
 
 import grpc
 
+from loaderd.errors import LimitExceededError, clip
+from loaderd.server.admission import Admission
 from loaderd.server.catalog import Catalog, UnknownDatasetError
+from loaderd.server.config import LoaderConfig
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.producer import END, Delivery, StreamFailed
-from loaderd.server.requests import BadRequestError, open_spec, plan_batches
+from loaderd.server.requests import BadRequestError, Opening, open_spec, plan_batches, shown
 from loaderd.server.scheduler import Scheduler
-from loaderd.server.sessions import ClientSession, SessionHost, SessionRegistry
+from loaderd.server.sessions import ClientSession, SessionHost
 from loaderd.server.share import ShareMismatchError
 from loaderd.server.stream import BatchStream
+from loaderd.server.throttle import LogThrottle
+from loaderd.server.watchdog import Watchdog
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
 
@@ -30,14 +36,20 @@ log = logging.getLogger("loaderd.servicer")
 
 # How often a waiting stream re-checks that its client is still there.
 _POLL_S = 0.25
+STATUS_MAX_BYTES = (4 << 20) - (64 << 10)
 
 # Why a request is refused -> the status code the client sees.
 _REFUSALS: dict[type[Exception], grpc.StatusCode] = {
     UnknownDatasetError: grpc.StatusCode.NOT_FOUND,
     BadRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     ShareMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _REFUSED = tuple(_REFUSALS)
+
+
+def _code(exc: Exception) -> grpc.StatusCode:
+    return next(code for kind, code in _REFUSALS.items() if isinstance(exc, kind))
 
 
 class LoaderServicer:
@@ -45,24 +57,29 @@ class LoaderServicer:
 
     def __init__(
         self,
+        config: LoaderConfig,
         catalog: Catalog,
         scheduler: Scheduler,
-        sessions: SessionRegistry,
         session_host: SessionHost,
         ledger: SlotLedger,
         status: Callable[[], pb.StatusResponse],
-        *,
-        chunk_bytes: int,
-        max_window: int,
+        watchdog: Watchdog,
     ) -> None:
+        """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot."""
         self._catalog = catalog
         self._scheduler = scheduler
-        self._sessions = sessions
         self._session_host = session_host
+        self._sessions = session_host.registry
         self._ledger = ledger
         self._status = status
-        self._chunk_bytes = chunk_bytes
-        self._max_window = max_window
+        self._watchdog = watchdog
+        self._limits = config.limits
+        self._chunk_bytes = config.chunk_bytes
+        self._max_window = config.max_window
+        # A Status reply must fit in gRPC's default receive limit (4 MiB), which `loaderd status` and grpcurl keep.
+        self._max_status_bytes = STATUS_MAX_BYTES
+        self._admission = Admission(config.limits)
+        self._throttle = LogThrottle(log)
 
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
         return self._catalog.listing()
@@ -74,46 +91,106 @@ class LoaderServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return self._status()
+        return bounded_status(self._status(), self._max_status_bytes)
 
-    def Session(
-        self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.SessionResponse]:
-        hello = next(request_iterator, None)
-        if hello is None or hello.WhichOneof("kind") != "hello":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'")
-        yield from self._session_host.serve(hello.hello, request_iterator, context)
+    def _refuse(self, context: grpc.ServicerContext, exc: Exception, what: str) -> NoReturn:
+        self._throttle.log(logging.WARNING, type(exc).__name__, "%s from %s refused: %s", what, context.peer(), exc)
+        context.abort(_code(exc), str(exc))
+        raise AssertionError("unreachable: abort raises")
+
+    def _first(self, requests: Iterator[Any], context: grpc.ServicerContext, what: str) -> Any:
+        """The call's first request, or None if it never came within the handshake timeout (the call is cut)."""
+        alarm = self._watchdog.arm(self._limits.handshake_timeout, context.cancel)
+        try:
+            return next(requests, None)
+        except BadRequestError as exc:
+            self._refuse(context, exc, what)
+        except grpc.RpcError:  # cancelled: by the client, or by the alarm
+            return None
+        finally:
+            alarm.disarm()
+            if alarm.fired:
+                self._throttle.log(
+                    logging.WARNING,
+                    "handshake",
+                    "%s from %s cut: no first message within %gs (limits.handshake_timeout)",
+                    what,
+                    context.peer(),
+                    self._limits.handshake_timeout,
+                )
+
+    def Session(self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
+        try:
+            ticket = self._admission.admit_session()
+        except LimitExceededError as exc:
+            self._refuse(context, exc, "session")
+        context.add_callback(ticket.release)
+        try:
+            hello = self._first(request_iterator, context, "session")
+            if hello is None or hello.WhichOneof("kind") != "hello":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'")
+            yield from self._session_host.serve(hello.hello, request_iterator, context)
+        finally:
+            ticket.release()
 
     def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
-        first = next(request_iterator, None)
+        try:
+            ticket = self._admission.admit_stream()
+        except LimitExceededError as exc:
+            self._refuse(context, exc, "stream")
+        context.add_callback(ticket.release)
+        try:
+            yield from self._open_stream(request_iterator, context)
+        finally:
+            ticket.release()
+
+    def _open_stream(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
         opening = first.open
-        who = f"{opening.client or 'unnamed client'} ({context.peer()})"
+        who = f"{shown(opening.client) if opening.client else 'unnamed client'} ({context.peer()})"
         session = None
         if opening.session_id:
             session = self._sessions.shm_session(opening.session_id)
             if session is None:
-                log.warning("stream from %s refused: session %d unknown or closed", who, opening.session_id)
+                self._throttle.log(logging.WARNING, "session", "stream from %s refused: session %d unknown or closed", who, opening.session_id)
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"session {opening.session_id} is unknown, closed, or cannot use shared memory",
                 )
         try:
-            checked = open_spec(opening, self._catalog, self._max_window, peer=context.peer(), shm=session is not None)
+            checked = open_spec(opening, self._catalog, self._limits, self._max_window, peer=context.peer(), shm=session is not None)
+            ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
+        except _REFUSED as exc:
+            self._refuse(context, exc, f"stream from {who}")
+        context.add_callback(ticket.release)
+        try:
+            yield from self._serve_stream(checked, session, request_iterator, context, who)
+        finally:
+            ticket.release()
+
+    def _serve_stream(
+        self,
+        checked: Opening,
+        session: ClientSession | None,
+        request_iterator: Iterator[pb.StreamRequest],
+        context: grpc.ServicerContext,
+        who: str,
+    ) -> Iterator[bytes]:
+        try:
             stream = self._scheduler.open_stream(checked.spec, checked.share)
         except _REFUSED as exc:
-            log.warning("stream from %s refused: %s", who, exc)
-            context.abort(_REFUSALS[type(exc)], str(exc))
+            self._refuse(context, exc, f"stream from {who}")
         spec = stream.spec
         log.info(
-            "stream %d opened by %s on %r (window %d%s%s%s)",
+            "stream %d opened by %s on %s (window %d%s%s%s)",
             stream.stream_id,
             who,
-            spec.dataset,
+            shown(spec.dataset),
             spec.window,
             ", shared memory" if session is not None else "",
-            f", share {spec.share!r} epoch {opening.share.epoch}" if spec.share is not None else "",
+            f", share {shown(spec.share)} epoch {checked.share.epoch}" if spec.share is not None and checked.share is not None else "",
             f", resuming at batch {spec.start}" if spec.start else "",
         )
         context.add_callback(lambda: self._scheduler.close_stream(stream))
@@ -173,17 +250,18 @@ class LoaderServicer:
         finally:
             self._ledger.release(batch)
 
-    @staticmethod
-    def _log_user_error(stream: BatchStream, error: bytes) -> None:
+    def _log_user_error(self, stream: BatchStream, error: bytes) -> None:
         remote = pb.RemoteError.FromString(error)
-        log.warning(
+        self._throttle.log(
+            logging.WARNING,
+            "user-error",
             "stream %d (%s): %s.%s raised %s: %s",
             stream.stream_id,
-            stream.spec.client or "unnamed client",
+            shown(stream.spec.client) if stream.spec.client else "unnamed client",
             remote.type_module,
             remote.type_qualname,
             remote.where,
-            remote.message,
+            clip(remote.message, 500),
         )
 
     def _read_plan(self, requests: Iterator[pb.StreamRequest], stream: BatchStream) -> None:
@@ -192,11 +270,19 @@ class LoaderServicer:
             for request in requests:
                 if stream.closed:
                     return
-                try:
-                    batches, plan = plan_batches(request, stream)
-                except BadRequestError as exc:
-                    self._scheduler.fail_stream(stream, StreamFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-                    return
+                batches, plan = plan_batches(request, stream, self._limits)
                 self._scheduler.add_plan(stream, batches, plan.end, plan.consumed, plan.stalled_us)
+        except (BadRequestError, LimitExceededError) as exc:
+            self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
+            self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))
         except grpc.RpcError:
             return  # the call ended; the context callback closes the stream
+
+
+def bounded_status(reply: pb.StatusResponse, limit: int) -> pb.StatusResponse:
+    """``reply`` cut to fit one message: the stream list goes first (newest streams dropped)."""
+    while reply.ByteSize() > limit and len(reply.streams):
+        del reply.streams[len(reply.streams) // 2 :]
+    while reply.ByteSize() > limit and len(reply.shares):
+        del reply.shares[len(reply.shares) // 2 :]
+    return reply

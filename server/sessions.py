@@ -31,6 +31,8 @@ import grpc
 
 from loaderd.server.arena import create_probe
 from loaderd.server.ledger import SlotLedger
+from loaderd.server.requests import BadRequestError
+from loaderd.server.watchdog import Watchdog
 from loaderd.v1 import loaderd_pb2 as pb
 
 log = logging.getLogger("loaderd.sessions")
@@ -100,15 +102,20 @@ class SessionRegistry:
 class SessionHost:
     """Runs the ``Session`` call: the handshake, then the client's releases until it goes away."""
 
-    def __init__(self, registry: SessionRegistry, ledger: SlotLedger, shm_prefix: str | None) -> None:
-        self._registry = registry
+    def __init__(
+        self, registry: SessionRegistry, ledger: SlotLedger, shm_prefix: str | None, watchdog: Watchdog, proof_timeout: float
+    ) -> None:
+        """``proof_timeout``: seconds a client has to answer the challenge (``watchdog`` cuts the call after)."""
+        self.registry = registry
         self._ledger = ledger
         self._shm_prefix = shm_prefix
+        self._watchdog = watchdog
+        self._proof_timeout = proof_timeout
         self._probes = itertools.count()
 
     def end(self, session: ClientSession) -> None:
         """The client is gone: every slot it held goes back to its worker. Idempotent."""
-        if not self._registry.close(session):
+        if not self.registry.close(session):
             return
         released = self._ledger.close_session(session.session_id)
         if released:
@@ -116,14 +123,14 @@ class SessionHost:
 
     def close_all(self) -> None:
         """Shutdown: end every session (each gives back what it held, as when its client goes)."""
-        for session in self._registry.open_sessions():
+        for session in self.registry.open_sessions():
             self.end(session)
 
     def serve(
         self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.SessionResponse]:
         """The session's responses, from the challenge on (see the module docstring)."""
-        session = self._registry.open(context.peer())
+        session = self.registry.open(context.peer())
         self._ledger.open_session(session.session_id)
         context.add_callback(lambda: self.end(session))
         try:
@@ -132,10 +139,14 @@ class SessionHost:
                 reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
             else:
                 path, token = probe
+                alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
                 try:
                     yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path))
                     proof = next(requests, None)
+                except (grpc.RpcError, BadRequestError):
+                    return  # cut (no proof in time), gone, or garbage: the session ends
                 finally:
+                    alarm.disarm()
                     _unlink(path)
                 if proof is None or proof.WhichOneof("kind") != "proof":
                     return
@@ -168,6 +179,8 @@ class SessionHost:
                     self._ledger.abandon(session.session_id, abandon.stream_token, list(abandon.kept_leases))
         except grpc.RpcError:
             pass  # the client went away
+        except BadRequestError as exc:
+            log.warning("session %d (%s) ended: %s", session.session_id, session.peer, exc)
         finally:
             self.end(session)
 

@@ -182,7 +182,7 @@ class SharedJob:
     def _trim(self) -> None:
         """Beyond the limit, drop a batch every consumer is past, else the oldest."""
         while len(self.buffer) > self.buffer_limit:
-            horizon = min((consumer.planned for consumer in self.consumers), default=0)
+            horizon = min((consumer.asked for consumer in self.consumers), default=0)
             victim = next((seq for seq in self.buffer if seq < horizon), next(iter(self.buffer)))
             self._drop(self.buffer.pop(victim))
 

@@ -7,7 +7,8 @@ batches between dispatch and delivery, which is what keeps a slow client from
 piling up memory or taking the pool from the others.
 
 A stream is a ``Producer`` (server/producer.py) unless it consumes a shared
-job: then its plan goes ``upstream`` and the job resolves its positions.
+job: then its plan goes ``upstream``, a window at a time, and the job resolves
+its positions.
 
 All methods are called with the scheduler's lock held unless they say otherwise;
 ``cond`` is a condition on that lock.
@@ -61,6 +62,10 @@ def fetch_task(stream_id: int, dataset: str, seq: int, indices: Indices, auto_co
     )
 
 
+def _size(indices: Indices) -> int:
+    return len(indices) if isinstance(indices, tuple) else 1
+
+
 @dataclass
 class _ReplicaCursor:
     next_batch: int = 0
@@ -82,6 +87,8 @@ class BatchStream:
     stalled_us: int = 0
     replayed: int = 0  # iterable resume: batches produced again and dropped so far
     pending: deque[tuple[int, Indices]] = field(default_factory=deque)
+    pending_indices: int = 0  # indices in ``pending`` (requests.py caps it)
+    asked: int = 0  # a shared job's consumer: positions asked of the job so far
     backlog: Backlog = field(default_factory=Backlog)
     plan_end: bool = False
     planned: int = 0  # seqs assigned so far (map: plan items received; iterable: tasks dispatched)
@@ -99,7 +106,7 @@ class BatchStream:
         if self.spec.iterable:
             self.replicas = [_ReplicaCursor() for _ in range(max(1, self.spec.num_workers))]
         else:
-            self.planned = self.next_seq = self.spec.start
+            self.planned = self.next_seq = self.asked = self.spec.start
         self.consumed = self.spec.start
 
     @property
@@ -114,14 +121,28 @@ class BatchStream:
 
     def add_plan(self, batches: list[Indices], end: bool) -> None:
         for indices in batches:
-            if self.upstream is not None:
-                self.backlog.expect(self.planned)
-                self.upstream.need(self, self.planned, indices)
-            else:
-                self.pending.append((self.planned, indices))
+            self.pending.append((self.planned, indices))
+            self.pending_indices += _size(indices)
             self.planned += 1
         self.plan_end = self.plan_end or end
+        self._ask_upstream()
         self.cond.notify_all()
+
+    def _take_pending(self) -> tuple[int, Indices]:
+        seq, indices = self.pending.popleft()
+        self.pending_indices -= _size(indices)
+        return seq, indices
+
+    def _ask_upstream(self) -> None:
+        """A consumer asks its job for the planned positions that fit in its window, no more:
+        a consumer that plans far ahead and never reads must not make the pool produce its epoch."""
+        if self.upstream is None or self.closed:
+            return
+        while self.pending and self.pending[0][0] < self.next_seq + self.spec.window:
+            seq, indices = self._take_pending()
+            self.backlog.expect(seq)
+            self.asked = seq + 1
+            self.upstream.need(self, seq, indices)
 
     def progress(self, consumed: int, stalled_us: int) -> None:
         """The client's report of what it consumed (the credit of iterable streams) and waited."""
@@ -193,7 +214,7 @@ class BatchStream:
             self.replica_turn = (task.replica + 1) % len(self.replicas)
             self.planned += 1
         else:
-            self.pending.popleft()
+            self._take_pending()
 
     def retry(self, task: BatchTask) -> None:
         self.backlog.retry(task)
@@ -216,7 +237,9 @@ class BatchStream:
             replica, batch_index = self.slot_replica.pop(seq)
             cursor = self.replicas[replica]
             if delivery.exhausted:
-                cursor.exhausted_at = batch_index if cursor.exhausted_at is None else min(cursor.exhausted_at, batch_index)
+                # An error that ends its replica (a batch past its task_timeout) is delivered; the replica ends after it.
+                end = batch_index + 1 if delivery.error is not None else batch_index
+                cursor.exhausted_at = end if cursor.exhausted_at is None else min(cursor.exhausted_at, end)
             if cursor.exhausted_at is not None and batch_index >= cursor.exhausted_at:
                 self._drop(delivery)
                 delivery = Delivery(seq=seq)  # torch drops what a spent worker was still asked for
@@ -262,6 +285,7 @@ class BatchStream:
                 delivery = self.ready.pop(self.next_seq, None)
                 if delivery is not None:
                     self.next_seq += 1
+                    self._ask_upstream()  # its window moved on
                     if delivery.skipped:
                         continue
                     if self.spec.iterable and self.replayed < self.spec.start:

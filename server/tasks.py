@@ -119,4 +119,11 @@ class ReplicaExhausted:
     seq: int
 
 
-Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted
+@dataclass(frozen=True)
+class SlotsRetired:
+    """An idle worker removed its idle segments (the daemon unmaps them): /dev/shm goes back between bursts."""
+
+    retired: tuple[str, ...]
+
+
+Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted | SlotsRetired

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -25,7 +26,8 @@ from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from loaderd.wire.codec import encode_batch
-from loaderd.errors import TransportError, capture_exception
+from loaderd.errors import TransportError, capture_exception, clip
+from loaderd.wire.limits import MAX_HEADER_BYTES
 from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
 from loaderd.server.seeding import derive_seed, seed_everything
@@ -39,6 +41,7 @@ from loaderd.server.tasks import (
     ReleaseSlot,
     ReleaseStream,
     ReplicaExhausted,
+    SlotsRetired,
     Task,
     WorkerReady,
     WorkerStartFailed,
@@ -48,6 +51,8 @@ log = logging.getLogger("loaderd.worker")
 
 # How often a worker idle on its queue checks that its parent is still alive.
 _PARENT_CHECK_S = 0.5
+# A worker idle this long gives its idle shared-memory segments back to the system.
+_TRIM_IDLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,13 @@ class _Dataset:
         return isinstance(self.dataset, IterableDataset)
 
     def meta(self) -> DatasetMeta:
+        """What clients plan with; RuntimeError naming the dataset if its ``__len__`` fails."""
         try:
             length: int | None = len(self.dataset)
         except TypeError:  # no __len__ (allowed for iterable and sampler-driven datasets)
             length = None
+        except Exception as exc:
+            raise RuntimeError(f"dataset {self.spec.name!r}: len() raised {type(exc).__name__}: {clip(str(exc), 500)}") from exc
         return DatasetMeta(iterable=self.iterable, length=length)
 
 
@@ -168,33 +176,49 @@ class WorkerRuntime:
             self.slots.release(name)
             raise
 
-    def _send_batch(self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None = None) -> None:
+    def _encode(self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None) -> tuple[BatchDone, list[Any]]:
+        """The batch's ``BatchDone`` and the raw buffers to send after it (none if it went to a slot).
+
+        TransportError if it cannot be put on the wire; ``placed``'s slot is then free again.
+        """
         slot = None
-        if placed is not None and self.slots is not None:
-            name, area = placed
-            encoded = encode_batch(batch, area.base, area.used)
-            slot = self.slots.commit(name, encoded)
-            if slot is None:  # the rest did not fit after the collated part
+        try:
+            if placed is not None and self.slots is not None:
+                name, area = placed
+                encoded = encode_batch(batch, area.base, area.used)
+                slot = self.slots.commit(name, encoded)
+                if slot is None:  # the rest did not fit after the collated part
+                    encoded = encode_batch(batch)
+            else:
                 encoded = encode_batch(batch)
-        else:
-            encoded = encode_batch(batch)
+            value = encoded.value.SerializeToString()
+        except Exception as exc:
+            if placed is not None and self.slots is not None:
+                self.slots.release(placed[0])
+            if isinstance(exc, TransportError):
+                raise
+            # Whatever the batch holds that the codec chokes on (a value out of range, a
+            # structure too deep): this batch fails, the worker lives.
+            raise TransportError(f"cannot encode the batch: {type(exc).__name__}: {clip(str(exc), 500)}") from exc
+        if len(value) > MAX_HEADER_BYTES:
+            if slot is not None and self.slots is not None:
+                self.slots.release(slot.name)
+            raise TransportError(
+                f"the batch's structure (everything but its arrays) takes {len(value)} bytes on the wire; "
+                f"at most {MAX_HEADER_BYTES} fit in one message (return tensors or arrays instead of many Python objects)"
+            )
         if slot is None and self.slots is not None:
             slot = self.slots.write(encoded)
-        conn = self.spec.results
-        conn.send(
-            BatchDone(
-                stream_id=stream_id,
-                seq=seq,
-                value=encoded.value.SerializeToString(),
-                payload_bytes=encoded.payload_bytes,
-                slot=slot,
-                buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
-                retired=self._take_retired(),
-            )
+        done = BatchDone(
+            stream_id=stream_id,
+            seq=seq,
+            value=value,
+            payload_bytes=encoded.payload_bytes,
+            slot=slot,
+            buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
+            retired=self._take_retired(),
         )
-        if slot is None:
-            for _, buf in encoded.buffers:
-                conn.send_bytes(buf)
+        return done, [] if slot else [buf for _, buf in encoded.buffers]
 
     def _take_retired(self) -> tuple[str, ...]:
         if self.slots is None or not self.slots.retired:
@@ -237,11 +261,14 @@ class WorkerRuntime:
         self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None = None
     ) -> None:
         try:
-            self._send_batch(stream_id, seq, batch, placed)
+            done, buffers = self._encode(stream_id, seq, batch, placed)
         except TransportError as exc:
-            if placed is not None and self.slots is not None:
-                self.slots.release(placed[0])
             self._send_error(stream_id, seq, exc, where)
+            return
+        conn = self.spec.results
+        conn.send(done)
+        for buf in buffers:
+            conn.send_bytes(buf)
 
     # ------------------------------------------------------------ iterable
 
@@ -311,19 +338,38 @@ class WorkerRuntime:
             return
         self._send_encoded(task.stream_id, task.seq, batch, where, placed)
 
+    def trim(self) -> None:
+        """Idle: remove idle segments and tell the daemon, which unmaps them (and tells its clients)."""
+        if self.slots is None:
+            return
+        self.slots.trim()
+        retired = self._take_retired()
+        if retired:
+            self.spec.results.send(SlotsRetired(retired))
+
     def release(self, stream_id: int) -> None:
         for key in [k for k in self.replicas if k[0] == stream_id]:
             del self.replicas[key]
 
     def handle(self, task: Task) -> None:
-        if isinstance(task, FetchTask):
-            self.fetch(task)
-        elif isinstance(task, IterTask):
-            self.iterate(task)
-        elif isinstance(task, ReleaseStream):
-            self.release(task.stream_id)
-        elif isinstance(task, ReleaseSlot) and self.slots is not None:
-            self.slots.release(task.name)
+        """Run one task. An exception that escapes the task's own handling fails that
+        batch (as data, to the client); the worker carries on."""
+        try:
+            if isinstance(task, FetchTask):
+                self.fetch(task)
+            elif isinstance(task, IterTask):
+                self.iterate(task)
+            elif isinstance(task, ReleaseStream):
+                self.release(task.stream_id)
+            elif isinstance(task, ReleaseSlot) and self.slots is not None:
+                self.slots.release(task.name)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            raise  # the daemon is gone: the worker exits
+        except Exception as exc:
+            if isinstance(task, (FetchTask, IterTask)):
+                self._send_error(task.stream_id, task.seq, exc, f"in pool worker {self.spec.worker_id} handling batch {task.seq}")
+            else:
+                log.exception("worker %d: %s failed", self.spec.worker_id, type(task).__name__)
 
 
 _END = object()
@@ -339,7 +385,7 @@ def _drop_fork_server_handle() -> None:
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         try:
@@ -362,24 +408,30 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         try:
             runtime.build()
+            ready = WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in runtime.datasets.items()})
         except Exception as exc:
-            spec.results.send(WorkerStartFailed(worker_id=spec.worker_id, message=str(exc)))
+            spec.results.send(WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
             return
-        spec.results.send(
-            WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in runtime.datasets.items()})
-        )
+        spec.results.send(ready)
+        busy_at = time.monotonic()
         while True:
             try:
                 task = spec.tasks.get(timeout=_PARENT_CHECK_S)
             except queue.Empty:
                 if os.getppid() != parent:  # the daemon (and its fork server) went away
                     return
+                if time.monotonic() - busy_at > _TRIM_IDLE_S:
+                    runtime.trim()
                 continue
             if task is None:
                 return
             runtime.handle(task)
+            busy_at = time.monotonic()
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return  # the daemon closed our pipe: it is shutting down or gone
     finally:
         if runtime.slots is not None:
-            runtime.slots.close()
+            # Our segments may hold batches the daemon handed to clients: while the
+            # daemon lives, its slot ledger unlinks them once nobody holds one
+            # (however this worker ended). Only an orphan cleans up after itself.
+            runtime.slots.close(unlink=os.getppid() != parent)

@@ -229,3 +229,78 @@ class UnevenRandomStream(IterableDataset):
         count = 2 * self.per_replica if info is None else (info.id + 1) * self.per_replica
         for i in range(count):
             yield {"wid": wid, "i": i, "torch": torch.rand(2), "numpy": np.random.rand(), "random": random.random()}
+
+
+class Hang(Dataset):
+    """Item ``at`` never returns (a hung ``__getitem__``); the others are tensors."""
+
+    def __init__(self, n: int = 12, at: int = 5) -> None:
+        self.n = n
+        self.at = at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at:
+            time.sleep(3600)
+        return torch.tensor([i])
+
+
+class ExitOn(Dataset):
+    """Item ``at`` raises SystemExit: the worker leaves through Python, running its finally blocks."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            raise SystemExit(3)
+        return i
+
+
+class LenFails(Dataset):
+    """A dataset whose ``__len__`` raises."""
+
+    def __len__(self) -> int:
+        raise ValueError("cannot count my items")
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class Shouty(Dataset):
+    """Raises with a 10 MB message on odd items, returns a 40 MiB Python structure on item 2."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i % 2:
+            raise ValueError("x" * 10_000_000)
+        if i == 2:
+            return ["y" * (1 << 20)] * 40
+        return torch.tensor([i])
+
+
+def deep_collate(batch: list[Any]) -> Any:
+    """A collate_fn whose result is too deep for the codec (it raises RecursionError there, not TypeError)."""
+    if batch[0][1] != 1:
+        return torch.utils.data.default_collate(batch)
+    nested: list[Any] = []
+    for _ in range(5000):
+        nested = [nested]
+    return nested
+
+
+class Blocks(Dataset):
+    """Item i is a 128 KiB float32 tensor full of i: over the inline threshold, so each batch is a slot."""
+
+    def __init__(self, n: int = 300) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((32768,), float(i))

@@ -36,6 +36,9 @@ class FakePool:
         self.generation = {w: 0 for w in range(size)}
         self.submitted: list[tuple[int, Task]] = []
         self.respawned: list[int] = []
+        self.stopped: list[tuple[int, bool]] = []  # (worker, killed) as the scheduler asked
+        self.rss = {w: 0 for w in range(size)}
+        self.respawn_error: OSError | None = None  # set: respawn raises it (e.g. EMFILE)
         self._events: list[PoolEvent] = []
 
     # -- the Pool protocol
@@ -55,9 +58,20 @@ class FakePool:
         return events
 
     def respawn(self, worker_id: int) -> None:
+        if self.respawn_error is not None:
+            raise self.respawn_error
         self.respawned.append(worker_id)
         self.generation[worker_id] += 1
         self.ready[worker_id] = True
+
+    def stop_worker(self, worker_id: int, kill: bool) -> int:
+        """Recorded; the death follows at the next poll, as a real worker's would."""
+        self.stopped.append((worker_id, kill))
+        self.die(worker_id, -9 if kill else 0)
+        return self.generation[worker_id]
+
+    def rss_bytes(self, worker_id: int) -> int:
+        return self.rss[worker_id]
 
     # -- what the workers did
 

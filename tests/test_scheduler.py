@@ -15,7 +15,7 @@ from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.errors import exception_from_remote
 from loaderd.server.producer import END, StreamFailed
-from loaderd.server.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler
+from loaderd.server.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey, ShareMismatchError
 from loaderd.server.tasks import FetchTask, IterTask, ReleaseStream
 from loaderd.v1 import loaderd_pb2 as pb
@@ -31,7 +31,7 @@ def pool() -> FakePool:
 @pytest.fixture
 def scheduler(pool: FakePool) -> Iterator[Scheduler]:
     observed: list[tuple[str, float]] = []
-    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), share_buffer=4, on_batch=lambda d, s: observed.append((d, s)))
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4), on_batch=lambda d, s: observed.append((d, s)))
     sched.observed = observed  # type: ignore[attr-defined]
     yield sched
     sched.stop()
@@ -243,7 +243,7 @@ def test_stop_fails_every_stream_with_unavailable(scheduler: Scheduler) -> None:
 
 
 def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
-    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), share_buffer=4)
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4))
     stream = sched.open_stream(map_spec(window=4))
     sched.start()
     plan(sched, stream, 1)

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 from loaderd import RemoteDataLoader
-from loaderd.iterator import CLIENT_NAME
+from loaderd.iterator import client_name
 from loaderd.v1 import loaderd_pb2 as pb
 
 N = 100
@@ -86,7 +86,7 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
 def client_series(samples: Samples) -> dict[str, dict[str, str]]:
     """This process's per-client series: metric name -> labels."""
     series = {name: dict(labels) for name, labels in samples if name.startswith("loaderd_client_")}
-    return {name: labels for name, labels in series.items() if labels.get("client") == CLIENT_NAME}
+    return {name: labels for name, labels in series.items() if labels.get("client") == client_name()}
 
 
 def is_descendant(pid: int, ancestor: int) -> bool:
@@ -120,7 +120,7 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     (dataset,) = snapshot["datasets"]
     assert dataset["info"] == {"name": "squares", "kind": "MAP", "has_length": True, "length": N}
     assert dataset["open_streams"] == 1 and dataset["batches_computed"] >= 3 and dataset["batches_delivered"] >= 3
-    (stream,) = [s for s in snapshot["streams"] if s["client"] == CLIENT_NAME]
+    (stream,) = [s for s in snapshot["streams"] if s["client"] == client_name()]
     assert stream["dataset"] == "squares"
     assert stream["window"] == 4 * 2  # prefetch_factor 4 x 2 pool workers
     assert stream["delivered"] >= 3
@@ -129,12 +129,12 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     table = loaderd_cli("status", "--address", daemon.address)
     assert table.returncode == 0, table.stderr
     assert table.stdout.startswith("loaderd ") and "WORKER" in table.stdout and "DATASET" in table.stdout
-    (row,) = [line.split() for line in table.stdout.splitlines() if CLIENT_NAME in line]
+    (row,) = [line.split() for line in table.stdout.splitlines() if client_name() in line]
     assert row[0] == str(stream["stream_id"]) and "squares" in row and str(stream["window"]) in row
 
     rest = list(it)
     assert len(first) + len(rest) == EPOCH
-    assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(CLIENT_NAME)} ", daemon.log())
+    assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(repr(client_name()))} ", daemon.log())
     wait_for(lambda: not daemon_status(daemon.address).streams, 20.0, "the finished stream to leave the status")
 
 
@@ -185,9 +185,9 @@ def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDa
     url = metrics_url(daemon.log())
     it = iter(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))
     next(it)
-    (stream,) = [s for s in daemon_status(daemon.address).streams if s.client == CLIENT_NAME]
+    (stream,) = [s for s in daemon_status(daemon.address).streams if s.client == client_name()]
     samples = scrape(url)
-    labels = {"client": CLIENT_NAME, "stream": str(stream.stream_id), "dataset": "squares"}
+    labels = {"client": client_name(), "stream": str(stream.stream_id), "dataset": "squares"}
     assert client_series(samples) == {
         "loaderd_client_batches_delivered_total": labels,
         "loaderd_client_stall_seconds_total": labels,

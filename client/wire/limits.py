@@ -5,6 +5,11 @@ from __future__ import annotations
 # The largest gRPC message either side accepts. Data chunks are far smaller
 # (``chunk_bytes``, 4 MiB by default); this bounds headers and plans.
 MAX_MESSAGE_BYTES = 64 << 20
+# The largest serialized batch structure (its ``Value``: everything but array
+# bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)
+# its header still fits in one message.
+MAX_HEADER_BYTES = 32 << 20
+MAX_CHUNK_BYTES = 16 << 20
 
 # Where workers' shared-memory segments live, and how their names start:
 # ``loaderd-<daemon pid>-<token>-w<worker>g<generation>-<n>`` (see server/arena.py).

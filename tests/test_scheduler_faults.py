@@ -1,0 +1,203 @@
+"""The scheduler under faults, against a fake pool: it never dies of one, and it frees what hangs.
+
+Each test reproduces a way the daemon used to wedge (issue 9): an exception
+leaving the scheduler thread, a replacement worker that cannot start, a batch
+that never returns, a leaky worker, a share consumer that never reads.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from fakes import FakePool, LedgerLog, catalog, drain, map_spec
+
+import loaderd.server.scheduler as scheduler_module
+from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
+from loaderd.server.pool import PoolEvent
+from loaderd.server.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
+from loaderd.server.share import ShareKey
+from loaderd.server.stream import BatchStream
+from loaderd.v1 import loaderd_pb2 as pb
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def make(pool: FakePool, policy: SchedulerPolicy | None = None, on_fatal: Any = None) -> Scheduler:
+    return Scheduler(pool, LedgerLog().ledger(), catalog(), policy or SchedulerPolicy(share_buffer=4), on_fatal=on_fatal)
+
+
+def plan(sched: Scheduler, stream: BatchStream, n: int) -> None:
+    sched.add_plan(stream, [(i, i + 1) for i in range(stream.planned, stream.planned + n)], False)
+
+
+def error_of(stream: BatchStream, seq: int) -> Exception:
+    delivery = next(d for d in drain(stream) if d.seq == seq)
+    assert delivery.error is not None, f"batch {seq} did not fail"
+    return exception_from_remote(pb.RemoteError.FromString(delivery.error))
+
+
+class FlakyPool(FakePool):
+    """A pool whose ``poll`` raises ``failures`` times (or forever with -1) before working."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("pool exploded")
+        return super().poll(timeout, extra)
+
+
+def test_a_failing_round_is_logged_and_the_thread_carries_on() -> None:
+    pool = FlakyPool(failures=3)
+    sched = make(pool)
+    stream = sched.open_stream(map_spec())
+    sched.start()
+    try:
+        plan(sched, stream, 1)
+        deadline = time.monotonic() + 10
+        while not pool.batch_tasks() and time.monotonic() < deadline:
+            stream.next_delivery(0.02)
+        pool.finish(pool.batch_tasks()[0][1])
+        sched.wake()
+        delivery = stream.next_delivery(5.0)
+        assert delivery is not None and delivery.seq == 0
+        assert sched._thread.is_alive()
+    finally:
+        sched.stop()
+
+
+def test_a_scheduler_that_keeps_failing_says_so_once_and_stops() -> None:
+    fatal: list[str] = []
+    told = threading.Event()
+    sched = make(FlakyPool(failures=-1), on_fatal=lambda why: (fatal.append(why), told.set()))
+    sched.start()
+    try:
+        assert told.wait(10), "on_fatal was never called"
+        sched._thread.join(5)
+        assert not sched._thread.is_alive()
+        assert len(fatal) == 1 and "pool exploded" in fatal[0]
+    finally:
+        sched.stop()
+
+
+def test_a_crash_error_for_a_position_past_uint64_is_still_delivered() -> None:
+    # Issue 9.1: OpenStream start = 2**64-1 made capture_exception raise inside _on_death.
+    pool = FakePool()
+    sched = make(pool)
+    stream = sched.open_stream(map_spec(window=1, start=2**64 - 1))
+    plan(sched, stream, 1)
+    for _ in range(MAX_ATTEMPTS):
+        sched.step(0)
+        worker, _ = pool.batch_tasks()[-1]
+        pool.die(worker)
+        sched.step(0)
+    assert isinstance(error_of(stream, 2**64 - 1), WorkerCrashedError)
+
+
+def test_a_replacement_that_cannot_start_is_retried_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.01, 0.01))
+    pool = FakePool()
+    pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
+    sched = make(pool)
+    pool.die(0)
+    sched.step(0)  # must not raise
+    assert pool.respawned == []
+    pool.respawn_error = None
+    deadline = time.monotonic() + 5
+    while pool.respawned != [0] and time.monotonic() < deadline:
+        sched.step(0.01)
+    assert pool.respawned == [0]
+
+
+def test_when_no_worker_can_start_the_scheduler_says_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    fatal: list[str] = []
+    pool = FakePool()
+    pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
+    sched = make(pool, on_fatal=fatal.append)
+    pool.die(0)
+    pool.die(1)
+    deadline = time.monotonic() + 5
+    while not fatal and time.monotonic() < deadline:
+        sched.step(0.002)
+    assert fatal and "no pool worker can start" in fatal[0]
+
+
+def test_a_batch_past_its_task_timeout_kills_its_worker_and_fails_alone() -> None:
+    pool = FakePool()
+    sched = make(pool, SchedulerPolicy(task_timeouts={"m": 0.05}))
+    stream = sched.open_stream(map_spec(window=8))
+    plan(sched, stream, 4)
+    sched.step(0)
+    on_0 = [t for w, t in pool.batch_tasks() if w == 0]
+    for w, task in pool.batch_tasks():
+        if w == 1:
+            pool.finish(task)
+    sched.step(0)
+    time.sleep(0.1)  # worker 0's first batch is now past its 0.05 s
+    sched.step(0)
+    assert pool.stopped == [(0, True)]
+    sched.step(0)  # the death: nothing is blamed, the queued batch runs again
+    assert pool.respawned == [0]
+    sched.step(0)
+    rerun = pool.batch_tasks()[-1][1]
+    assert rerun.seq == on_0[1].seq and sched._attempts.get((stream.stream_id, rerun.seq), 0) == 0
+    error = error_of(stream, on_0[0].seq)
+    assert isinstance(error, BatchTimeoutError)
+    assert "'m'" in str(error) and f"indices [{on_0[0].seq}, {on_0[0].seq + 1}]" in str(error) and "task_timeout" in str(error)
+
+
+def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
+    pool = FakePool()
+    sched = make(pool, SchedulerPolicy(max_tasks_per_worker=2))
+    stream = sched.open_stream(map_spec(window=8))
+    plan(sched, stream, 8)
+    sched.step(0)
+    for w, task in pool.batch_tasks():
+        if w == 0:
+            pool.finish(task)
+    sched.step(0)
+    assert pool.stopped == [(0, False)], "asked to exit once idle, not killed"
+    sched.step(0)
+    assert pool.respawned == [0]
+
+
+def test_a_worker_over_its_memory_limit_is_recycled() -> None:
+    pool = FakePool()
+    sched = make(pool, SchedulerPolicy(worker_max_rss_bytes=1 << 30))
+    stream = sched.open_stream(map_spec(window=8))
+    plan(sched, stream, 2)
+    sched.step(0)
+    pool.rss[1] = 2 << 30
+    for _, task in pool.batch_tasks():
+        pool.finish(task)
+    sched.step(0)
+    assert pool.stopped == [(1, False)]
+
+
+def test_a_share_consumer_that_never_reads_gets_no_more_than_its_window() -> None:
+    # Issue 9.6: the pool produced a whole 20,000-batch plan for a consumer with window 8.
+    pool = FakePool()
+    sched = make(pool)
+    key = ShareKey("s", 0, "m", "fp", True, 7)
+    stream = sched.open_stream(map_spec(window=2), key)
+    plan(sched, stream, 50)
+    finished: set[int] = set()
+    for _ in range(5):
+        sched.step(0)
+        for _, task in pool.batch_tasks():
+            if task.seq not in finished:
+                pool.finish(task)
+                finished.add(task.seq)
+    assert len(pool.batch_tasks()) == 2
+    assert [d.seq for d in drain(stream)] == [0, 1]
+    sched.step(0)
+    assert len(pool.batch_tasks()) == 4, "reading moves the window on"
