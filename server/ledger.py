@@ -93,7 +93,8 @@ class SlotLedger:
         """A worker's finished batch; a slot payload is mapped and held once.
 
         TransportError if the slot cannot be mapped (e.g. out of file descriptors):
-        the slot goes straight back to its worker and the position fails.
+        the slot goes straight back to its worker (the scheduler has the batch made
+        again, sent over the pipe).
         """
         if done.retired:
             self.forget(done.retired)

@@ -406,13 +406,16 @@ class Scheduler:
             log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
             self._respawn(message.worker_id)
             return
+        unmappable = False
         if isinstance(result, BatchDone):
             try:
                 # Held (and mapped) from here on: whoever drops the delivery releases it.
                 batch = self._ledger.receive(message.worker_id, message.generation, result, message.buffers)
                 delivery = Delivery(seq=result.seq, batch=batch)
             except TransportError as exc:
-                log.error("batch %d of stream %d: %s", result.seq, result.stream_id, exc)
+                # E.g. out of file descriptors: the batch is made again and sent over the pipe.
+                log.warning("batch %d of stream %d: %s; producing it again without shared memory", result.seq, result.stream_id, exc)
+                unmappable = True
                 where = f"in the daemon, receiving batch {result.seq} from pool worker {message.worker_id}"
                 delivery = Delivery(seq=result.seq, error=capture_exception(exc, where, result.seq).SerializeToString())
         elif isinstance(result, BatchFailed):
@@ -435,6 +438,9 @@ class Scheduler:
                 self._maybe_recycle(worker)
             producer = self._producers.get(result.stream_id)
             if producer is not None:
+                if unmappable and record is not None and not record.task.inline:
+                    producer.retry(dataclasses.replace(record.task, inline=True))
+                    return
                 producer.resolve(delivery)
                 return
         if delivery.batch is not None:

@@ -37,6 +37,8 @@ class FetchTask:
     indices: Indices
     auto_collation: bool
     seed: int
+    # Send the payload over the pipe, not in shared memory (the daemon could not map a slot).
+    inline: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class IterTask:
     batch_size: int  # 0 = no automatic batching
     drop_last: bool
     base_seed: int
+    inline: bool = False  # as FetchTask.inline
 
 
 @dataclass(frozen=True)

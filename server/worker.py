@@ -158,9 +158,9 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------ results
 
-    def _collate(self, ds: _Dataset, samples: list[Any]) -> tuple[Any, tuple[str, SlotArea] | None]:
-        """Collate a batch; with torch's default collation, straight into a shared-memory slot."""
-        if self.slots is None or ds.collate is not default_collate or not samples:
+    def _collate(self, ds: _Dataset, samples: list[Any], inline: bool) -> tuple[Any, tuple[str, SlotArea] | None]:
+        """Collate a batch; with torch's default collation (and not ``inline``), straight into a shared-memory slot."""
+        if self.slots is None or inline or ds.collate is not default_collate or not samples:
             return ds.collate(samples), None
         acquired = self.slots.acquire(estimate_bytes(samples[0], len(samples)))
         if acquired is None:
@@ -176,7 +176,9 @@ class WorkerRuntime:
             self.slots.release(name)
             raise
 
-    def _encode(self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None) -> tuple[BatchDone, list[Any]]:
+    def _encode(
+        self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None, inline: bool
+    ) -> tuple[BatchDone, list[Any]]:
         """The batch's ``BatchDone`` and the raw buffers to send after it (none if it went to a slot).
 
         TransportError if it cannot be put on the wire; ``placed``'s slot is then free again.
@@ -207,7 +209,7 @@ class WorkerRuntime:
                 f"the batch's structure (everything but its arrays) takes {len(value)} bytes on the wire; "
                 f"at most {MAX_HEADER_BYTES} fit in one message (return tensors or arrays instead of many Python objects)"
             )
-        if slot is None and self.slots is not None:
+        if slot is None and self.slots is not None and not inline:
             slot = self.slots.write(encoded)
         done = BatchDone(
             stream_id=stream_id,
@@ -245,7 +247,7 @@ class WorkerRuntime:
                 # Collate without worker info: torch's default_collate would
                 # otherwise put every batch in a fresh shared-memory segment.
                 _set_worker_info(None)
-                batch, placed = self._collate(ds, samples)
+                batch, placed = self._collate(ds, samples, task.inline)
             else:
                 sample = ds.dataset[task.indices]
                 _set_worker_info(None)
@@ -255,13 +257,13 @@ class WorkerRuntime:
             return
         finally:
             _set_worker_info(None)
-        self._send_encoded(task.stream_id, task.seq, batch, where, placed)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
 
     def _send_encoded(
-        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None = None
+        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool
     ) -> None:
         try:
-            done, buffers = self._encode(stream_id, seq, batch, placed)
+            done, buffers = self._encode(stream_id, seq, batch, placed, inline)
         except TransportError as exc:
             self._send_error(stream_id, seq, exc, where)
             return
@@ -332,11 +334,11 @@ class WorkerRuntime:
             self.spec.results.send(ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
             return
         try:
-            batch, placed = self._collate(ds, samples) if task.batch_size else (ds.convert(samples), None)
+            batch, placed = self._collate(ds, samples, task.inline) if task.batch_size else (ds.convert(samples), None)
         except Exception as exc:
             self._send_error(task.stream_id, task.seq, exc, where)
             return
-        self._send_encoded(task.stream_id, task.seq, batch, where, placed)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
 
     def trim(self) -> None:
         """Idle: remove idle segments and tell the daemon, which unmaps them (and tells its clients)."""

@@ -107,6 +107,23 @@ def test_idle_threads_exit_after_idle_timeout(make: Callable[..., ElasticExecuto
     assert ex.threads() == 1
 
 
+def test_a_light_steady_load_lets_the_other_idle_threads_exit(make: Callable[..., ElasticExecutor]) -> None:
+    # A shared condition's notify wakes the longest-idle thread: a call every IDLE/12 s
+    # then kept all 12 threads alive for ever. The last thread to go idle gets the work.
+    ex = make(max_workers=16, prefix="light")
+    gate = Gate()
+    futures = [ex.submit(gate.task, i) for i in range(12)]
+    wait_for(lambda: ex.threads() == 12, what="12 threads")
+    gate.release.set()
+    for f in futures:
+        f.result(5)
+    deadline = time.monotonic() + 3 * IDLE
+    while time.monotonic() < deadline:
+        ex.submit(lambda: None).result(5)
+        time.sleep(IDLE / 12)
+    assert ex.threads() <= 2
+
+
 def test_steady_sequential_load_reuses_one_thread(make: Callable[..., ElasticExecutor]) -> None:
     ex = make(max_workers=8)
     names = set()

@@ -18,6 +18,7 @@ from fakes import FakePool, LedgerLog, catalog, drain, map_spec
 
 import loaderd.server.scheduler as scheduler_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
+from loaderd.server.arena import SlotRef
 from loaderd.server.pool import PoolEvent
 from loaderd.server.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey
@@ -201,3 +202,24 @@ def test_a_share_consumer_that_never_reads_gets_no_more_than_its_window() -> Non
     assert [d.seq for d in drain(stream)] == [0, 1]
     sched.step(0)
     assert len(pool.batch_tasks()) == 4, "reading moves the window on"
+
+
+def test_a_batch_whose_slot_cannot_be_mapped_is_made_again_over_the_pipe() -> None:
+    # Issue 9.2: out of descriptors, the daemon cannot map a worker's segment: degrade to the copy path.
+    pool = FakePool()
+    log = LedgerLog()
+    sched = Scheduler(pool, log.ledger(), catalog(), SchedulerPolicy())
+    stream = sched.open_stream(map_spec(window=1))
+    plan(sched, stream, 1)
+    sched.step(0)
+    (_, task), = pool.batch_tasks()
+    pool.finish(task, slot=SlotRef(name="loaderd-0-missing-w0g0-0", size=4096))
+    sched.step(0)
+    sched.step(0)
+    worker, again = pool.batch_tasks()[-1]
+    assert again.seq == task.seq and again.inline and not task.inline
+    assert log.given_back == [(pool.worker_of(task), 0, "loaderd-0-missing-w0g0-0")], "the slot goes back unmapped"
+    pool.finish(again)
+    sched.step(0)
+    delivery = stream.next_delivery(0)
+    assert delivery is not None and delivery.seq == task.seq and delivery.error is None

@@ -96,6 +96,7 @@ CLIENT_QUIET_TIMEOUT_S = BATCH_TIMEOUT_S + 30.0  # no word from a client for thi
 HOLD_MAX_S = 600.0  # a kill client that is never killed (this process died) exits after this
 EXIT_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 60.0
+QUIESCE_TIMEOUT_S = 45.0
 
 # metric -> (label, unit divisor, unit, absolute tolerance in units, relative tolerance)
 METRICS = {
@@ -473,6 +474,20 @@ def settle(bench: Bench, part: Part) -> None:
     )
 
 
+def quiesce(bench: Bench, part: Part) -> None:
+    """After settling, let idle resources go back (gRPC handler threads idle 30 s exit,
+    idle workers remove their segments after 10 s): poll until the daemon's threads and
+    /dev/shm entries are back to the part's start, QUIESCE_TIMEOUT_S at most."""
+    assert bench.daemon is not None
+    start = part.samples[0]
+    deadline = time.monotonic() + QUIESCE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        now = sample("quiescing", bench.daemon, bench.started)
+        if now.threads <= start.threads + 2 and now.shm_count <= start.shm_count:
+            return
+        time.sleep(0.5)
+
+
 class Marks:
     """Sample at every 10% of a part's progress."""
 
@@ -591,6 +606,7 @@ def part_kills(bench: Bench, rng: random.Random) -> Part:
     run_kills(bench, part, s.kills, rng)
     part.wall_s = time.monotonic() - started
     settle(bench, part)
+    quiesce(bench, part)
     part.samples.append(sample("end (settled)", bench.daemon, bench.started))
     log(f"kills end: {describe(part.samples[-1])}")
     return part
@@ -671,6 +687,7 @@ def part_streams(bench: Bench, rng: random.Random) -> Part:
     run_streams(bench, part, s.streams_procs, s.streams_per_proc, rng)
     part.wall_s = time.monotonic() - started
     settle(bench, part)
+    quiesce(bench, part)
     part.samples.append(sample("end (settled)", bench.daemon, bench.started))
     log(f"streams end: {describe(part.samples[-1])}")
     return part
