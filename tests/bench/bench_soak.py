@@ -96,7 +96,7 @@ CLIENT_QUIET_TIMEOUT_S = BATCH_TIMEOUT_S + 30.0  # no word from a client for thi
 HOLD_MAX_S = 600.0  # a kill client that is never killed (this process died) exits after this
 EXIT_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 60.0
-QUIESCE_TIMEOUT_S = 45.0
+QUIESCE_TIMEOUT_S = 75.0
 
 # metric -> (label, unit divisor, unit, absolute tolerance in units, relative tolerance)
 METRICS = {
@@ -476,14 +476,16 @@ def settle(bench: Bench, part: Part) -> None:
 
 def quiesce(bench: Bench, part: Part) -> None:
     """After settling, let idle resources go back (gRPC handler threads idle 30 s exit,
-    idle workers remove their segments after 10 s): poll until the daemon's threads and
-    /dev/shm entries are back to the part's start, QUIESCE_TIMEOUT_S at most."""
+    idle workers remove their segments after 10 s, an idle daemon trims its heap every
+    30 s): poll until the daemon's threads, /dev/shm entries and anonymous RSS are back
+    near the part's start, QUIESCE_TIMEOUT_S at most."""
     assert bench.daemon is not None
     start = part.samples[0]
     deadline = time.monotonic() + QUIESCE_TIMEOUT_S
     while time.monotonic() < deadline:
         now = sample("quiescing", bench.daemon, bench.started)
-        if now.threads <= start.threads + 2 and now.shm_count <= start.shm_count:
+        anon_back = now.anon_kb <= start.anon_kb + (8 << 10)
+        if now.threads <= start.threads + 2 and now.shm_count <= start.shm_count and anon_back:
             return
         time.sleep(0.5)
 
