@@ -1,15 +1,22 @@
-"""A smoke run of the multi-tenancy benchmark with tiny sizes, so CI catches bench rot.
+"""Smoke runs of the benchmarks with tiny sizes, so CI catches bench rot.
 
 The benchmarks themselves (tests/bench/) are not part of the test run. This runs
 every part of bench_tenancy.py end to end (daemons, client processes, /proc
 memory accounting, the report) on toy sizes and checks that each completes and
 reports no loader problem; the numbers mean nothing. The memory part and the
 other two run side by side (each has its own daemon and clients) to stay fast.
+bench_soak.py runs as its own process, from its command line: it SIGKILLs client
+processes that come from a fork server of its own. bench_fuzz.py runs in this
+process on a few hundred fuzzed calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import signal
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,3 +60,65 @@ def test_tenancy_bench_runs_every_part(capsys: pytest.CaptureFixture[str]) -> No
     ):
         assert row in out, out
     assert "ERROR" not in out and "n/a" not in out, out
+
+
+SOAK = Path(__file__).resolve().parent / "bench" / "bench_soak.py"
+TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
+
+
+@pytest.mark.timeout(100)
+def test_soak_bench_runs_both_parts() -> None:
+    # Its own session: if it overruns, the bench, its daemon and its clients all go.
+    bench = subprocess.Popen(
+        [sys.executable, str(SOAK), *TINY_SOAK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = bench.communicate(timeout=75)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)  # the bench stops its daemon and kills its clients
+        try:
+            out, err = bench.communicate(timeout=20)
+        finally:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        raise AssertionError(f"the soak did not finish within 75 s:\n{out}\n{err[-4000:]}") from None
+    # 2: no loader problem, but a metric grew beyond its tolerance (on toy sizes the numbers mean nothing).
+    assert bench.returncode in (0, 2), f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    for row in (
+        "### A. killed clients: 6 clients",
+        "### B. many streams: 8 streams",
+        "| start |",
+        "| 50% |",
+        "| end (settled) |",
+        "| daemon open fds |",
+        "| workers' open fds (sum) |",
+        "| map, shm, shuffle | same (32 batches) |",
+        "| map, grpc, shuffle | same (32 batches) |",
+        "| iterable, shm, 2 replicas | same (32 batches) |",
+        "No loader errors, hangs or wrong batches were seen.",
+    ):
+        assert row in out, out
+    killed = sum(int(n) for n in re.findall(r"killed (?:holding|reading): (\d+)", out))
+    assert killed == 6, out
+    assert "processes finished: 2" in out and "streams opened: 8" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_fuzz_bench_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_fuzz.py end to end on a few hundred calls: its report has every part, and no finding."""
+    import bench_fuzz
+
+    code = bench_fuzz.run(bench_fuzz.Settings(requests=300, seed=7, warmup=100))
+    out = capsys.readouterr().out
+    for row in (
+        "## Status codes per RPC",
+        "| warm-up (30 calls) |",
+        "| 50% |",
+        "| end (settled) |",
+        "post-run epochs equal torch's: **yes**",
+        "health after the run: SERVING",
+    ):
+        assert row in out, out
+    assert code == 0, out
+    assert "ERROR" not in out, out

@@ -96,7 +96,6 @@ CLIENT_QUIET_TIMEOUT_S = BATCH_TIMEOUT_S + 30.0  # no word from a client for thi
 HOLD_MAX_S = 600.0  # a kill client that is never killed (this process died) exits after this
 EXIT_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 60.0
-QUIESCE_TIMEOUT_S = 75.0
 
 # metric -> (label, unit divisor, unit, absolute tolerance in units, relative tolerance)
 METRICS = {
@@ -352,6 +351,7 @@ class Settings:
     warmup: int = 8
     seed: int = 0
     log_copy: str = ""  # where to copy the daemon's log before its temp dir goes
+    quiesce_s: float = 75.0  # at most this long for idle threads, segments and heap to go back before the end sample
 
 
 @dataclass
@@ -478,10 +478,10 @@ def quiesce(bench: Bench, part: Part) -> None:
     """After settling, let idle resources go back (gRPC handler threads idle 30 s exit,
     idle workers remove their segments after 10 s, an idle daemon trims its heap every
     30 s): poll until the daemon's threads, /dev/shm entries and anonymous RSS are back
-    near the part's start, QUIESCE_TIMEOUT_S at most."""
+    near the part's start, ``--quiesce`` seconds at most."""
     assert bench.daemon is not None
     start = part.samples[0]
-    deadline = time.monotonic() + QUIESCE_TIMEOUT_S
+    deadline = time.monotonic() + bench.settings.quiesce_s
     while time.monotonic() < deadline:
         now = sample("quiescing", bench.daemon, bench.started)
         anon_back = now.anon_kb <= start.anon_kb + (8 << 10)
@@ -969,6 +969,7 @@ def parse_args(argv: list[str]) -> Settings:
     parser.add_argument("--warmup", type=int, default=8, help="kill clients before part A's start sample (0: no warm-ups)")
     parser.add_argument("--seed", type=int, default=0, help="the soak's random choices")
     parser.add_argument("--log-copy", default="", metavar="PATH", help="copy the daemon's log here at the end")
+    parser.add_argument("--quiesce", type=float, default=75.0, help="seconds the end sample may wait for idle resources to go back")
     args = parser.parse_args(argv)
     if min(args.kills, args.streams_procs, args.warmup) < 0 or min(args.concurrency, args.workers) < 1:
         parser.error("--kills, --streams-procs and --warmup must be >= 0; --concurrency and --workers >= 1")
@@ -986,6 +987,7 @@ def parse_args(argv: list[str]) -> Settings:
         warmup=args.warmup,
         seed=args.seed,
         log_copy=args.log_copy,
+        quiesce_s=args.quiesce,
     )
 
 
