@@ -39,6 +39,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2
 
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire import framing
 
 # ------------------------------------------------------------------ what the daemon serves
 
@@ -161,16 +162,7 @@ MASK64 = (1 << 64) - 1
 
 def varint(n: int) -> bytes:
     """Protobuf base-128 varint; negative numbers as their 64-bit two's complement (10 bytes)."""
-    n &= MASK64
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    return framing.varint(n & MASK64)
 
 
 def tag(number: int, wire_type: int) -> bytes:

@@ -13,7 +13,7 @@ server's RSS growth in KiB per request. Modes:
   raise         request_deserializer=None, the handler's parse error escapes
                 (UNKNOWN): an uncaught handler exception, for comparison
   health        the stock HealthServicer + v1alpha reflection, as grpc ships them
-  health-fixed  the same servicers, their handlers rewrapped by parse_in_handler
+  health-fixed  the same servicers, their handlers rewrapped by loaderd.server.rpc.add_parsing
 
 Every mode also serves /leak.Ctl/Snapshot (identity), which runs gc and
 answers RSS, live grpc._server._RPCState objects and, with --trace, how many
@@ -48,6 +48,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from loaderd.server.rpc import add_parsing
+
 Msg = health_pb2.HealthCheckRequest  # any message will do: the leak is in grpc/_server.py, not in protobuf
 MODES = ("proto", "identity", "raise", "health", "health-fixed")
 KINDS = {  # mode -> [(kind, method path, arity, message class the garbage must not parse as)]
@@ -70,50 +72,6 @@ def parse_or_abort(parse: Callable[[bytes], Any], raw: bytes, context: grpc.Serv
         return parse(raw)
     except DecodeError as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse request: {exc}")
-
-
-def parsing_iterator(
-    parse: Callable[[bytes], Any], raw: Iterator[bytes], context: grpc.ServicerContext
-) -> Iterator[Any]:
-    """A request iterator of parsed messages; the abort's exception surfaces in the handler."""
-    for item in raw:
-        yield parse_or_abort(parse, item, context)
-
-
-def parse_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler registered with an identity deserializer, parsing in the handler instead."""
-    parse = handler.request_deserializer
-    if parse is None:
-        return handler
-
-    def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
-        if handler.request_streaming:
-            return lambda requests, context: behavior(parsing_iterator(parse, requests, context), context)
-        return lambda raw, context: behavior(parse_or_abort(parse, raw, context), context)
-
-    kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-    return handler._replace(
-        request_deserializer=None, **{k: wrap(getattr(handler, k)) for k in kinds if getattr(handler, k) is not None}
-    )
-
-
-class _Capture:
-    """Stands in for a server to catch the handler table a generated add_*_to_server registers."""
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.service, self.handlers = service, handlers
-
-
-def add_parsing_in_handler(add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.Server) -> None:
-    """``add_XServicer_to_server(servicer, server)``, every method rewrapped by parse_in_handler."""
-    capture = _Capture()
-    add_to_server(servicer, capture)
-    handlers = {name: parse_in_handler(h) for name, h in capture.handlers.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
-    server.add_registered_method_handlers(capture.service, handlers)
 
 
 # --- server (subprocess) ----------------------------------------------------------------
@@ -205,9 +163,9 @@ def serve(mode: str, trace: bool) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
         reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     elif mode == "health-fixed":
-        add_parsing_in_handler(health_pb2_grpc.add_HealthServicer_to_server, health.HealthServicer(), server)
+        add_parsing(health_pb2_grpc.add_HealthServicer_to_server, health.HealthServicer(), server)
         servicer = reflection.ReflectionServicer((health.SERVICE_NAME, reflection.SERVICE_NAME))
-        add_parsing_in_handler(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, servicer, server)
+        add_parsing(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, servicer, server)
     else:
         server.add_generic_rpc_handlers((echo_handlers(mode),))
     port = server.add_insecure_port("127.0.0.1:0")
