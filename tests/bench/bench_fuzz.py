@@ -20,20 +20,18 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))
-from bench_loaders import STARTUP_TIMEOUT_S, Daemon  # noqa: E402
+from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402
 
 import fuzzing  # noqa: E402
 
@@ -57,28 +55,9 @@ class Settings:
     replay: int | None = None
 
 
-def start_daemon(workers: int) -> Daemon:
-    """`loaderd serve` on a temp unix socket with the fuzz datasets, as bench_loaders starts its daemon."""
-    tmp = Path(tempfile.mkdtemp(prefix="ldf-", dir="/tmp"))
-    socket_path = tmp / "d.sock"
-    config = {
-        "python_path": [str(TESTS_DIR)],
-        "listen": [f"unix://{socket_path}"],
-        "workers": workers,
-        "datasets": fuzzing.FUZZ_DATASETS,
-        **fuzzing.FUZZ_DAEMON_OPTIONS,
-    }
-    config_path = tmp / "ds.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return Daemon(process, tmp, socket_path, log_path, f"unix://{socket_path}")
+def start_fuzz_daemon(workers: int) -> Daemon:
+    """bench_loaders' daemon, serving the fuzz datasets with the fuzz test's options."""
+    return start_daemon(workers, fuzzing.FUZZ_DATASETS, TESTS_DIR, **fuzzing.FUZZ_DAEMON_OPTIONS)
 
 
 def say(text: str) -> None:
@@ -135,7 +114,7 @@ def run(settings: Settings) -> int:
     """The whole benchmark; 0 if the daemon passed every check."""
     if settings.seed is None:
         settings.seed = int.from_bytes(os.urandom(4), "little")
-    daemon = start_daemon(settings.workers)
+    daemon = start_fuzz_daemon(settings.workers)
     try:
         from conftest import wait_serving
 

@@ -128,9 +128,11 @@ class Daemon:
         return code, problem
 
 
-def start_daemon(workers: int, datasets: dict[str, Any] | None = None) -> Daemon:
+def start_daemon(
+    workers: int, datasets: dict[str, Any] | None = None, python_path: Path = BENCH_DIR, **top: Any
+) -> Daemon:
     """`loaderd serve` on a temp unix socket and 127.0.0.1:0 (``wait_serving`` reads the port);
-    ``datasets`` defaults to this benchmark's in-memory ones."""
+    ``datasets`` defaults to this benchmark's in-memory ones; ``top`` adds top-level config keys."""
     tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
     socket_path = tmp / "d.sock"
     if datasets is None:
@@ -138,10 +140,11 @@ def start_daemon(workers: int, datasets: dict[str, Any] | None = None) -> Daemon
             name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()
         }
     config = {
-        "python_path": [str(BENCH_DIR)],
+        "python_path": [str(python_path)],
         "listen": [f"unix://{socket_path}", "127.0.0.1:0"],
         "workers": workers,
         "datasets": datasets,
+        **top,
     }
     config_path = tmp / "ds.yaml"
     config_path.write_text(yaml.safe_dump(config))

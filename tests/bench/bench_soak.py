@@ -67,6 +67,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
+from bench_tenancy import children_by_parent  # noqa: E402
 from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, fmt, print_findings  # noqa: E402
 
 ITEMS = 128
@@ -246,16 +247,7 @@ def _kb(value: str) -> int:
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (its fork server, the pool workers, ...), from /proc/*/stat
     (this kernel has no /proc/PID/task/TID/children; psutil is not a dependency)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except OSError:  # exited meanwhile
-            continue
-        children[int(fields[1])].append(int(entry.name))
+    children = children_by_parent()
     found: list[int] = []
     todo = list(children.get(pid, []))
     while todo:

@@ -445,7 +445,7 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return totals
 
 
-def _children_by_parent() -> dict[int, list[int]]:
+def children_by_parent() -> dict[int, list[int]]:
     """ppid -> pids from /proc/*/stat (this kernel has no /proc/PID/task/TID/children)."""
     children: dict[int, list[int]] = defaultdict(list)
     for entry in os.scandir("/proc"):
@@ -489,7 +489,7 @@ class ProcMem:
 
 def process_trees(roots: dict[int, str]) -> list[ProcMem]:
     """Every process in the trees under ``roots`` (pid -> role) with its smaps_rollup."""
-    children = _children_by_parent()
+    children = children_by_parent()
     found: list[ProcMem] = []
     todo = list(roots.items())
     while todo:
