@@ -14,7 +14,8 @@ from types import FrameType
 
 import grpc
 
-from loaderd.connection import ADDRESS_ENV, resolve_address
+from loaderd.addresses import ADDRESS_ENV, single_address
+from loaderd.errors import LoaderdError
 from loaderd.server.config import ConfigError, MetricsConfig, check_port, load_config
 from loaderd.server.daemon import Daemon, ListenError
 from loaderd.server.pool import PoolStartError
@@ -51,11 +52,18 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+    # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
+    drain = threading.Event()
     stop = threading.Event()
+    woken = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         logging.getLogger("loaderd").info("received %s", signal.Signals(signum).name)
-        stop.set()
+        if signum == signal.SIGTERM and not drain.is_set():
+            drain.set()
+        else:
+            stop.set()
+        woken.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -72,8 +80,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"loaderd: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
     try:
-        while not stop.wait(0.5) and not daemon.failed.is_set():
+        while not (woken.wait(0.5) or daemon.failed.is_set()):
             pass
+        if drain.is_set() and not stop.is_set() and not daemon.failed.is_set():
+            daemon.drain(config.drain_timeout, abort=stop)
     finally:
         daemon.shutdown()
     if daemon.failed.is_set():
@@ -86,7 +96,11 @@ def _status(args: argparse.Namespace) -> int:
     if not (args.address or os.environ.get(ADDRESS_ENV)):
         print(f"loaderd: no daemon address: pass --address or set ${ADDRESS_ENV}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    address = resolve_address(args.address)
+    try:
+        address = single_address(args.address)
+    except LoaderdError as exc:
+        print(f"loaderd: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     try:
         with grpc.insecure_channel(address) as channel:
             reply = pb_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=args.timeout)

@@ -90,6 +90,8 @@ class LoaderConfig:
     # batches or once its resident memory exceeds this many MiB (leaky datasets).
     max_tasks_per_worker: int = 0
     worker_max_rss_mb: int = 0
+    # SIGTERM drains: at most this many seconds for clients to move their streams elsewhere (0: stop at once).
+    drain_timeout: float = 30.0
 
 
 _TOP_KEYS = {
@@ -106,6 +108,7 @@ _TOP_KEYS = {
     "limits",
     "max_tasks_per_worker",
     "worker_max_rss_mb",
+    "drain_timeout",
 }
 _DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn", "task_timeout"}
 _METRICS_KEYS = {"port", "host"}
@@ -256,7 +259,14 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         limits=_limits(raw.get("limits")),
         max_tasks_per_worker=_int_at_least(raw, "max_tasks_per_worker", 0, 0),
         worker_max_rss_mb=_int_at_least(raw, "worker_max_rss_mb", 0, 0),
+        drain_timeout=_drain_timeout(raw.get("drain_timeout", 30.0)),
     )
+
+
+def _drain_timeout(value: Any) -> float:
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return _seconds(value, "drain_timeout")
 
 
 def load_config(path: str | Path) -> LoaderConfig:

@@ -3,7 +3,13 @@
 Startup order matters: the worker pool (and its fork server) exists before any
 gRPC server, so no process is ever forked from one running gRPC threads.
 
-Shutdown (``Daemon.shutdown``, idempotent, run on SIGTERM/SIGINT):
+Drain (``Daemon.drain``, run on SIGTERM before shutdown; see server/drain.py):
+health -> NOT_SERVING, new streams refused UNAVAILABLE, every open stream told
+``Draining`` so its client moves elsewhere; it returns once no stream is open,
+the config's ``drain_timeout`` has passed, or ``abort`` is set (SIGINT, a
+second SIGTERM).
+
+Shutdown (``Daemon.shutdown``, idempotent, run after the drain, or at once on SIGINT):
   1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
   2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
   3. the gRPC server stops (grace period for in-flight replies), then the
@@ -30,6 +36,7 @@ import resource
 import secrets
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,6 +48,7 @@ from loaderd.server.admission import handler_threads
 from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
 from loaderd.server.catalog import Catalog
 from loaderd.server.config import LoaderConfig, check_imports
+from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import WorkerPool
@@ -156,6 +164,7 @@ class Daemon:
         self.watchdog = Watchdog()
         self._executor: ElasticExecutor | None = None
         self.health = health.HealthServicer()
+        self.drain_signal = DrainSignal()
         self._unix_paths: list[str] = []
         # Set when the daemon cannot serve any more (the reason is in ``fatal``): the caller shuts down and exits non-zero.
         self.failed = threading.Event()
@@ -210,7 +219,9 @@ class Daemon:
             except OSError as exc:
                 raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
             log.info("metrics on %s", url)
-        servicer = LoaderServicer(config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog)
+        servicer = LoaderServicer(
+            config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal
+        )
         threads = handler_threads(limits)
         log.info("open-file limit %d; up to %d handler threads", fd_limit, threads)
         # Threads idle for 30 s exit: a burst of streams leaves none behind.
@@ -279,6 +290,32 @@ class Daemon:
             self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.critical("cannot serve any more (%s); shutting down so a supervisor can restart the daemon", reason)
         self.failed.set()
+
+    def drain(self, timeout: float, abort: threading.Event) -> None:
+        """The drain in the module docstring: returns when no stream is open, after ``timeout`` s, or on ``abort``."""
+        scheduler = self.scheduler
+        if scheduler is None or self.server is None:
+            return
+        self.drain_signal.begin(timeout)
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout
+        open_streams = self._open_streams(scheduler)
+        log.info("draining: %d stream(s) open; stopping within %gs (drain_timeout)", open_streams, timeout)
+        while open_streams and not abort.is_set() and not self.failed.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.info("drain timeout: %d stream(s) still open are cut", open_streams)
+                return
+            abort.wait(min(0.05, left))
+            open_streams = self._open_streams(scheduler)
+        if not open_streams:
+            log.info("drained: no stream open")
+
+    @staticmethod
+    def _open_streams(scheduler: Scheduler) -> int:
+        with scheduler.lock:
+            return len(scheduler.streams())
 
     def shutdown(self, grace: float = 2.0) -> None:
         """The shutdown protocol in the module docstring. Safe to call twice or after a failed start."""

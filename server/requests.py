@@ -33,6 +33,15 @@ class BadRequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class PlanItems:
+    """A checked ``PlanBatches``: index batches to add, and (a positioned stream) their epoch positions."""
+
+    batches: list[Indices]
+    positions: list[int] | None
+    plan: pb.PlanBatches
+
+
+@dataclass(frozen=True)
 class Opening:
     """A checked ``OpenStream``: the stream to open and the share it joins (None: its own)."""
 
@@ -76,6 +85,8 @@ def open_spec(request: pb.OpenStream, catalog: Catalog, limits: Limits, max_wind
         )
     replicas = max(1, request.num_workers) if meta.iterable else catalog.pool_size
     window = min(request.window or DEFAULT_WINDOW_PER_WORKER * replicas, max_window)
+    if request.positioned and (meta.iterable or request.HasField("share") or request.start):
+        raise BadRequestError("a positioned stream serves a map-style dataset, without a share or a start")
     share = None
     if request.HasField("share"):
         if meta.iterable:
@@ -107,11 +118,12 @@ def open_spec(request: pb.OpenStream, catalog: Catalog, limits: Limits, max_wind
         stream_token=request.stream_token,
         shm=shm,
         share=share.name if share is not None else None,
+        positioned=request.positioned,
     )
     return Opening(spec, share)
 
 
-def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits) -> tuple[list[Indices], pb.PlanBatches]:
+def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits) -> PlanItems:
     """The index batches a plan request adds to ``stream`` (none for an iterable stream's progress report).
 
     Reads the stream's counters: call with the scheduler's lock held, or accept
@@ -125,7 +137,7 @@ def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits)
     if spec.iterable:
         if plan.batches or plan.end:
             raise BadRequestError(f"dataset {spec.dataset!r} is an IterableDataset: it takes no index plan")
-        return [], plan
+        return PlanItems([], None, plan)
     if stream.plan_end:
         raise BadRequestError("plan received after the plan's end")
     ahead = stream.planned + len(plan.batches) - max(stream.consumed, plan.consumed)
@@ -144,11 +156,16 @@ def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits)
             raise BadRequestError(
                 f"plan item {stream.planned + i} must hold exactly one index without automatic batching, got {n}"
             )
+        if spec.positioned:
+            check_position(batch.position, f"plan batch {stream.planned + i}'s position")
+        elif batch.position:
+            raise BadRequestError(f"plan batch {stream.planned + i} has a position on a stream that was not opened positioned")
     if indices > limits.max_plan_indices:
         raise LimitExceededError(
             f"the plan holds {indices} indices not yet dispatched; "
             f"the daemon's limit per stream (limits.max_plan_indices) is {limits.max_plan_indices}"
         )
+    positions = [b.position for b in plan.batches] if spec.positioned else None
     if spec.auto_collation:
-        return [tuple(b.indices) for b in plan.batches], plan
-    return [b.indices[0] for b in plan.batches], plan
+        return PlanItems([tuple(b.indices) for b in plan.batches], positions, plan)
+    return PlanItems([b.indices[0] for b in plan.batches], positions, plan)

@@ -243,12 +243,20 @@ class Scheduler:
         """Tasks queued or running in one worker; call with ``lock`` held."""
         return len(self._inflight.get(worker_id, {}))
 
-    def add_plan(self, stream: BatchStream, batches: list[Indices], end: bool, consumed: int = 0, stalled_us: int = 0) -> None:
+    def add_plan(
+        self,
+        stream: BatchStream,
+        batches: list[Indices],
+        end: bool,
+        consumed: int = 0,
+        stalled_us: int = 0,
+        positions: list[int] | None = None,
+    ) -> None:
         with self.lock:
             if stream.closed:  # the plan raced the stream's close: a consumer would be handed batches nobody drops
                 return
             stream.progress(consumed, stalled_us)
-            stream.add_plan(batches, end)
+            stream.add_plan(batches, end, positions)
         self.wake()
 
     def fail_stream(self, stream: BatchStream, failure: StreamFailed) -> None:

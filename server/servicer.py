@@ -20,6 +20,7 @@ from loaderd.errors import LimitExceededError, clip
 from loaderd.server.admission import Admission
 from loaderd.server.catalog import Catalog, UnknownDatasetError
 from loaderd.server.config import LoaderConfig
+from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.producer import END, Delivery, StreamFailed
 from loaderd.server.requests import BadRequestError, Opening, open_spec, plan_batches, shown
@@ -64,8 +65,9 @@ class LoaderServicer:
         ledger: SlotLedger,
         status: Callable[[], pb.StatusResponse],
         watchdog: Watchdog,
+        drain: DrainSignal,
     ) -> None:
-        """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot."""
+        """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot; ``drain`` says when to send clients away."""
         self._catalog = catalog
         self._scheduler = scheduler
         self._session_host = session_host
@@ -73,6 +75,7 @@ class LoaderServicer:
         self._ledger = ledger
         self._status = status
         self._watchdog = watchdog
+        self._drain = drain
         self._limits = config.limits
         self._chunk_bytes = config.chunk_bytes
         self._max_window = config.max_window
@@ -85,6 +88,8 @@ class LoaderServicer:
         return self._catalog.listing()
 
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: grpc.ServicerContext) -> pb.DescribeDatasetResponse:
+        # Clients look a daemon up before streaming from it: a draining one says it is going.
+        self._refuse_if_draining(context)
         try:
             return self._catalog.describe(request.name)
         except UnknownDatasetError as exc:
@@ -92,6 +97,10 @@ class LoaderServicer:
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return bounded_status(self._status(), self._max_status_bytes)
+
+    def _refuse_if_draining(self, context: grpc.ServicerContext) -> None:
+        if self._drain.active:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"loaderd is draining: it stops within {self._drain.stop_in():.0f}s")
 
     def _refuse(self, context: grpc.ServicerContext, exc: Exception, what: str) -> NoReturn:
         self._throttle.log(logging.WARNING, type(exc).__name__, "%s from %s refused: %s", what, context.peer(), exc)
@@ -134,6 +143,7 @@ class LoaderServicer:
             ticket.release()
 
     def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._refuse_if_draining(context)
         try:
             ticket = self._admission.admit_stream()
         except LimitExceededError as exc:
@@ -155,8 +165,9 @@ class LoaderServicer:
             session = self._sessions.shm_session(opening.session_id)
             if session is None:
                 self._throttle.log(logging.WARNING, "session", "stream from %s refused: session %d unknown or closed", who, opening.session_id)
+                # ABORTED: retry with a new session (after a daemon restart the old id means nothing).
                 context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.ABORTED,
                     f"session {opening.session_id} is unknown, closed, or cannot use shared memory",
                 )
         try:
@@ -213,7 +224,11 @@ class LoaderServicer:
         self, stream: BatchStream, session: ClientSession | None, context: grpc.ServicerContext
     ) -> Generator[bytes, None, bool]:
         """The stream's batches as wire messages; returns True once END was sent."""
+        told_draining = False
         while True:
+            if self._drain.active and not told_draining:
+                told_draining = True
+                yield framing.draining_message(self._drain.stop_in())
             delivery = stream.next_delivery(_POLL_S)
             if delivery is None:
                 if not context.is_active():
@@ -270,8 +285,9 @@ class LoaderServicer:
             for request in requests:
                 if stream.closed:
                     return
-                batches, plan = plan_batches(request, stream, self._limits)
-                self._scheduler.add_plan(stream, batches, plan.end, plan.consumed, plan.stalled_us)
+                items = plan_batches(request, stream, self._limits)
+                plan = items.plan
+                self._scheduler.add_plan(stream, items.batches, plan.end, plan.consumed, plan.stalled_us, items.positions)
         except (BadRequestError, LimitExceededError) as exc:
             self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
             self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))

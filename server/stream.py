@@ -48,17 +48,23 @@ class StreamSpec:
     stream_token: int = 0
     shm: bool = False
     share: str | None = None  # the share's name, for a consumer of a shared job
+    # Plan batches carry their epoch position (a client spreading an epoch over daemons).
+    positioned: bool = False
 
 
-def fetch_task(stream_id: int, dataset: str, seq: int, indices: Indices, auto_collation: bool, base_seed: int) -> FetchTask:
-    """Position ``seq`` of a map-style plan as a task; its seed follows the position, not the worker."""
+def fetch_task(
+    stream_id: int, dataset: str, seq: int, indices: Indices, auto_collation: bool, base_seed: int, position: int | None = None
+) -> FetchTask:
+    """Item ``seq`` of a map-style plan as a task; its seed follows its epoch position (``seq`` unless
+    given), not the worker, so any daemon and any worker produce the same batch."""
     return FetchTask(
         stream_id=stream_id,
         seq=seq,
         dataset=dataset,
         indices=indices,
         auto_collation=auto_collation,
-        seed=derive_seed(base_seed, seq),
+        seed=derive_seed(base_seed, seq if position is None else position),
+        position=-1 if position is None else position,
     )
 
 
@@ -87,6 +93,8 @@ class BatchStream:
     stalled_us: int = 0
     replayed: int = 0  # iterable resume: batches produced again and dropped so far
     pending: deque[tuple[int, Indices]] = field(default_factory=deque)
+    # A positioned stream: the epoch position of each planned seq not yet dispatched.
+    positions: dict[int, int] = field(default_factory=dict)
     pending_indices: int = 0  # indices in ``pending`` (requests.py caps it)
     asked: int = 0  # a shared job's consumer: positions asked of the job so far
     backlog: Backlog = field(default_factory=Backlog)
@@ -119,8 +127,11 @@ class BatchStream:
 
     # ------------------------------------------------------------ planning
 
-    def add_plan(self, batches: list[Indices], end: bool) -> None:
-        for indices in batches:
+    def add_plan(self, batches: list[Indices], end: bool, positions: list[int] | None = None) -> None:
+        """Append plan items; a positioned stream gives each one's epoch position in ``positions``."""
+        for i, indices in enumerate(batches):
+            if positions is not None:
+                self.positions[self.planned] = positions[i]
             self.pending.append((self.planned, indices))
             self.pending_indices += _size(indices)
             self.planned += 1
@@ -203,7 +214,10 @@ class BatchStream:
             )
             return task, self._replica_owner(r, pool_size)
         seq, indices = self.pending[0]
-        return fetch_task(self.stream_id, spec.dataset, seq, indices, spec.auto_collation, spec.base_seed), None
+        task = fetch_task(
+            self.stream_id, spec.dataset, seq, indices, spec.auto_collation, spec.base_seed, self.positions.get(seq)
+        )
+        return task, None
 
     def commit(self, task: BatchTask) -> None:
         if self.backlog.sent(task):
@@ -214,7 +228,8 @@ class BatchStream:
             self.replica_turn = (task.replica + 1) % len(self.replicas)
             self.planned += 1
         else:
-            self._take_pending()
+            seq, _ = self._take_pending()
+            self.positions.pop(seq, None)
 
     def retry(self, task: BatchTask) -> None:
         self.backlog.retry(task)

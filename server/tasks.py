@@ -39,6 +39,8 @@ class FetchTask:
     seed: int
     # Send the payload over the pipe, not in shared memory (the daemon could not map a slot).
     inline: bool = False
+    # The batch's position in the client's epoch (its seed follows it); -1: ``seq``.
+    position: int = -1
 
 
 @dataclass(frozen=True)

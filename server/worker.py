@@ -237,7 +237,7 @@ class WorkerRuntime:
 
     def fetch(self, task: FetchTask) -> None:
         ds = self.datasets[task.dataset]
-        where = f"in pool worker {self.spec.worker_id} while fetching batch {task.seq} of dataset {task.dataset!r}"
+        where = f"in pool worker {self.spec.worker_id} while fetching batch {task.seq if task.position < 0 else task.position} of dataset {task.dataset!r}"
         seed_everything(task.seed)
         _set_worker_info(self._pool_info(ds, task.seed))
         try:

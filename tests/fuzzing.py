@@ -109,6 +109,7 @@ ALLOWED_CODES = frozenset(
         C.INVALID_ARGUMENT,
         C.NOT_FOUND,
         C.FAILED_PRECONDITION,
+        C.ABORTED,  # a stream naming a session the daemon does not know (a client retries with a new one)
         C.RESOURCE_EXHAUSTED,
         C.OUT_OF_RANGE,
         C.CANCELLED,
@@ -830,7 +831,7 @@ def check_outcome(outcome: Outcome) -> list[str]:
 # Quantities no real client asks for: whatever the daemon's limits are, it must refuse these.
 ABSURD_STRING_BYTES = 1 << 20  # a dataset, client or share name, or a share fingerprint
 ABSURD_REPLICAS = 1 << 16  # an iterable stream's num_workers
-REFUSALS = frozenset({C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED, C.NOT_FOUND, C.FAILED_PRECONDITION, C.OUT_OF_RANGE})
+REFUSALS = frozenset({C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED, C.NOT_FOUND, C.FAILED_PRECONDITION, C.ABORTED, C.OUT_OF_RANGE})
 
 
 def absurd_open(case: Case) -> str:

@@ -61,11 +61,11 @@ def plan_request(batches: list[list[int]], consumed: int = 0) -> pb.StreamReques
 
 def test_a_plan_may_run_at_most_max_plan_ahead_past_consumption() -> None:
     stream = lone_stream(map_spec())
-    batches, _ = plan_batches(plan_request([[i] for i in range(8)]), stream, LIMITS)
-    stream.add_plan(batches, False)
+    items = plan_batches(plan_request([[i] for i in range(8)]), stream, LIMITS)
+    stream.add_plan(items.batches, False)
     with pytest.raises(LimitExceededError, match="max_plan_ahead"):
         plan_batches(plan_request([[9]]), stream, LIMITS)
-    assert plan_batches(plan_request([[9]], consumed=1), stream, LIMITS)[0] == [(9,)]
+    assert plan_batches(plan_request([[9]], consumed=1), stream, LIMITS).batches == [(9,)]
 
 
 def test_a_plan_may_hold_at_most_max_plan_indices_undispatched() -> None:
@@ -125,3 +125,21 @@ def test_captured_errors_are_bounded_and_never_fail() -> None:
     assert big.seq == 0 and len(big.message) < MAX_ERROR_MESSAGE + 100 and "characters cut" in big.message
     assert len(big.traceback) < 40_000
     assert capture_exception(Unprintable(), "here").message == "<unprintable: RuntimeError>"
+
+
+def test_positioned_streams_are_map_style_without_share_or_start_and_check_positions() -> None:
+    import dataclasses
+
+    for fields in ({"dataset": "it", "auto_collation": True}, {"start": 3}, {"share": pb.ShareSpec(name="s")}):
+        with pytest.raises(BadRequestError, match="positioned"):
+            check(opening(positioned=True, **fields))  # type: ignore[arg-type]
+    assert check(opening(positioned=True)).spec.positioned  # type: ignore[attr-defined]
+    stream = lone_stream(dataclasses.replace(map_spec(), positioned=True))
+    far = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1], position=MAX_POSITION)]))
+    with pytest.raises(BadRequestError, match="position"):
+        plan_batches(far, stream, LIMITS)
+    ok = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1], position=77)]))
+    assert plan_batches(ok, stream, LIMITS).positions == [77]
+    # A plain stream refuses positions (a client that mixed the two up).
+    with pytest.raises(BadRequestError, match="not opened positioned"):
+        plan_batches(ok, lone_stream(map_spec()), LIMITS)

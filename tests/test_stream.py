@@ -147,3 +147,21 @@ def test_failure_and_close() -> None:
     assert not stream.wants_dispatch()
     assert stream.close() is True and stream.close() is False
     assert released == [ready.batch], "what the stream still held goes back once"
+
+
+def test_a_positioned_stream_seeds_each_batch_by_its_epoch_position_and_delivers_in_plan_order() -> None:
+    """What lets a client spread an epoch over daemons: position 12 is seeded as position 12 anywhere."""
+    import dataclasses
+
+    from loaderd.server.stream import fetch_task
+
+    stream = lone_stream(dataclasses.replace(map_spec(window=8), positioned=True))
+    stream.add_plan([(5,), (6,), (7,)], end=True, positions=[12, 3, 40])
+    tasks = dispatch_all(stream)
+    assert [(t.seq, t.position) for t in tasks] == [(0, 12), (1, 3), (2, 40)]
+    for task, position in zip(tasks, (12, 3, 40)):
+        assert task.seed == fetch_task(0, "m", position, task.indices, True, 7).seed  # a contiguous stream's seed there
+    assert not stream.positions  # forgotten once dispatched
+    for seq in (2, 0, 1):
+        stream.resolve(batch_delivery(seq))
+    assert [d.seq for d in drain(stream)] == [0, 1, 2, -1]

@@ -7,7 +7,8 @@ twice before it reaches the batch's tensors. So both directions work on the
 protobuf wire format directly, with the one tag table below:
 
 - the daemon writes messages with one ``bytes.join`` each (``batch_messages``,
-  ``slot_message``, ``error_message``, ``end_message``);
+  ``slot_message``, ``error_message``, ``end_message``; the rare
+  ``draining_message`` goes through protobuf);
 - the client reads them with ``read_frame``, which hands payload bytes on as a
   memoryview and parses only the small rest of a header with protobuf.
 
@@ -136,6 +137,11 @@ def end_message(batches: int) -> bytes:
     return b"".join([_B_RESP_END, varint(len(inner)), inner])
 
 
+def draining_message(stop_in_s: float) -> bytes:
+    """The daemon is draining (rare: built with protobuf)."""
+    return pb.StreamResponse(draining=pb.Draining(stop_in_s=stop_in_s)).SerializeToString()
+
+
 # ------------------------------------------------------------ reading (client)
 
 
@@ -143,7 +149,7 @@ def end_message(batches: int) -> bytes:
 class Frame:
     """One decoded ``StreamResponse``."""
 
-    kind: str  # "batch" | "chunk" | "error" | "end"
+    kind: str  # "batch" | "chunk" | "error" | "end" | "draining"
     header: pb.BatchHeader | None = None
     data: memoryview | None = None  # payload bytes carried by this message
     message: pb.StreamResponse | None = None  # error and end messages, parsed

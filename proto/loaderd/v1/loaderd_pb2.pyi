@@ -54,7 +54,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share")
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class OpenStream(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     auto_collation: bool
     batch_size: int
@@ -79,7 +80,8 @@ class OpenStream(_message.Message):
     start: int
     client: str
     share: ShareSpec
-    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ...) -> None: ...
+    positioned: bool
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ..., positioned: _Optional[bool] = ...) -> None: ...
 
 class ShareSpec(_message.Message):
     __slots__ = ("name", "epoch", "fingerprint")
@@ -92,10 +94,12 @@ class ShareSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class IndexBatch(_message.Message):
-    __slots__ = ("indices",)
+    __slots__ = ("indices", "position")
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    position: int
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ...) -> None: ...
 
 class PlanBatches(_message.Message):
     __slots__ = ("batches", "end", "consumed", "stalled_us")
@@ -317,17 +321,25 @@ class SessionResponse(_message.Message):
     retired: SegmentsRetired
     def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., ready: _Optional[_Union[SessionReady, _Mapping]] = ..., retired: _Optional[_Union[SegmentsRetired, _Mapping]] = ...) -> None: ...
 
+class Draining(_message.Message):
+    __slots__ = ("stop_in_s",)
+    STOP_IN_S_FIELD_NUMBER: _ClassVar[int]
+    stop_in_s: float
+    def __init__(self, stop_in_s: _Optional[float] = ...) -> None: ...
+
 class StreamResponse(_message.Message):
-    __slots__ = ("batch", "chunk", "error", "end")
+    __slots__ = ("batch", "chunk", "error", "end", "draining")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHeader
     chunk: DataChunk
     error: RemoteError
     end: StreamEnd
-    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+    draining: Draining
+    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
