@@ -5,6 +5,7 @@ import gc
 from loaderd.errors import (
     BatchTimeoutError,
     ConfigOnlyArgumentError,
+    DaemonMismatchError,
     DaemonUnavailableError,
     DatasetNotFoundError,
     InvalidRequestError,
@@ -19,6 +20,7 @@ from loaderd.loader import RemoteDataLoader
 __all__ = [
     "BatchTimeoutError",
     "ConfigOnlyArgumentError",
+    "DaemonMismatchError",
     "DaemonUnavailableError",
     "DatasetNotFoundError",
     "InvalidRequestError",

@@ -33,7 +33,7 @@ def refuse_config_only(dataset_name: str, collate_fn: Any, worker_init_fn: Any, 
             )
 
 
-def check_options(num_workers: Any, timeout: float, prefetch_factor: int | None, transport: str) -> None:
+def check_options(num_workers: Any, timeout: float, prefetch_factor: int | None, transport: str, failover_timeout: float) -> None:
     """Validate the numeric and option arguments (in torch's words where torch has the argument)."""
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError("num_workers option should be non-negative")
@@ -41,6 +41,8 @@ def check_options(num_workers: Any, timeout: float, prefetch_factor: int | None,
         raise ValueError("timeout option should be non-negative")
     if prefetch_factor is not None and prefetch_factor < 1:
         raise ValueError("prefetch_factor option should be a positive integer")
+    if isinstance(failover_timeout, bool) or not isinstance(failover_timeout, (int, float)) or not failover_timeout >= 0:
+        raise ValueError(f"failover_timeout must be a number of seconds >= 0; got {failover_timeout!r}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
 

@@ -11,28 +11,23 @@ from typing import Any
 
 import grpc
 
-from loaderd.errors import LoaderdError, error_from_rpc
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
 
-ADDRESS_ENV = "LOADERD_ADDRESS"
-# How long a client waits for a daemon that is not (yet) answering.
-CONNECT_TIMEOUT_S = 30.0
+# How long one look-up of a daemon may take (a loader retries until its failover_timeout).
+PROBE_TIMEOUT_S = 2.0
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A daemon that restarts on the same address is found again within a quarter
+    # second (gRPC's default reconnect backoff grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
 ]
-
-
-def resolve_address(address: str | None) -> str:
-    """The address to use: the argument, else $LOADERD_ADDRESS."""
-    address = address or os.environ.get(ADDRESS_ENV)
-    if not address:
-        raise LoaderdError(f"no daemon address: pass address=... or set ${ADDRESS_ENV}")
-    return address.removeprefix("tcp://")
 
 
 class DaemonConnection:
@@ -77,20 +72,18 @@ class DaemonConnection:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
         with self._session_lock:
             if self._session is None or not self._session.alive:
-                self._session = ShmSession(self.stub, self.address)
+                self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
             return self._session
 
-    def describe(self, dataset: str) -> pb.DescribeDatasetResponse:
-        try:
-            return self.stub.DescribeDataset(
-                pb.DescribeDatasetRequest(name=dataset), timeout=CONNECT_TIMEOUT_S, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.address) from None
+    def describe(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> pb.DescribeDatasetResponse:
+        """The daemon's description of ``dataset``; grpc.RpcError as is (the caller decides what it means)."""
+        return self.stub.DescribeDataset(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
 
 
 _connections: dict[tuple[int, str], DaemonConnection] = {}
 _lock = threading.Lock()
+# Set when the interpreter exits: threads that would keep calling daemons (fleet monitors) stop.
+EXITING = threading.Event()
 
 
 def get_connection(address: str) -> DaemonConnection:
@@ -112,6 +105,7 @@ def _close_all() -> None:
     ("terminate called without an active exception"). Registered at import,
     so it runs after the iterators' finalizers have cancelled their streams.
     """
+    EXITING.set()
     with _lock:
         connections = [c for (pid, _), c in _connections.items() if pid == os.getpid()]
         _connections.clear()

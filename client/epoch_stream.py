@@ -2,22 +2,21 @@
 
 The loader decides these once per ``iter(loader)``; the iterator reads them and
 nothing of the loader, so it holds no reference to it (the loader keeps only a
-weak one to the iterator, and a dropped iterator cancels its stream).
+weak one to the iterator, and a dropped iterator cancels its streams).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loaderd.connection import DaemonConnection
 from loaderd.epoch import EpochStart
-from loaderd.session import ShmSession
+from loaderd.fleet import Fleet
 from loaderd.v1 import loaderd_pb2 as pb
 
 
 @dataclass(frozen=True)
 class EpochStream:
-    """One epoch's stream of batches: what to open, over what, and where the epoch starts."""
+    """One epoch's batches: what to open, with which daemons, and where the epoch starts."""
 
     dataset: str
     # Whether samples are batched (torch's auto-collation): a batch size or a batch sampler.
@@ -25,16 +24,16 @@ class EpochStream:
     batch_size: int | None
     drop_last: bool
     num_workers: int
-    # Batches the daemon may work ahead of what the caller consumed.
-    window: int
+    # Batches each daemon may work ahead, per worker it has (map-style) or per replica (iterable).
+    prefetch_factor: int | None
     # Seconds to wait for one batch; 0 waits forever.
     timeout: float
+    # Seconds to keep trying when no daemon can serve the epoch, before DaemonUnavailableError.
+    failover_timeout: float
     # Pin batches: pin_memory=True and an accelerator is there.
     pin_memory: bool
-    address: str
-    connection: DaemonConnection
-    # The shared-memory session to receive batches through; None for plain gRPC.
-    session: ShmSession | None
+    # The daemons to stream from.
+    fleet: Fleet
     # The shared job to join; None without share=.
     share: pb.ShareSpec | None
     iterable: bool

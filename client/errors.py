@@ -54,6 +54,10 @@ class TransportError(LoaderdError, ValueError):
     """A batch cannot be encoded for, or decoded from, the wire."""
 
 
+class DaemonMismatchError(LoaderdError):
+    """Two daemons a loader uses serve its dataset differently (kind or length); the message names both."""
+
+
 class LimitExceededError(LoaderdError):
     """The daemon refused a request over one of its limits (the config's ``limits:``); the message names it."""
 
@@ -142,6 +146,32 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[LoaderdError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: BatchTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
 }
+
+
+# A call that failed with one of these may work against another daemon, or this
+# one once it is back: a loader moves the work (see loaderd.iterator) rather than raise.
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,  # gone, restarting, draining
+    grpc.StatusCode.ABORTED,  # a shared-memory session the daemon no longer knows (it restarted)
+    grpc.StatusCode.CANCELLED,  # cut by the daemon's shutdown
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def is_transient(exc: grpc.RpcError) -> bool:
+    """Whether a failed call says something about the daemon's state, not about the request."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    return code is None or code in _TRANSIENT
+
+
+def rpc_summary(exc: grpc.RpcError) -> str:
+    """A failed call in one line: its code and details (for messages naming what each daemon said)."""
+    if not isinstance(exc, grpc.Call):
+        return str(exc)
+    details = " ".join((exc.details() or "").split())
+    return f"{exc.code().name}: {details}" if details else exc.code().name
 
 
 def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:

@@ -1,168 +1,81 @@
-"""RemoteLoaderIter: one epoch of a RemoteDataLoader.
+"""RemoteLoaderIter: one epoch of a RemoteDataLoader, over one daemon or many.
 
 It plays the part of torch's ``_MultiProcessingDataLoaderIter``: given the
 epoch's ``EpochStream`` (built by the loader; the epoch's RNG draws are made
 already by ``loaderd.epoch``, fresh or replayed for a resume), it walks the
 index sampler in the caller's thread (so the client's RNG is consumed exactly
-as torch consumes it), keeps the daemon ``window`` batches of plan ahead of
-what the caller consumed, and hands out batches in order. A
-receiver thread reassembles batches off the gRPC stream while the caller
-trains. It counts what it hands out into the epoch's ``EpochProgress``, which
-is what ``RemoteDataLoader.state_dict()`` reads.
+as torch consumes it), keeps the daemons a window of plan ahead of what the
+caller consumed, and hands out batches in order. It counts what it hands out
+into the epoch's ``EpochProgress``, which ``RemoteDataLoader.state_dict()`` reads.
+
+Every batch has a position in the epoch, and a map-style batch is a pure
+function of (dataset, indices, base seed, position): any daemon serving the
+dataset produces the same bytes. That is what makes failover exactly-once.
+The iterator runs one ``Lane`` (a StreamBatches call) per daemon it uses and
+remembers, for each position planned and not yet received, its indices and
+which lanes were asked for it. When a lane is lost (its daemon died,
+restarted, was removed) or its daemon drains, the positions it owed go to
+other lanes, or wait for a daemon to come back for up to ``failover_timeout``
+seconds. A position is yielded once, from the first answer that arrives.
+
+Three ways to spread an epoch (``_Mode``):
+
+* map-style: the plan is spread over every usable daemon (positioned lanes),
+  each given at most its window; a daemon that answers faster frees its
+  window sooner and gets more. A daemon with room asks for positions another
+  is late with (``_steal``: a hedge, the first answer counts), so a slow
+  daemon delays the epoch by about twice what a fast one takes, not by its window.
+* a share: one lane, on the daemon that rendezvous hashing picks over the
+  usable set, so every consumer of the share meets there; when the pick
+  changes the lane moves, reopening at the first position not received.
+* an IterableDataset: one lane; if it is lost or drains, the stream reopens
+  elsewhere at the first position not received (the daemon produces the
+  replicas again up to there and drops that part, as a resume does).
 """
 
 from __future__ import annotations
 
-import itertools
+import enum
+import functools
+import heapq
+import logging
 import operator
-import os
 import queue
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
-from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
-
 from loaderd.epoch_stream import EpochStream
-from loaderd.errors import (
-    BatchTimeoutError,
-    DaemonUnavailableError,
-    LoaderdError,
-    error_from_rpc,
-    exception_from_remote,
-)
-from loaderd.session import ShmSession
+from loaderd.errors import BatchTimeoutError, DaemonUnavailableError, exception_from_remote
+from loaderd.fleet import FleetMonitor, rendezvous
+from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
+from loaderd.plan import window_size
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.codec import BatchAssembler, view_batch
-from loaderd.wire.framing import read_frame
 
-# How often blocked waits re-check that the stream is still alive.
-_POLL_S = 0.25
-# Finished batches the receiver thread may hold ahead of the caller.
-_RECEIVED_AHEAD = 2
-_stream_tokens = itertools.count(1)
-# Who this process is, for the daemon's status, logs and metrics.
-def client_name() -> str:
-    """Who is asking, for the daemon's logs and status: host and pid, read when asked (a forked child has its own)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+log = logging.getLogger("loaderd.iterator")
+
+# Queued on the iterator's events by the fleet monitor: the set of daemons changed.
+_WAKE = "wake"
+# Hedge a position once it is this many times older than what a lane with room takes to answer (and no younger than the minimum).
+_HEDGE_FACTOR = 2.0
+_HEDGE_MIN_S = 0.05
+_STEAL_POLL_S = 0.02
 
 
-@dataclass(frozen=True)
-class _Item:
-    kind: str  # "batch" | "error" | "end" | "failed"
-    payload: Any = None
+class _Mode(enum.Enum):
+    SPREAD = "spread"
+    SHARE = "share"
+    ITERABLE = "iterable"
 
 
-class _Receiver:
-    """Reads the response stream on its own thread and queues whole batches."""
-
-    def __init__(
-        self,
-        call: Any,
-        pin_memory: bool,
-        address: str,
-        stop: threading.Event,
-        session: ShmSession | None,
-        stream_token: int,
-    ) -> None:
-        self.items: queue.Queue[_Item] = queue.Queue(maxsize=_RECEIVED_AHEAD)
-        self.stop = stop
-        self._call = call
-        self._pin = pin_memory
-        self._address = address
-        self._session = session
-        self._stream_token = stream_token
-        self.thread = threading.Thread(target=self._run, name="loaderd-receiver", daemon=True)
-
-    def _finish(self, batch: Any) -> Any:
-        # Tensors are already page-locked (allocated pinned, or views of a registered
-        # slot), so this copies nothing; it honours custom types' pin_memory() as torch does.
-        return torch_pin_memory(batch) if self._pin else batch
-
-    def _put(self, item: _Item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.items.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        assembler: BatchAssembler | None = None
-        try:
-            for raw in self._call:
-                frame = read_frame(raw)
-                kind = frame.kind
-                if kind == "batch" and frame.header is not None and frame.header.HasField("slot"):
-                    if self._session is None:
-                        raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
-                    header = frame.header
-                    view = self._session.lease_view(header.slot, header.payload_bytes, self._stream_token, self._pin)
-                    batch = self._finish(view_batch(header, view))
-                    del view  # the batch's tensors now hold the lease
-                    if not self._put(_Item("batch", batch)):
-                        return
-                    continue
-                if kind == "batch" and frame.header is not None:
-                    assembler = BatchAssembler(frame.header, pin_memory=self._pin)
-                    if frame.data is not None:
-                        assembler.feed(frame.data)
-                elif kind == "chunk" and frame.data is not None:
-                    if assembler is None:
-                        raise LoaderdError("daemon sent a data chunk outside a batch")
-                    assembler.feed(frame.data)
-                elif kind == "error" and frame.message is not None:
-                    if not self._put(_Item("error", frame.message.error)):
-                        return
-                    continue
-                elif kind == "end":
-                    self._put(_Item("end"))
-                    return
-                if assembler is not None and assembler.complete:
-                    batch, assembler = self._finish(assembler.build()), None
-                    if not self._put(_Item("batch", batch)):
-                        return
-            self._put(_Item("failed", DaemonUnavailableError(f"loaderd at {self._address} ended the stream early")))
-        except grpc.RpcError as exc:
-            if not self.stop.is_set():
-                self._put(_Item("failed", error_from_rpc(exc, self._address)))
-        except Exception as exc:  # a decoding error: surface it to the caller
-            self._put(_Item("failed", exc))
-
-
-def _request_stream(
-    requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event
-) -> Iterator[pb.StreamRequest]:
-    """The stream's requests. A free function: gRPC's sending thread holds this
-    generator, and a method would keep the whole iterator alive through it."""
-    while not stop.is_set():
-        try:
-            request = requests.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
-        if request is None:
-            return
-        yield request
-
-
-def _cancel(
-    call: Any,
-    stop: threading.Event,
-    requests: queue.Queue[pb.StreamRequest | None],
-    session: ShmSession | None,
-    stream_token: int,
-) -> None:
+def _shutdown(lanes: dict[str, Lane], stop: threading.Event) -> None:
+    """Close every lane and stop the monitor (run by close() or when the iterator is dropped)."""
     stop.set()
-    requests.put(None)
-    call.cancel()
-    if session is not None:
-        session.abandon(stream_token)
+    for lane in list(lanes.values()):
+        lane.close()
+    lanes.clear()
 
 
 class RemoteLoaderIter:
@@ -173,101 +86,341 @@ class RemoteLoaderIter:
 
     def __init__(self, stream: EpochStream) -> None:
         start = stream.start
-        session = stream.session
+        self._stream = stream
+        self._fleet = stream.fleet
+        self._mode = _Mode.ITERABLE if stream.iterable else (_Mode.SHARE if stream.share is not None else _Mode.SPREAD)
         self._timeout = stream.timeout
-        self._iterable = stream.iterable
-        self._auto_collation = stream.auto_collation
         self._length = stream.length
         # The epoch's RNG draws are made (or replayed) already, in torch's order (see loaderd.epoch).
         self._record = start.progress
         self._sampler_iter: Iterator[Any] | None = start.sampler_iter
-        self._base_seed = start.progress.base_seed
-        self._window = stream.window
-        self._stream_token = next(_stream_tokens)
         # Resuming: positions before `start` were consumed in an earlier run.
-        self._planned = start.start
         self._consumed = start.start
-        # Iterable streams: the consumed count last reported to the daemon (it starts from `start`).
-        self._credited = start.start
+        self._planned = start.start
+        self._credited = start.start  # iterable: the consumed count last reported to the daemon
         self._stalled_s = 0.0
-        self._plan_length = stream.plan_length
-        self._plan_done = self._iterable
+        self._plan_done = stream.iterable
         self._finished = False
-        self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
-        self._requests.put(
-            pb.StreamRequest(
-                open=pb.OpenStream(
-                    dataset=stream.dataset,
-                    auto_collation=self._auto_collation,
-                    batch_size=(stream.batch_size or 0) if self._iterable else 0,
-                    drop_last=stream.drop_last,
-                    num_workers=stream.num_workers,
-                    base_seed=self._base_seed,
-                    window=self._window,
-                    session_id=session.session_id if session is not None else 0,
-                    stream_token=self._stream_token,
-                    client=client_name(),
-                    start=start.start,
-                    share=stream.share,
-                )
-            )
-        )
+        self._failure: BaseException | None = None
+        # Map-style positions planned and not yet received: their indices, the lanes asked, and
+        # those waiting for a lane (a heap).
+        self._indices: dict[int, list[int]] = {}
+        self._holders: dict[int, list[Lane]] = {}
+        self._unassigned: list[int] = []
+        self._hedged: set[int] = set()
+        self._asked_at: dict[int, float] = {}  # when a lane was first asked for each outstanding position
+        # Answers that arrived ahead of the caller, by position.
+        self._received: dict[int, tuple[str, Any]] = {}
+        self._end_at: int | None = None  # iterable: the epoch ends at this position
+        self._half_closed = False
+        self._events: queue.Queue[LaneEvent | str] = queue.Queue()
+        self._lanes: dict[str, Lane] = {}
+        self._usable: set[str] = set()
+        self._outage_since: float | None = None
         self._stop = threading.Event()
-        call = stream.connection.stream_batches(_request_stream(self._requests, self._stop))
-        self._receiver = _Receiver(call, stream.pin_memory, stream.address, self._stop, session, self._stream_token)
-        self._receiver.thread.start()
-        # Cancels the stream when the caller drops the iterator (break, del,
-        # exception) without relying on __del__; close() does it explicitly.
-        self._finalizer = weakref.finalize(self, _cancel, call, self._stop, self._requests, session, self._stream_token)
-        stream.connection.track_stream(self._finalizer)
+        # Cancels the streams when the caller drops the iterator (break, del, exception)
+        # without relying on __del__; close() does it explicitly.
+        self._finalizer = weakref.finalize(self, _shutdown, self._lanes, self._stop)
+        monitor = FleetMonitor(self._fleet, functools.partial(self._events.put, _WAKE), self._stop)
+        self._reconcile()
+        monitor.thread.start()
+
+    # ------------------------------------------------------------ lanes
+
+    def _window(self, pool_workers: int) -> int:
+        stream = self._stream
+        return window_size(stream.prefetch_factor, stream.num_workers if stream.iterable else pool_workers)
+
+    def _first_missing(self) -> int:
+        """The first position not received: where a contiguous lane (share, iterable) opens."""
+        position = self._consumed
+        while position in self._received:
+            position += 1
+        return position
+
+    def _open_lane(self, address: str, pool_workers: int) -> Lane | None:
+        stream = self._stream
+        try:
+            session = self._fleet.session_for(address)
+        except Exception as exc:  # its session cannot open now: treat it as down; the monitor asks again
+            self._fleet.mark_down(address, str(exc))
+            return None
+        contiguous = self._mode is not _Mode.SPREAD
+        opening = pb.OpenStream(
+            dataset=stream.dataset,
+            auto_collation=stream.auto_collation,
+            batch_size=(stream.batch_size or 0) if stream.iterable else 0,
+            drop_last=stream.drop_last,
+            num_workers=stream.num_workers,
+            base_seed=self._record.base_seed,
+            window=self._window(pool_workers),
+            client=client_name(),
+            start=self._first_missing() if contiguous else 0,
+            share=stream.share,
+            positioned=not contiguous,
+        )
+        lane = Lane(address, self._fleet.connection(address), session, opening, self._events, stream.pin_memory)
+        self._lanes[address] = lane
+        if self._outage_since is not None:
+            log.warning(
+                "loaderd: streaming %r again, from %s, after %.1fs without a daemon",
+                stream.dataset,
+                address,
+                time.monotonic() - self._outage_since,
+            )
+            self._outage_since = None
+        return lane
+
+    def _drop_lane(self, lane: Lane) -> None:
+        """Close ``lane``; the positions it owed and no other lane holds wait for a lane again."""
+        if lane.closed:
+            return
+        lane.close()
+        del self._lanes[lane.address]  # the open lane to that address is this one (lanes close only here and at the end)
+        moved = 0
+        for position in lane.sent:
+            holders = self._holders.get(position)
+            if holders is None:
+                continue  # received from another lane already
+            if lane in holders:
+                holders.remove(lane)
+            if not holders:
+                heapq.heappush(self._unassigned, position)
+                moved += 1
+        if moved:
+            log.info("loaderd: %d batch(es) of %r owed by %s move to another daemon", moved, self._stream.dataset, lane.address)
+
+    def _reconcile(self) -> None:
+        """Open and close lanes to match the daemons that are usable now, then hand out waiting work."""
+        usable = self._fleet.usable()
+        self._usable = {u.address for u in usable}
+        if self._mode is _Mode.SPREAD:
+            for member in usable:
+                if member.address not in self._lanes:
+                    self._open_lane(member.address, member.pool_workers)
+            if any(address in self._usable for address in self._lanes):
+                # Daemons that drain or left DNS give their work to the others (with none, they keep it).
+                for lane in [lane for address, lane in self._lanes.items() if address not in self._usable]:
+                    self._drop_lane(lane)
+        else:
+            current = next(iter(self._lanes.values()), None)
+            choice = None
+            if usable:
+                # Shares: every consumer computes the same pick. Iterables: spread by client and stream.
+                key = self._stream.share.name if self._stream.share is not None else f"{client_name()}/{id(self)}"
+                choice = rendezvous(key, sorted(self._usable))
+            stay = current is not None and (
+                choice is None or current.address == choice or (self._mode is _Mode.ITERABLE and current.address in self._usable)
+            )
+            if current is not None and not stay:
+                self._drop_lane(current)
+            if not self._lanes and choice is not None:
+                self._open_lane(choice, next(u.pool_workers for u in usable if u.address == choice))
+        if not self._lanes and self._outage_since is None and not self._finished:
+            self._outage_since = time.monotonic()
+            log.warning(
+                "loaderd: no daemon can serve %r now (%s); waiting up to %gs for one (failover_timeout)",
+                self._stream.dataset,
+                self._fleet.report(),
+                self._stream.failover_timeout,
+            )
+        self._dispatch()
 
     # ------------------------------------------------------------ plan
 
-    def _top_up_plan(self) -> None:
-        """Send index batches until the daemon holds ``window`` beyond what was consumed.
+    def _capacity(self) -> int:
+        """How many batches past the caller the plan may run: the sum of the lanes' windows."""
+        lanes = [lane for address, lane in self._lanes.items() if address in self._usable] or list(self._lanes.values())
+        if not lanes:
+            return self._window(1)  # plan a little for when a daemon comes back
+        return sum(lane.window for lane in lanes)
 
-        Called as each batch is asked for. Producing the last batch can exhaust
-        the sampler, and an exhausted RandomSampler draws from its generator once
-        more; torch (num_workers=0) only does that when the caller asks for the
-        last batch. So the last batch, and anything past it, is planned only when
-        asked for: an epoch stopped early leaves the user's generator where torch does.
+    def _top_up(self) -> None:
+        """Plan index batches until the daemons hold a window beyond what was consumed.
+
+        Producing the last batch can exhaust the sampler, and an exhausted
+        RandomSampler draws from its generator once more; torch (num_workers=0)
+        only does that when the caller asks for the last batch. So the last
+        batch, and anything past it, is planned only when asked for: an epoch
+        stopped early leaves the user's generator where torch does.
         """
-        if self._iterable:
-            # An iterable stream's credit: the daemon runs at most `window` batches past
-            # what was reported. Reported every quarter window, not every batch: one
-            # message fewer per batch, and the daemon still keeps >= 3/4 window ahead.
-            if self._consumed - self._credited >= max(1, self._window // 4):
+        if self._mode is _Mode.ITERABLE:
+            # The credit: the daemon runs at most `window` batches past what was reported.
+            # Reported every quarter window, not every batch (one message fewer per batch).
+            lane = next(iter(self._lanes.values()), None)
+            if lane is not None and self._consumed - self._credited >= max(1, lane.window // 4):
                 self._credited = self._consumed
-                self._requests.put(pb.StreamRequest(plan=self._progress()))
+                lane.credit(self._consumed, int(self._stalled_s * 1e6))
             return
         if self._plan_done:
             return
-        batches: list[pb.IndexBatch] = []
-        end = False
         assert self._sampler_iter is not None
-        target = self._consumed + self._window
-        if self._plan_length is not None:
-            last = self._plan_length - 1
+        target = self._consumed + self._capacity()
+        plan_length = self._stream.plan_length
+        if plan_length is not None:
+            last = plan_length - 1
             target = min(target, last if self._consumed < last else self._consumed + 1)
+        auto_collation = self._stream.auto_collation
         while self._planned < target:
             try:
                 item = next(self._sampler_iter)
             except StopIteration:
-                end = True
+                self._plan_done = True
                 break
-            batches.append(pb.IndexBatch(indices=_as_indices(item, self._auto_collation)))
+            position = self._planned
+            self._indices[position] = _as_indices(item, auto_collation)
+            self._holders[position] = []
+            heapq.heappush(self._unassigned, position)
             self._planned += 1
-        if batches or end:
-            plan = self._progress()
-            plan.batches.extend(batches)
-            plan.end = end
-            self._requests.put(pb.StreamRequest(plan=plan))
-        if end:
-            self._plan_done = True
-            self._requests.put(None)  # half-close: nothing more to send
+        self._dispatch()
 
-    def _progress(self) -> pb.PlanBatches:
-        return pb.PlanBatches(consumed=self._consumed, stalled_us=int(self._stalled_s * 1e6))
+    def _dispatch(self) -> None:
+        """Give waiting positions to lanes: a share's one lane takes them all, in order; otherwise each
+        goes to the usable lane with the most room, none beyond its window."""
+        if self._mode is _Mode.ITERABLE:
+            return
+        stalled_us = int(self._stalled_s * 1e6)
+        if self._unassigned and self._lanes:
+            lanes = [lane for address, lane in self._lanes.items() if address in self._usable] or list(self._lanes.values())
+            if self._mode is _Mode.SHARE:
+                lane = lanes[0]
+                batch = [heapq.heappop(self._unassigned) for _ in range(len(self._unassigned))]
+                for position in batch:
+                    self._holders[position].append(lane)
+                lane.send([(p, self._indices[p]) for p in batch], stalled_us)
+            else:
+                groups: dict[Lane, list[int]] = {}
+                now = time.monotonic()
+                while self._unassigned:
+                    best = min(lanes, key=lambda lane: (lane.outstanding + len(groups.get(lane, ()))) / lane.window)
+                    if best.outstanding + len(groups.get(best, ())) >= best.window:
+                        break
+                    position = heapq.heappop(self._unassigned)
+                    groups.setdefault(best, []).append(position)
+                    self._holders[position].append(best)
+                    self._asked_at[position] = now
+                for lane, positions in groups.items():
+                    lane.send([(p, self._indices[p]) for p in positions], stalled_us)
+        self._steal()
+        if self._plan_done and not self._holders and not self._half_closed:
+            # Every batch arrived: let the daemons finish the streams cleanly.
+            self._half_closed = True
+            for lane in self._lanes.values():
+                lane.send([], stalled_us, end=True)
+
+    def _steal(self) -> None:
+        """Ask a lane with room for positions another lane is late with (a hedge; the first answer counts).
+
+        Late: asked longer ago than twice what the idle lane takes to answer. A
+        slow or loaded daemon then delays the epoch by about that, not by its
+        whole window; daemons alike never hedge (nothing is late), so no work
+        is done twice in the steady state.
+        """
+        if self._mode is not _Mode.SPREAD or len(self._lanes) < 2 or self._unassigned:
+            return
+        idle = [
+            lane
+            for address, lane in self._lanes.items()
+            if address in self._usable and lane.answered and lane.outstanding < lane.window
+        ]
+        if not idle:
+            return
+        now = time.monotonic()
+        groups: dict[Lane, list[int]] = {}
+        for position in sorted(self._holders):
+            holders = self._holders[position]
+            if not holders or position in self._hedged:
+                continue
+            candidates = [
+                lane for lane in idle if lane not in holders and lane.outstanding + len(groups.get(lane, ())) < lane.window
+            ]
+            if not candidates:
+                break
+            thief = min(candidates, key=lambda lane: lane.latency)
+            if now - self._asked_at[position] < max(_HEDGE_MIN_S, _HEDGE_FACTOR * thief.latency):
+                continue
+            self._hedged.add(position)
+            holders.append(thief)
+            groups.setdefault(thief, []).append(position)
+        stalled_us = int(self._stalled_s * 1e6)
+        for lane, positions in groups.items():
+            lane.send([(p, self._indices[p]) for p in positions], stalled_us)
+
+    # ------------------------------------------------------------ events
+
+    def _handle(self, event: LaneEvent | str) -> None:
+        if isinstance(event, str):  # _WAKE: the set of daemons changed
+            self._reconcile()
+            return
+        lane = event.lane
+        if lane.closed:
+            return  # a lane this epoch let go of; what it sends is dropped
+        kind = event.kind
+        if kind in ("batch", "error"):
+            position = lane.answer()
+            if self._mode is not _Mode.ITERABLE:
+                if self._holders.pop(position, None) is None:
+                    return  # the other answer to a hedged position: the first one counts
+                self._indices.pop(position, None)
+                self._asked_at.pop(position, None)
+                self._hedged.discard(position)
+            if position >= self._consumed:
+                self._received.setdefault(position, (kind, event.payload))
+            self._dispatch()
+        elif kind == "end":
+            if self._mode is _Mode.ITERABLE:
+                self._end_at = lane.next_position
+        elif kind == "draining":
+            self._fleet.mark_draining(lane.address)
+            self._reconcile()
+        elif kind == "lost":
+            self._fleet.mark_down(lane.address, str(event.payload))
+            self._drop_lane(lane)
+            self._reconcile()
+        elif kind == "failed" and self._failure is None:
+            self._failure = event.payload
+
+    def _epoch_over(self) -> bool:
+        if self._mode is _Mode.ITERABLE:
+            return self._end_at is not None and self._consumed >= self._end_at
+        return self._plan_done and self._consumed >= self._planned
+
+    def _next_answer(self) -> tuple[str, Any]:
+        """The answer for position ``consumed`` ("batch" or "error", payload), or ("end", None)."""
+        started = time.monotonic()
+        while True:
+            answer = self._received.pop(self._consumed, None)
+            if answer is not None:
+                return answer
+            if self._failure is not None:
+                raise self._failure
+            if self._fleet.mismatch is not None:
+                raise self._fleet.mismatch
+            if self._epoch_over():
+                return "end", None
+            now = time.monotonic()
+            waited = now - started
+            if self._outage_since is not None and now - self._outage_since >= self._stream.failover_timeout:
+                raise DaemonUnavailableError(
+                    f"no loaderd could serve {self._stream.dataset!r} for {self._stream.failover_timeout:g}s "
+                    f"(failover_timeout); tried {self._fleet.report()}"
+                )
+            if self._timeout > 0 and waited >= self._timeout:
+                raise BatchTimeoutError(f"RemoteDataLoader timed out after {self._timeout} seconds")
+            self._steal()
+            # Several lanes: look for late positions often (see _steal).
+            poll = _STEAL_POLL_S if self._mode is _Mode.SPREAD and len(self._lanes) > 1 else POLL_S
+            step = poll if self._timeout <= 0 else max(0.001, min(poll, self._timeout - waited))
+            try:
+                event = self._events.get(timeout=step)
+            except queue.Empty:
+                continue
+            self._handle(event)
+            while True:  # whatever else already arrived, before looking again
+                try:
+                    self._handle(self._events.get_nowait())
+                except queue.Empty:
+                    break
 
     # ------------------------------------------------------------ iteration
 
@@ -277,40 +430,31 @@ class RemoteLoaderIter:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
-        self._top_up_plan()
+        self._top_up()
         waiting_since = time.monotonic()
-        item = self._next_item()
-        self._stalled_s += time.monotonic() - waiting_since
-        if item.kind == "end":
+        try:
+            kind, payload = self._next_answer()
+        except BatchTimeoutError:
+            raise  # the caller may ask again
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._stalled_s += time.monotonic() - waiting_since
+        if kind == "end":
             self._record.done = True
             self.close()
             raise StopIteration
-        if item.kind == "failed":
-            self.close()
-            raise item.payload
         self._consumed += 1
         self._record.yielded = self._consumed  # what state_dict() reports (an error counts: it took a position)
-        if item.kind == "error":
-            raise exception_from_remote(item.payload)
-        return item.payload
-
-    def _next_item(self) -> _Item:
-        waited = 0.0
-        while True:
-            step = _POLL_S if self._timeout <= 0 else min(_POLL_S, self._timeout - waited)
-            try:
-                return self._receiver.items.get(timeout=max(step, 0.001))
-            except queue.Empty:
-                waited += step
-            if self._timeout > 0 and waited >= self._timeout:
-                raise BatchTimeoutError(f"RemoteDataLoader timed out after {self._timeout} seconds")
-            if not self._receiver.thread.is_alive() and self._receiver.items.empty():
-                self._finished = True
-                raise DaemonUnavailableError("the stream's receiver stopped without a result")
+        if kind == "error":
+            raise exception_from_remote(payload)
+        return payload
 
     def close(self) -> None:
-        """End the epoch early; the daemon stops working for this stream. Idempotent."""
+        """End the epoch early; the daemons stop working for this stream. Idempotent."""
         self._finished = True
+        self._received.clear()
         self._finalizer()
 
     def __len__(self) -> int:
@@ -326,6 +470,4 @@ def _as_indices(item: Any, auto_collation: bool) -> list[int]:
             return [operator.index(i) for i in item]
         return [operator.index(item)]
     except TypeError:
-        raise TypeError(
-            f"loaderd sends integer indices to the daemon; the sampler produced {item!r}"
-        ) from None
+        raise TypeError(f"loaderd sends integer indices to the daemon; the sampler produced {item!r}") from None

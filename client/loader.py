@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from loaderd.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
-from loaderd.connection import DaemonConnection, get_connection, resolve_address
+from loaderd.addresses import parse_target
 from loaderd.epoch import (
     EpochProgress,
     EpochStart,
@@ -21,11 +22,10 @@ from loaderd.epoch import (
     sized_len,
 )
 from loaderd.epoch_stream import EpochStream
-from loaderd.errors import TransportError
+from loaderd.fleet import Fleet
 from loaderd.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.iterator import RemoteLoaderIter
-from loaderd.plan import build_plan, proxy_dataset, window_size
-from loaderd.session import ShmSession
+from loaderd.plan import build_plan, proxy_dataset
 from loaderd.state import LoaderState
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -88,23 +88,26 @@ class RemoteDataLoader:
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         transport: str = "auto",
+        failover_timeout: float = 60.0,
         rank: int | None = None,
         world_size: int | None = None,
         seed: int | None = None,
         share: str | None = None,
     ) -> None:
         refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
-        check_options(num_workers, timeout, prefetch_factor, transport)
+        check_options(num_workers, timeout, prefetch_factor, transport, failover_timeout)
         distributed = check_distributed(rank, world_size, sampler, batch_sampler)
         check_share(share, generator, seed, distributed)
         del persistent_workers, pin_memory_device, in_order  # DataLoader's, meaningless here (see above)
 
         self.dataset_name = dataset_name
-        self.address = resolve_address(address)
+        target = parse_target(address)
+        self.address = target.text
         self.num_workers = num_workers
         self.timeout = timeout
+        self.failover_timeout = float(failover_timeout)
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
         self.transport = transport
@@ -113,11 +116,11 @@ class RemoteDataLoader:
         self.seed = 0 if seed is None else seed
         self.share = share
         self.generator = generator
-        self._connection: DaemonConnection = get_connection(self.address)
-        described = self._connection.describe(dataset_name)
-        info = described.dataset
+        # The daemons; the first to answer describes the dataset (the others must agree).
+        # transport="shm" where it cannot work fails here, not mid-training.
+        self._fleet = Fleet(target, dataset_name, transport)
+        info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
         self._iterable = info.kind == pb.DatasetInfo.ITERABLE
-        self.pool_workers = described.pool_workers
         check_dataset_fits(dataset_name, info, distributed, share)
 
         if distributed and shuffle is None:
@@ -147,11 +150,9 @@ class RemoteDataLoader:
         # still knows the position after its iterator is gone (a break, a failure).
         self._progress: EpochProgress | None = None
         self._resume: LoaderState | None = None  # armed by load_state_dict for the next __iter__
-        self._window = window_size(prefetch_factor, num_workers if self._iterable else self.pool_workers)
         self._pin = pin_memory and torch.cuda.is_available()
         # Weak: holding the epoch's iterator would keep its stream open after a `break`.
         self._iterator: weakref.ref[RemoteLoaderIter] | None = None
-        self._shm_session()  # transport="shm" where it cannot work fails here, not mid-training
 
     def _make_identity(self, shuffle: bool, length: int | None) -> LoaderIdentity:
         """What decides this loader's batches: shares and ``load_state_dict`` compare its fingerprint."""
@@ -170,17 +171,6 @@ class RemoteDataLoader:
             num_workers=self.num_workers if self._iterable else None,
             share=self.share,
         )
-
-    def _shm_session(self) -> ShmSession | None:
-        """The session to stream through shared memory, or None for plain gRPC."""
-        if self.transport == "grpc":
-            return None
-        session = self._connection.session()
-        if session.shm:
-            return session
-        if self.transport == "shm":
-            raise TransportError(f"transport='shm' cannot work with the daemon at {self.address}: {session.reason}")
-        return None
 
     def __iter__(self) -> RemoteLoaderIter:
         """Start the next epoch (ending the previous one's stream) and stream it from the daemon."""
@@ -220,13 +210,11 @@ class RemoteDataLoader:
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             num_workers=self.num_workers,
-            window=self._window,
+            prefetch_factor=self.prefetch_factor,
             timeout=self.timeout,
+            failover_timeout=self.failover_timeout,
             pin_memory=self._pin,
-            address=self.address,
-            connection=self._connection,
-            # Looked up once an epoch: the connection reopens a session that ended (a daemon restart).
-            session=self._shm_session(),
+            fleet=self._fleet,
             share=self._share_spec(start.progress.epoch),
             iterable=self._iterable,
             plan_length=None if self._iterable else length,

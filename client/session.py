@@ -99,12 +99,16 @@ def _host_register(mapping: mmap.mmap) -> None:
 class ShmSession:
     """A live session with one daemon; ``shm`` says whether the fast path is usable."""
 
-    def __init__(self, stub: Any, address: str) -> None:
+    def __init__(self, stub: Any, address: str, handshake_timeout: float) -> None:
+        """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut)."""
         self.address = address
         self._requests: queue.Queue[pb.SessionRequest | int | None] = queue.Queue()
         self._stop = threading.Event()
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
+        cut = threading.Timer(handshake_timeout, self._call.cancel)
+        cut.daemon = True
+        cut.start()
         try:
             response = next(self._call)
             if response.WhichOneof("kind") == "challenge":
@@ -114,6 +118,8 @@ class ShmSession:
         except grpc.RpcError as exc:
             self.close()
             raise error_from_rpc(exc, address) from None
+        finally:
+            cut.cancel()
         ready = response.ready
         self.session_id = ready.session_id
         self.shm = ready.shm

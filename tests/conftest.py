@@ -116,7 +116,8 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
 
 
 def write_config(directory: Path, datasets: dict[str, Any], **top: Any) -> Path:
-    config = {"python_path": [str(TESTS_DIR)], "datasets": datasets, **top}
+    # A short drain: a test that still holds an iterator must not make every SIGTERM'd daemon wait 30 s.
+    config = {"python_path": [str(TESTS_DIR)], "datasets": datasets, "drain_timeout": 2, **top}
     path = directory / "ds.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -107,8 +107,8 @@ def daemons() -> Iterator[dict[int, RunningDaemon]]:
 # ------------------------------------------------------------------ the training loop
 
 
-def make_loader(address: str, case: Case) -> RemoteDataLoader:
-    kwargs = dict(case.kwargs)
+def make_loader(address: str, case: Case, **extra: Any) -> RemoteDataLoader:
+    kwargs = dict(case.kwargs, **extra)
     if case.generator_seed is not None:
         kwargs["generator"] = torch.Generator().manual_seed(case.generator_seed)
     if case.subset_sampler_seed is not None:
@@ -239,7 +239,8 @@ def test_resume_after_daemon_killed_and_restarted_with_other_pool(start_daemon: 
     expected, expected_rng = uninterrupted(first.address, case)
 
     torch.manual_seed(case.global_seed)
-    loader = make_loader(first.address, case)
+    # No daemon comes back within the failover timeout: the loss shows (else it would wait for one).
+    loader = make_loader(first.address, case, failover_timeout=1.0)
     iterator = iter(loader)
     got = [next(iterator) for _ in range(3)]
     for _ in got:

@@ -592,7 +592,7 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
     n = 2000
     daemon = start_daemon({"mid": ramp_cfg(MID_SHAPE, n)}, python_path=PYTHON_PATH)
     pid = daemon_pid(daemon)
-    loader = RemoteDataLoader("mid", batch_size=MID_BATCH, address=daemon.address, transport="shm")
+    loader = RemoteDataLoader("mid", batch_size=MID_BATCH, address=daemon.address, transport="shm", failover_timeout=1.0)
     want = list(DataLoader(mid_dataset(n), batch_size=MID_BATCH))
     it = iter(loader)
     held = [next(it) for _ in range(5)]
@@ -622,10 +622,11 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
         started = time.monotonic()
         extra = []
         with pytest.raises(loaderd.DaemonUnavailableError):
-            for _ in range(5):
+            for _ in range(20):
                 extra.append(next(it))
         assert time.monotonic() - started < 10, "the client took too long to notice the daemon is gone"
-        assert len(extra) <= 3, f"{len(extra)} more batches from a dead daemon"
+        # What the daemon sent before it died still arrives: at most its window (4 per worker).
+        assert len(extra) <= 8, f"{len(extra)} more batches from a dead daemon"
         for i, batch in enumerate(held + extra):
             assert_same(batch, want[i], f"batch {i} after the daemon died")
 

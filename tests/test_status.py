@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 from loaderd import RemoteDataLoader
-from loaderd.iterator import client_name
+from loaderd.lane import client_name
 from loaderd.v1 import loaderd_pb2 as pb
 
 N = 100

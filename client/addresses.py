@@ -1,0 +1,125 @@
+"""Where a loader finds its daemons: the forms ``address=`` and ``$LOADERD_ADDRESS`` take.
+
+* one address: ``unix:///run/loaderd.sock``, ``unix:relative.sock``, ``host:port``,
+  ``tcp://host:port``, ``[::1]:7070``;
+* several: a list of those, or one string with commas between them;
+* ``dns:///name:port`` (also ``dns:name:port``): every A/AAAA record of
+  ``name`` is a daemon on ``port``, e.g. a Kubernetes headless Service. The
+  name is looked up again while a loader iterates (``Target.resolve``), so
+  daemons that appear get work and ones that vanish lose it.
+
+Parts combine: ``"dns:///loaderd:7070,10.0.0.5:7070"`` is every daemon the
+name resolves to, plus one more.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loaderd.errors import LoaderdError
+
+ADDRESS_ENV = "LOADERD_ADDRESS"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One look-up of a target: the daemons' addresses, and why a DNS part gave none."""
+
+    addresses: tuple[str, ...]
+    problems: tuple[str, ...] = ()
+
+
+def _dns_part(part: str) -> tuple[str, int] | None:
+    """(name, port) of a ``dns:`` part, None for any other; LoaderdError if it is malformed."""
+    if not part.startswith("dns:"):
+        return None
+    rest = part[len("dns:") :]
+    if rest.startswith("//"):
+        rest = rest[2:].split("/", 1)[1] if "/" in rest[2:] else ""  # dns://[authority]/name:port; the authority is ignored
+    name, sep, port = rest.rpartition(":")
+    name = name.strip("[]")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LoaderdError(f"malformed DNS address {part!r}: expected dns:///name:port")
+    return name, int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def lookup(name: str, port: int) -> list[str]:
+    """The daemons' addresses that ``name`` resolves to (A and AAAA records), sorted; OSError if none."""
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return sorted({_join(str(info[4][0]), port) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)})
+
+
+@dataclass(frozen=True)
+class Target:
+    """The daemons a loader may use, as given (``text`` is for messages)."""
+
+    text: str
+    fixed: tuple[str, ...]
+    names: tuple[tuple[str, int], ...]
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the set of daemons can change (a DNS name is part of it)."""
+        return bool(self.names)
+
+    def resolve(self) -> Resolved:
+        """The addresses now: the fixed ones and what each name resolves to (a slow DNS can block here)."""
+        found = list(self.fixed)
+        problems = []
+        for name, port in self.names:
+            try:
+                found.extend(a for a in lookup(name, port) if a not in found)
+            except OSError as exc:
+                problems.append(f"dns:///{name}:{port} did not resolve ({exc.strerror or exc})")
+        return Resolved(tuple(found), tuple(problems))
+
+
+def parse_target(address: str | Sequence[str] | None) -> Target:
+    """``address`` (else ``$LOADERD_ADDRESS``) in any of the module docstring's forms; LoaderdError if empty or malformed."""
+    if address is None or address == "":
+        address = os.environ.get(ADDRESS_ENV, "")
+        if not address:
+            raise LoaderdError(f"no daemon address: pass address=... or set ${ADDRESS_ENV}")
+    if isinstance(address, str):
+        parts = address.split(",")
+        text = address
+    else:
+        if not all(isinstance(a, str) for a in address):
+            raise LoaderdError(f"address: expected a string or a list of strings, got {address!r}")
+        parts = [p for a in address for p in a.split(",")]
+        text = ",".join(address)
+    fixed: list[str] = []
+    names: list[tuple[str, int]] = []
+    for raw in parts:
+        part = raw.strip()
+        if not part:
+            continue
+        dns = _dns_part(part)
+        if dns is not None:
+            if dns not in names:
+                names.append(dns)
+            continue
+        plain = part.removeprefix("tcp://")
+        if plain not in fixed:
+            fixed.append(plain)
+    if not fixed and not names:
+        raise LoaderdError(f"no daemon address in {text!r}")
+    return Target(text=text, fixed=tuple(fixed), names=tuple(names))
+
+
+def single_address(address: str | None) -> str:
+    """One daemon's address for tools that talk to exactly one (``loaderd status``): the first given."""
+    target = parse_target(address)
+    if target.fixed:
+        return target.fixed[0]
+    resolved = target.resolve()
+    if not resolved.addresses:
+        raise LoaderdError("; ".join(resolved.problems) or f"{target.text} names no daemon")
+    return resolved.addresses[0]

@@ -1,0 +1,297 @@
+"""Fleet: the daemons one loader may use, and what it last heard from each.
+
+A loader's ``address=`` names one or more daemons, or a DNS name whose records
+are the daemons (``loaderd.addresses``). The fleet keeps one ``Member`` per
+address: up (it described the loader's dataset and can stream it), or not, and
+why, which is what ``DaemonUnavailableError`` quotes. Every daemon must
+describe the dataset alike (kind, length): the first one heard is the
+reference, and one that disagrees is a ``DaemonMismatchError`` naming both.
+
+Who changes what: the loader's constructor calls ``wait_for_one``; during an
+epoch a ``FleetMonitor`` thread re-resolves DNS names and probes members that
+are not up, and the epoch's iterator marks members down or draining from what
+its streams see. The fleet's lock guards the members; probing happens outside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from loaderd.addresses import Target
+from loaderd.connection import EXITING, DaemonConnection, get_connection
+from loaderd.errors import (
+    DaemonMismatchError,
+    DaemonUnavailableError,
+    LoaderdError,
+    TransportError,
+    error_from_rpc,
+    is_transient,
+    rpc_summary,
+)
+from loaderd.session import ShmSession
+from loaderd.v1 import loaderd_pb2 as pb
+
+log = logging.getLogger("loaderd.fleet")
+
+# How often a member that is down is asked again, and a DNS name looked up again.
+PROBE_INTERVAL_S = 0.1
+RESOLVE_INTERVAL_S = 1.0
+
+
+def dataset_shape(info: pb.DatasetInfo) -> str:
+    """How a daemon serves a dataset, in words: what daemons must agree on."""
+    kind = "an IterableDataset" if info.kind == pb.DatasetInfo.ITERABLE else "map-style"
+    return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
+
+
+def rendezvous(key: str, addresses: list[str]) -> str:
+    """The address that ``key`` lands on among ``addresses`` (highest random weight).
+
+    Every client computes the same answer from the same set, and when one
+    address leaves only the keys that were on it move.
+    """
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{key}\0{a}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class Member:
+    """One daemon address and what the loader knows of it."""
+
+    address: str
+    connection: DaemonConnection
+    up: bool = False
+    draining: bool = False
+    reason: str = "not tried yet"
+    pool_workers: int = 1
+    # Listed by the last look-up (a DNS name's records can drop it).
+    listed: bool = True
+    next_probe: float = 0.0
+
+
+@dataclass(frozen=True)
+class Usable:
+    """A member that is up: where a lane can open, and its pool size (its window follows it)."""
+
+    address: str
+    pool_workers: int
+
+
+@dataclass
+class Fleet:
+    """The members of one loader's target. Thread-safe."""
+
+    target: Target
+    dataset: str
+    # "auto" | "grpc" | "shm": whether lanes stream through a shared-memory session.
+    transport: str
+    members: dict[str, Member] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reference: tuple[str, pb.DatasetInfo] | None = None
+        # Set when a daemon disagrees with the reference: every further use raises it.
+        self.mismatch: DaemonMismatchError | None = None
+        # Why the last daemon that answered cannot serve the loader (no such dataset; transport="shm"
+        # where its shared memory is out of reach): what the constructor raises if no daemon can.
+        self.refusal: LoaderdError | None = None
+        self._problems: tuple[str, ...] = ()
+        self._resolved_at = 0.0
+        self._add(self.target.fixed)
+
+    # ------------------------------------------------------------ membership
+
+    def _add(self, addresses: tuple[str, ...] | list[str]) -> None:
+        for address in addresses:
+            if address not in self.members:
+                self.members[address] = Member(address, get_connection(address))
+
+    def refresh(self, force: bool = False) -> bool:
+        """Look the target's names up again (at most every RESOLVE_INTERVAL_S); True if the member set changed."""
+        if not self.target.dynamic or (not force and time.monotonic() - self._resolved_at < RESOLVE_INTERVAL_S):
+            return False
+        resolved = self.target.resolve()  # outside the lock: DNS can be slow
+        self._resolved_at = time.monotonic()
+        with self._lock:
+            self._problems = resolved.problems
+            if not resolved.addresses and resolved.problems:
+                return False  # a failed look-up says nothing about the daemons: keep what we had
+            listed = set(resolved.addresses)
+            changed = False
+            for address, member in self.members.items():
+                now_listed = address in listed
+                if member.listed != now_listed:
+                    member.listed, changed = now_listed, True
+                    if not now_listed:
+                        member.up, member.reason = False, "no longer listed by DNS"
+            new = [a for a in resolved.addresses if a not in self.members]
+            self._add(new)
+            return changed or bool(new)
+
+    def usable(self) -> list[Usable]:
+        """Members that are up, listed and not draining, in address order."""
+        with self._lock:
+            return [
+                Usable(m.address, m.pool_workers)
+                for m in sorted(self.members.values(), key=lambda m: m.address)
+                if m.up and m.listed and not m.draining
+            ]
+
+    def is_usable(self, address: str) -> bool:
+        with self._lock:
+            member = self.members.get(address)
+            return member is not None and member.up and member.listed and not member.draining
+
+    def mark_down(self, address: str, reason: str) -> None:
+        """A stream to ``address`` broke: probe it again until it answers."""
+        with self._lock:
+            member = self.members.get(address)
+            if member is not None:
+                member.up, member.reason, member.next_probe = False, reason, 0.0
+
+    def mark_draining(self, address: str) -> None:
+        """``address`` said it is draining: no new work goes there; probes find it when it is back."""
+        with self._lock:
+            member = self.members.get(address)
+            if member is not None:
+                member.up, member.draining, member.reason, member.next_probe = False, True, "draining", 0.0
+
+    def report(self) -> str:
+        """What each address said last, for error messages."""
+        with self._lock:
+            parts = [f"{m.address}: {m.reason}" for m in sorted(self.members.values(), key=lambda m: m.address)]
+            parts.extend(self._problems)
+        return "; ".join(parts) or f"{self.target.text} names no daemon"
+
+    # ------------------------------------------------------------ probing
+
+    def probe_due(self) -> bool:
+        """Probe every member that is not up and is due; True if one came up."""
+        now = time.monotonic()
+        with self._lock:
+            due = [m for m in self.members.values() if m.listed and not m.up and m.next_probe <= now]
+        came_up = False
+        for member in due:
+            came_up |= self._probe(member)
+        return came_up
+
+    def _probe(self, member: Member) -> bool:
+        """Ask ``member`` for the dataset (and open its session); True if it is up now."""
+        try:
+            described = member.connection.describe(self.dataset)
+            session = self.session_for(member.address)
+        except grpc.RpcError as exc:
+            transient = is_transient(exc)
+            self._probed(member, False, rpc_summary(exc), transient=transient)
+            if not transient:  # it answered, and said no (no such dataset, ...)
+                self.refusal = error_from_rpc(exc, member.address)
+            return False
+        except TransportError as exc:  # transport="shm" and this daemon's shared memory is out of reach
+            self._probed(member, False, str(exc), transient=False)
+            self.refusal = exc
+            return False
+        except LoaderdError as exc:
+            self._probed(member, False, str(exc), transient=True)
+            return False
+        info = described.dataset
+        with self._lock:
+            if self.reference is None:
+                self.reference = (member.address, info)
+            ref_address, ref = self.reference
+            if ref_address != member.address and (ref.kind, ref.has_length, ref.length) != (info.kind, info.has_length, info.length):
+                self.mismatch = self.mismatch or DaemonMismatchError(
+                    f"daemons disagree about dataset {self.dataset!r}: {ref_address} serves it as {dataset_shape(ref)}, "
+                    f"{member.address} as {dataset_shape(info)}"
+                )
+                member.reason = f"serves {self.dataset!r} as {dataset_shape(info)}"
+                member.next_probe = time.monotonic() + 1.0
+                return False
+            member.pool_workers = max(1, described.pool_workers)
+            member.up, member.draining, member.next_probe = True, False, 0.0
+            member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
+        return True
+
+    def _probed(self, member: Member, up: bool, reason: str, *, transient: bool) -> None:
+        with self._lock:
+            member.up, member.reason = up, reason
+            # A daemon that answers but cannot serve (no such dataset) is asked less often.
+            member.next_probe = time.monotonic() + (PROBE_INTERVAL_S if transient else 1.0)
+
+    def connection(self, address: str) -> DaemonConnection:
+        with self._lock:
+            return self.members[address].connection
+
+    def session_for(self, address: str) -> ShmSession | None:
+        """The shared-memory session to stream from ``address`` through, or None for plain gRPC.
+
+        TransportError where ``transport="shm"`` cannot work with it.
+        """
+        if self.transport == "grpc":
+            return None
+        session = self.members[address].connection.session()
+        if session.shm:
+            return session
+        if self.transport == "shm":
+            raise TransportError(f"transport='shm' cannot work with the daemon at {address}: {session.reason}")
+        return None
+
+    def wait_for_one(self, timeout: float) -> tuple[pb.DatasetInfo, int]:
+        """At the loader's construction: the dataset's description and the first daemon's pool size.
+
+        Probes until a daemon answers, for at most ``timeout`` seconds; then
+        DaemonUnavailableError naming every address and what it said. Daemons
+        that answer in the same round are checked against each other.
+        """
+        deadline = time.monotonic() + timeout
+        self.refresh(force=True)
+        while True:
+            with self._lock:
+                pending = [m for m in self.members.values() if m.listed and not m.up]
+            for member in pending:
+                self._probe(member)
+            if self.mismatch is not None:
+                raise self.mismatch
+            usable = self.usable()
+            if usable and self.reference is not None:
+                return self.reference[1], usable[0].pool_workers
+            if self.refusal is not None:
+                raise self.refusal  # a daemon answered and said no: that, not its absence, is the problem
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailableError(
+                    f"no loaderd serving {self.dataset!r} answered within {timeout:g}s (failover_timeout); "
+                    f"tried {self.report()}"
+                )
+            time.sleep(PROBE_INTERVAL_S)
+            self.refresh()
+
+
+class FleetMonitor:
+    """During an epoch: re-resolves the target and probes members that are down; ``wake`` when one comes up.
+
+    One thread, stopped with ``stop`` (set by the epoch's iterator when it
+    closes, and by its finalizer if the iterator is dropped).
+    """
+
+    def __init__(self, fleet: Fleet, wake: Callable[[], None], stop: threading.Event) -> None:
+        self._fleet = fleet
+        self._wake = wake
+        self._stop = stop
+        self.thread = threading.Thread(target=self._run, name="loaderd-fleet", daemon=True)
+
+    def _run(self) -> None:
+        fleet = self._fleet
+        while not self._stop.wait(PROBE_INTERVAL_S) and not EXITING.is_set():
+            try:
+                changed = fleet.refresh()
+                changed |= fleet.probe_due()
+            except Exception as exc:  # a probe must never take the epoch down with it
+                log.debug("probing daemons failed: %s", exc)
+                changed = True  # let the iterator look (a TransportError shows there)
+            if changed or fleet.mismatch is not None:
+                self._wake()
