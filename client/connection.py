@@ -27,6 +27,11 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
+    # A daemon that stops answering without closing the connection (frozen, its host gone)
+    # is found out within 15 s: the connection breaks and the loader fails over.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 

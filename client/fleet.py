@@ -37,12 +37,16 @@ from loaderd.errors import (
 )
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import MIN_PROTOCOL_REVISION
 
 log = logging.getLogger("loaderd.fleet")
 
-# How often a member that is down is asked again, and a DNS name looked up again.
+# How often a member that is down is asked again, one that is up checked, and a DNS name looked up again.
 PROBE_INTERVAL_S = 0.1
+RECHECK_INTERVAL_S = 2.0
 RESOLVE_INTERVAL_S = 1.0
+# A daemon whose streams break again and again is asked again later each time, up to this.
+MAX_BACKOFF_S = 2.0
 
 
 def dataset_shape(info: pb.DatasetInfo) -> str:
@@ -51,13 +55,18 @@ def dataset_shape(info: pb.DatasetInfo) -> str:
     return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
 
 
-def rendezvous(key: str, addresses: list[str]) -> str:
-    """The address that ``key`` lands on among ``addresses`` (highest random weight).
+def rendezvous_order(key: str, addresses: list[str]) -> list[str]:
+    """``addresses`` in the order ``key`` prefers them (highest random weight first).
 
-    Every client computes the same answer from the same set, and when one
-    address leaves only the keys that were on it move.
+    Every client computes the same order from the same set, and when one
+    address leaves only the keys that were on it move (to their next choice).
     """
-    return max(addresses, key=lambda a: hashlib.blake2b(f"{key}\0{a}".encode(), digest_size=8).digest())
+    return sorted(addresses, key=lambda a: hashlib.blake2b(f"{key}\0{a}".encode(), digest_size=8).digest(), reverse=True)
+
+
+def rendezvous(key: str, addresses: list[str]) -> str:
+    """The address that ``key`` lands on among ``addresses``."""
+    return rendezvous_order(key, addresses)[0]
 
 
 @dataclass
@@ -73,6 +82,10 @@ class Member:
     # Listed by the last look-up (a DNS name's records can drop it).
     listed: bool = True
     next_probe: float = 0.0
+    # Streams to it that broke since one last answered (the backoff before asking it again).
+    losses: int = 0
+    # Why it cannot serve the loader although it answered (no such dataset, too old, transport); None: it could.
+    refused: LoaderdError | None = None
 
 
 @dataclass(frozen=True)
@@ -98,9 +111,6 @@ class Fleet:
         self.reference: tuple[str, pb.DatasetInfo] | None = None
         # Set when a daemon disagrees with the reference: every further use raises it.
         self.mismatch: DaemonMismatchError | None = None
-        # Why the last daemon that answered cannot serve the loader (no such dataset; transport="shm"
-        # where its shared memory is out of reach): what the constructor raises if no daemon can.
-        self.refusal: LoaderdError | None = None
         self._problems: tuple[str, ...] = ()
         self._resolved_at = 0.0
         self._add(self.target.fixed)
@@ -130,6 +140,9 @@ class Fleet:
                     member.listed, changed = now_listed, True
                     if not now_listed:
                         member.up, member.reason = False, "no longer listed by DNS"
+            # Addresses gone from DNS are forgotten once not up (a lane to one keeps its own connection).
+            for address in [a for a, m in self.members.items() if not m.listed and not m.up]:
+                del self.members[address]
             new = [a for a in resolved.addresses if a not in self.members]
             self._add(new)
             return changed or bool(new)
@@ -149,11 +162,21 @@ class Fleet:
             return member is not None and member.up and member.listed and not member.draining
 
     def mark_down(self, address: str, reason: str) -> None:
-        """A stream to ``address`` broke: probe it again until it answers."""
+        """A stream to ``address`` broke: probe it again until it answers, later each time it breaks again
+        without having answered (a daemon that is up but fails every stream is not hammered)."""
         with self._lock:
             member = self.members.get(address)
             if member is not None:
-                member.up, member.reason, member.next_probe = False, reason, 0.0
+                member.losses += 1
+                member.up, member.reason = False, reason
+                member.next_probe = time.monotonic() + min(MAX_BACKOFF_S, PROBE_INTERVAL_S * 2 ** (member.losses - 1))
+
+    def mark_answering(self, address: str) -> None:
+        """A stream to ``address`` delivered: it is healthy again (no backoff)."""
+        with self._lock:
+            member = self.members.get(address)
+            if member is not None:
+                member.losses = 0
 
     def mark_draining(self, address: str) -> None:
         """``address`` said it is draining: no new work goes there; probes find it when it is back."""
@@ -172,32 +195,39 @@ class Fleet:
     # ------------------------------------------------------------ probing
 
     def probe_due(self) -> bool:
-        """Probe every member that is not up and is due; True if one came up."""
+        """Probe every member that is due (down ones often, up ones now and then); True if one came up or went down."""
         now = time.monotonic()
         with self._lock:
-            due = [m for m in self.members.values() if m.listed and not m.up and m.next_probe <= now]
-        came_up = False
+            due = [m for m in self.members.values() if m.listed and m.next_probe <= now]
+        changed = False
         for member in due:
-            came_up |= self._probe(member)
-        return came_up
+            was_up = member.up
+            changed |= self._probe(member) != was_up
+        return changed
 
     def _probe(self, member: Member) -> bool:
         """Ask ``member`` for the dataset (and open its session); True if it is up now."""
         try:
             described = member.connection.describe(self.dataset)
+            if described.protocol_revision < MIN_PROTOCOL_REVISION:
+                self._probed(
+                    member,
+                    f"runs an older loaderd (protocol revision {described.protocol_revision}; this client needs "
+                    f"{MIN_PROTOCOL_REVISION}): upgrade the daemons before the clients",
+                    refused=True,
+                )
+                return False
             session = self.session_for(member.address)
         except grpc.RpcError as exc:
             transient = is_transient(exc)
-            self._probed(member, False, rpc_summary(exc), transient=transient)
-            if not transient:  # it answered, and said no (no such dataset, ...)
-                self.refusal = error_from_rpc(exc, member.address)
+            # Not transient: it answered, and said no (no such dataset, ...).
+            self._probed(member, rpc_summary(exc), refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
             return False
         except TransportError as exc:  # transport="shm" and this daemon's shared memory is out of reach
-            self._probed(member, False, str(exc), transient=False)
-            self.refusal = exc
+            self._probed(member, str(exc), refused=True, error=exc)
             return False
         except LoaderdError as exc:
-            self._probed(member, False, str(exc), transient=True)
+            self._probed(member, str(exc), refused=False)
             return False
         info = described.dataset
         with self._lock:
@@ -213,15 +243,17 @@ class Fleet:
                 member.next_probe = time.monotonic() + 1.0
                 return False
             member.pool_workers = max(1, described.pool_workers)
-            member.up, member.draining, member.next_probe = True, False, 0.0
+            member.up, member.draining, member.refused = True, False, None
+            member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
         return True
 
-    def _probed(self, member: Member, up: bool, reason: str, *, transient: bool) -> None:
+    def _probed(self, member: Member, reason: str, *, refused: bool, error: LoaderdError | None = None) -> None:
+        """``member`` did not come up: why, and when to ask again (a daemon that answered no: less often)."""
         with self._lock:
-            member.up, member.reason = up, reason
-            # A daemon that answers but cannot serve (no such dataset) is asked less often.
-            member.next_probe = time.monotonic() + (PROBE_INTERVAL_S if transient else 1.0)
+            member.up, member.reason = False, reason
+            member.refused = (error or LoaderdError(f"loaderd at {member.address} {reason}")) if refused else None
+            member.next_probe = time.monotonic() + (1.0 if refused else PROBE_INTERVAL_S)
 
     def connection(self, address: str) -> DaemonConnection:
         with self._lock:
@@ -260,8 +292,11 @@ class Fleet:
             usable = self.usable()
             if usable and self.reference is not None:
                 return self.reference[1], usable[0].pool_workers
-            if self.refusal is not None:
-                raise self.refusal  # a daemon answered and said no: that, not its absence, is the problem
+            with self._lock:
+                listed = [m for m in self.members.values() if m.listed]
+                refusals = [m.refused for m in listed if m.refused is not None]
+            if listed and len(refusals) == len(listed):
+                raise refusals[0]  # every daemon answered and said no: that, not their absence, is the problem
             if time.monotonic() >= deadline:
                 raise DaemonUnavailableError(
                     f"no loaderd serving {self.dataset!r} answered within {timeout:g}s (failover_timeout); "

@@ -49,7 +49,7 @@ from typing import Any
 
 from loaderd.epoch_stream import EpochStream
 from loaderd.errors import BatchTimeoutError, DaemonUnavailableError, exception_from_remote
-from loaderd.fleet import FleetMonitor, rendezvous
+from loaderd.fleet import FleetMonitor, rendezvous_order
 from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
 from loaderd.plan import window_size
 from loaderd.v1 import loaderd_pb2 as pb
@@ -116,7 +116,12 @@ class RemoteLoaderIter:
         self._events: queue.Queue[LaneEvent | str] = queue.Queue()
         self._lanes: dict[str, Lane] = {}
         self._usable: set[str] = set()
-        self._outage_since: float | None = None
+        # An outage: from the moment no lane is open until some lane answers. Its clock runs only
+        # while no lane is open (a daemon working through a long replay is not an outage), and a
+        # lane that opens and breaks without answering does not end it.
+        self._outage = False
+        self._outage_since: float | None = None  # the current stretch without an open lane
+        self._outage_s = 0.0  # earlier stretches of this outage
         self._stop = threading.Event()
         # Cancels the streams when the caller drops the iterator (break, del, exception)
         # without relying on __del__; close() does it explicitly.
@@ -162,14 +167,22 @@ class RemoteLoaderIter:
         lane = Lane(address, self._fleet.connection(address), session, opening, self._events, stream.pin_memory)
         self._lanes[address] = lane
         if self._outage_since is not None:
-            log.warning(
-                "loaderd: streaming %r again, from %s, after %.1fs without a daemon",
-                stream.dataset,
-                address,
-                time.monotonic() - self._outage_since,
-            )
+            self._outage_s += time.monotonic() - self._outage_since
             self._outage_since = None
         return lane
+
+    def _answered(self, lane: Lane) -> None:
+        """``lane`` delivered something: its daemon is healthy, and an outage is over."""
+        if lane.answered == 1:
+            self._fleet.mark_answering(lane.address)
+        if self._outage:
+            log.warning("loaderd: streaming %r again, from %s", self._stream.dataset, lane.address)
+            self._outage, self._outage_since, self._outage_s = False, None, 0.0
+
+    def _outage_s_now(self) -> float:
+        """How long this outage has gone without an open lane."""
+        running = time.monotonic() - self._outage_since if self._outage_since is not None else 0.0
+        return self._outage_s + running
 
     def _drop_lane(self, lane: Lane) -> None:
         """Close ``lane``; the positions it owed and no other lane holds wait for a lane again."""
@@ -184,6 +197,7 @@ class RemoteLoaderIter:
                 continue  # received from another lane already
             if lane in holders:
                 holders.remove(lane)
+                self._hedged.discard(position)  # whoever holds it now may be hedged again
             if not holders:
                 heapq.heappush(self._unassigned, position)
                 moved += 1
@@ -204,26 +218,29 @@ class RemoteLoaderIter:
                     self._drop_lane(lane)
         else:
             current = next(iter(self._lanes.values()), None)
-            choice = None
-            if usable:
-                # Shares: every consumer computes the same pick. Iterables: spread by client and stream.
-                key = self._stream.share.name if self._stream.share is not None else f"{client_name()}/{id(self)}"
-                choice = rendezvous(key, sorted(self._usable))
+            # Shares: every consumer computes the same order. Iterables: spread by client and stream.
+            key = self._stream.share.name if self._stream.share is not None else f"{client_name()}/{id(self)}"
+            order = rendezvous_order(key, sorted(self._usable))
             stay = current is not None and (
-                choice is None or current.address == choice or (self._mode is _Mode.ITERABLE and current.address in self._usable)
+                not order or current.address == order[0] or (self._mode is _Mode.ITERABLE and current.address in self._usable)
             )
             if current is not None and not stay:
                 self._drop_lane(current)
-            if not self._lanes and choice is not None:
-                self._open_lane(choice, next(u.pool_workers for u in usable if u.address == choice))
-        if not self._lanes and self._outage_since is None and not self._finished:
-            self._outage_since = time.monotonic()
-            log.warning(
-                "loaderd: no daemon can serve %r now (%s); waiting up to %gs for one (failover_timeout)",
-                self._stream.dataset,
-                self._fleet.report(),
-                self._stream.failover_timeout,
-            )
+            workers = {u.address: u.pool_workers for u in usable}
+            for address in order:  # the first choice, else the next one that opens
+                if self._lanes or self._open_lane(address, workers[address]) is not None:
+                    break
+        if not self._lanes and not self._finished:
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
+            if not self._outage:
+                self._outage = True
+                log.warning(
+                    "loaderd: no daemon can serve %r now (%s); waiting up to %gs for one (failover_timeout)",
+                    self._stream.dataset,
+                    self._fleet.report(),
+                    self._stream.failover_timeout,
+                )
         self._dispatch()
 
     # ------------------------------------------------------------ plan
@@ -331,11 +348,12 @@ class RemoteLoaderIter:
             holders = self._holders[position]
             if not holders or position in self._hedged:
                 continue
-            candidates = [
-                lane for lane in idle if lane not in holders and lane.outstanding + len(groups.get(lane, ())) < lane.window
-            ]
-            if not candidates:
+            room = [lane for lane in idle if lane.outstanding + len(groups.get(lane, ())) < lane.window]
+            if not room:
                 break
+            candidates = [lane for lane in room if lane not in holders]
+            if not candidates:
+                continue
             thief = min(candidates, key=lambda lane: lane.latency)
             if now - self._asked_at[position] < max(_HEDGE_MIN_S, _HEDGE_FACTOR * thief.latency):
                 continue
@@ -356,6 +374,8 @@ class RemoteLoaderIter:
         if lane.closed:
             return  # a lane this epoch let go of; what it sends is dropped
         kind = event.kind
+        if kind in ("batch", "error", "end"):
+            self._answered(lane)
         if kind in ("batch", "error"):
             position = lane.answer()
             if self._mode is not _Mode.ITERABLE:
@@ -400,7 +420,7 @@ class RemoteLoaderIter:
                 return "end", None
             now = time.monotonic()
             waited = now - started
-            if self._outage_since is not None and now - self._outage_since >= self._stream.failover_timeout:
+            if self._outage and self._outage_s_now() >= self._stream.failover_timeout:
                 raise DaemonUnavailableError(
                     f"no loaderd could serve {self._stream.dataset!r} for {self._stream.failover_timeout:g}s "
                     f"(failover_timeout); tried {self._fleet.report()}"
@@ -456,6 +476,11 @@ class RemoteLoaderIter:
         self._finished = True
         self._received.clear()
         self._finalizer()
+        while True:  # what lanes sent meanwhile holds batches (and shared-memory leases): let it go
+            try:
+                self._events.get_nowait()
+            except queue.Empty:
+                break
 
     def __len__(self) -> int:
         """``len(loader)``; a TypeError where the loader has no length, as torch's iterator."""

@@ -30,7 +30,7 @@ import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.connection import DaemonConnection
-from loaderd.errors import LoaderdError, error_from_rpc, is_transient, rpc_summary
+from loaderd.errors import LoaderdError, TransportError, error_from_rpc, is_transient, rpc_summary
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, view_batch
@@ -150,8 +150,9 @@ class Lane:
         """Tell an iterable lane how far the caller got (its credit), or any lane how long it waited."""
         self._requests.put(pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=stalled_us)))
 
-    def answer(self) -> int | None:
-        """The position the lane's next answer is for; its latency is noted. None for a contiguous lane without a plan (iterable)."""
+    def answer(self) -> int:
+        """The position the lane's next answer is for (sent positions in order; an iterable lane counts on
+        from ``start``); its latency is noted."""
         if not self.sent:
             position = self.next_position
             self.next_position += 1
@@ -212,7 +213,11 @@ class _Receiver:
                 if kind == "batch" and header is not None and header.HasField("slot"):
                     if self._session is None:
                         raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
-                    view = self._session.lease_view(header.slot, header.payload_bytes, self._token, self._pin)
+                    try:
+                        view = self._session.lease_view(header.slot, header.payload_bytes, self._token, self._pin)
+                    except TransportError as exc:  # the slot is gone: its daemon died (and a new one swept it)
+                        self._post("lost", str(exc))
+                        return
                     batch = self._finish(view_batch(header, view))
                     del view  # the batch's tensors now hold the lease
                     self._post("batch", batch)

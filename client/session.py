@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from loaderd.errors import TransportError, error_from_rpc
+from loaderd.errors import LoaderdError, TransportError, error_from_rpc
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import SHM_DIR, is_segment_name
 
@@ -115,6 +115,9 @@ class ShmSession:
                 token, problem = _read_probe(response.challenge.path)
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
                 response = next(self._call)
+        except StopIteration:  # the daemon ended the call without a reply
+            self.close()
+            raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
         except grpc.RpcError as exc:
             self.close()
             raise error_from_rpc(exc, address) from None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from loaderd.errors import clip
 from loaderd.server.tasks import DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 
 class UnknownDatasetError(LookupError):
@@ -39,7 +40,9 @@ class Catalog:
         return meta
 
     def describe(self, name: str) -> pb.DescribeDatasetResponse:
-        return pb.DescribeDatasetResponse(dataset=dataset_info(name, self.lookup(name)), pool_workers=self.pool_size)
+        return pb.DescribeDatasetResponse(
+            dataset=dataset_info(name, self.lookup(name)), pool_workers=self.pool_size, protocol_revision=PROTOCOL_REVISION
+        )
 
     def listing(self) -> pb.ListDatasetsResponse:
         return pb.ListDatasetsResponse(

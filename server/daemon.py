@@ -240,6 +240,10 @@ class Daemon:
                 # A batch header carries up to MAX_HEADER_BYTES of structure plus a data chunk.
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # Clients ping every 10 s to notice a frozen daemon (client/connection.py); allow it,
+                # also on a connection whose only call (a session) carries no data.
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
         self._serve(self.server)

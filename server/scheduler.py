@@ -568,7 +568,7 @@ class Scheduler:
         if isinstance(task, IterTask):
             what = f"batch {task.batch_index} of replica {task.replica}"
         else:
-            what = f"batch {task.seq} (indices {clip(str(list(task.indices) if isinstance(task.indices, tuple) else task.indices), 200)})"
+            what = f"batch {task.seq if task.position < 0 else task.position} (indices {clip(str(list(task.indices) if isinstance(task.indices, tuple) else task.indices), 200)})"
         exc = BatchTimeoutError(
             f"{what} of dataset {task.dataset!r} ran {ran:.1f}s, past its task_timeout of {limit:g}s; "
             "its pool worker was killed and replaced, and the loader goes on with the next batch"

@@ -337,3 +337,20 @@ def test_a_slow_daemon_gets_less_and_does_not_hold_the_epoch_back() -> None:
         assert sluggish < quick / 2, (quick, sluggish)
         # The slow daemon alone would take 150 batches x 4 x 30 ms / 2 workers = 9 s.
         assert took < 2 * fast_alone + 0.5, f"the epoch took {took:.1f}s (fast alone {fast_alone:.1f}s): the slow daemon held it back"
+
+
+@pytest.mark.timeout(120)
+def test_an_iterable_moves_past_a_spare_that_died_unnoticed() -> None:
+    """The daemon streaming an iterable dies after a spare did: the loader skips the dead spare."""
+    with cluster(DATASETS, 3) as group:
+        want = list(RemoteDataLoader("stream", batch_size=3, num_workers=2, generator=seeded(13), address=group.addresses))
+        loader = RemoteDataLoader("stream", batch_size=3, num_workers=2, generator=seeded(13), address=group.addresses)
+        iterator = iter(loader)
+        got = [next(iterator) for _ in range(4)]
+        (serving,) = [m for m in group.members if any(s.dataset == "stream" for s in daemon_status(m.address).streams)]
+        spares = [m for m in group.members if m is not serving]
+        spares[0].kill()
+        serving.kill()
+        got.extend(iterator)
+        assert_same_batches(got, want)
+        assert spares[1].delivered() > 0

@@ -5,6 +5,10 @@ from __future__ import annotations
 # The largest gRPC message either side accepts. Data chunks are far smaller
 # (``chunk_bytes``, 4 MiB by default); this bounds headers and plans.
 MAX_MESSAGE_BYTES = 64 << 20
+# DescribeDatasetResponse.protocol_revision this code speaks; a client refuses daemons below
+# MIN_PROTOCOL_REVISION (an older daemon would ignore a batch's position and seed it wrongly).
+PROTOCOL_REVISION = 2
+MIN_PROTOCOL_REVISION = 2
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)
 # its header still fits in one message.

@@ -46,12 +46,14 @@ class DescribeDatasetRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "pool_workers")
+    __slots__ = ("dataset", "pool_workers", "protocol_revision")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     POOL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_REVISION_FIELD_NUMBER: _ClassVar[int]
     dataset: DatasetInfo
     pool_workers: int
-    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ...) -> None: ...
+    protocol_revision: int
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
     __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned")
