@@ -221,6 +221,7 @@ class _Receiver:
                     batch = self._finish(view_batch(header, view))
                     del view  # the batch's tensors now hold the lease
                     self._post("batch", batch)
+                    batch = None  # this frame must not keep the batch (and its slot) alive
                     continue
                 if kind == "batch" and header is not None:
                     assembler = BatchAssembler(header, pin_memory=self._pin)
@@ -242,6 +243,7 @@ class _Receiver:
                 if assembler is not None and assembler.complete:
                     batch, assembler = self._finish(assembler.build()), None
                     self._post("batch", batch)
+                    batch = None
             self._post("lost", "ended the stream early")
         except grpc.RpcError as exc:
             if is_transient(exc):
@@ -250,3 +252,7 @@ class _Receiver:
                 self._post("failed", error_from_rpc(exc, self._address))
         except Exception as exc:  # a decoding error: surface it to the caller
             self._post("failed", exc)
+        finally:
+            # The failed call is the exception, whose traceback holds this frame, which holds
+            # self: without this the cycle (and anything it reaches) waits for the collector.
+            self._call = None

@@ -7,7 +7,9 @@ reports no loader problem; the numbers mean nothing. The memory part and the
 other two run side by side (each has its own daemon and clients) to stay fast.
 bench_soak.py runs as its own process, from its command line: it SIGKILLs client
 processes that come from a fork server of its own. bench_fuzz.py runs in this
-process on a few hundred fuzzed calls.
+process on a few hundred fuzzed calls. bench_failover.py --quick runs as its own
+process too: it SIGKILLs and restarts real daemons, and its soak clients come from
+its own fork server.
 """
 
 from __future__ import annotations
@@ -122,3 +124,46 @@ def test_fuzz_bench_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None
         assert row in out, out
     assert code == 0, out
     assert "ERROR" not in out, out
+
+
+FAILOVER = Path(__file__).resolve().parent / "bench" / "bench_failover.py"
+
+
+@pytest.mark.timeout(420)
+def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
+    """bench_failover.py --quick --parts failover,soak on toy sizes (the scale part, four daemons started
+    for a throughput figure, is left out to keep the suite short; it shares their code)."""
+    bench = subprocess.Popen(
+        [sys.executable, str(FAILOVER), "--quick", "--parts", "failover,soak"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = bench.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)  # the bench stops its daemons and kills its clients
+        try:
+            out, err = bench.communicate(timeout=30)
+        finally:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        raise AssertionError(f"the failover bench did not finish within 360 s:\n{out}\n{err[-4000:]}") from None
+    # A failover over 1 s, a soak metric that grew or any loader problem fails the test.
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    for row in (
+        "| (a) kill: SIGKILL -> first batch the killed daemon owed arrives, from the other daemon | 1 |",
+        "| (b) restart: restarted daemon answers SERVING -> the blocked next() returns | 1 | 1 |",
+        "#### soak (a): one client, 1 SIGKILL + restart cycles of its daemon",
+        "#### soak (b): 3 clients over 3 daemons",
+        "| start |",
+        "| end |",
+        "| daemon open fds |",
+        "| client open fds, segment mappings aside |",
+        "| client sessions of killed daemons still alive |",
+        "| /dev/shm entries left by killed daemons |",
+        "| processes of killed daemons still alive |",
+        "No loader errors, hangs or wrong batches were seen.",
+    ):
+        assert row in out, out
+    assert re.search(r"^\| 1 \| \d+/100 \| [\d.]+ \| \d+ \| yes \| [\d.]+ \| same \|$", out, re.M), out
+    soaks = re.findall(r"epochs: (\d+), equal to torch's: (\d+); batches received [\d,]+, lost 0, duplicated or foreign 0", out)
+    assert len(soaks) == 2 and all(int(n) > 0 and n == same for n, same in soaks), out

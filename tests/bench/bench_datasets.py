@@ -118,3 +118,32 @@ def count_calls(count_dir: str | Path) -> int:
         return sum(entry.stat().st_size for entry in os.scandir(count_dir) if entry.is_file())
     except FileNotFoundError:
         return 0
+
+
+# ---------------------------------------------------------------- failover (bench_failover.py)
+
+
+class Sleepy(Dataset):
+    """Item ``i`` sleeps ``delay`` seconds, then is ``dim`` float32 values equal to ``i``.
+
+    Sleep-bound: the pool's workers, not the CPUs, limit throughput, so N daemons can
+    give N times one daemon's batches/s on a 2-core machine. With the default ``dim``
+    (32 KiB per item) a batch of 4 is 128 KiB, over the 64 KiB inline threshold, so it
+    travels in a shared-memory slot. ``delay=0`` gives the same items at once (the
+    oracle's copy).
+    """
+
+    def __init__(self, n: int = 1000, delay: float = 0.004, dim: int = 8192) -> None:
+        self.n = n
+        self.delay = delay
+        self.dim = dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:
+            raise IndexError(f"Sleepy index {i} out of range for {self.n} items")
+        if self.delay > 0:
+            time.sleep(self.delay)
+        return torch.full((self.dim,), float(i), dtype=torch.float32)
