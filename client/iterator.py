@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaderd.epoch_stream import EpochStream
-from loaderd.errors import BatchTimeoutError, DaemonUnavailableError, exception_from_remote
+from loaderd.errors import BatchTimeoutError, DaemonMismatchError, DaemonUnavailableError, exception_from_remote
 from loaderd.fleet import FleetMonitor, rendezvous_order
 from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
 from loaderd.plan import window_size
@@ -412,10 +412,13 @@ class RemoteLoaderIter:
             answer = self._received.pop(self._consumed, None)
             if answer is not None:
                 return answer
+            # Raised, not kept: an exception this object holds would hold its traceback, whose
+            # frames hold this object (a cycle that keeps batches alive until the collector runs).
             if self._failure is not None:
-                raise self._failure
+                failure, self._failure = self._failure, None
+                raise failure
             if self._fleet.mismatch is not None:
-                raise self._fleet.mismatch
+                raise DaemonMismatchError(str(self._fleet.mismatch))
             if self._epoch_over():
                 return "end", None
             now = time.monotonic()
@@ -436,6 +439,7 @@ class RemoteLoaderIter:
             except queue.Empty:
                 continue
             self._handle(event)
+            del event  # a batch it carries must not live on in this frame (a traceback would keep it)
             while True:  # whatever else already arrived, before looking again
                 try:
                     self._handle(self._events.get_nowait())

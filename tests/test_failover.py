@@ -46,6 +46,9 @@ def run(batches: Iterable[Any], events: dict[int, Callable[[], None]]) -> list[A
     return got
 
 
+_restarts: list[threading.Timer] = []  # restarts still under way in the background
+
+
 def kill_and_restart(member: Any, down_for: float = 0.0) -> Callable[[], None]:
     """SIGKILL the daemon, start it again on the same address (after ``down_for`` s, in the background)."""
 
@@ -54,7 +57,9 @@ def kill_and_restart(member: Any, down_for: float = 0.0) -> Callable[[], None]:
         if down_for <= 0:
             member.start()
         else:
-            threading.Timer(down_for, member.start).start()
+            timer = threading.Timer(down_for, member.start)
+            _restarts.append(timer)
+            timer.start()
 
     return event
 
@@ -66,6 +71,8 @@ def one() -> Any:
 
 
 def restart_if_down(group: Cluster) -> None:
+    while _restarts:  # a background restart finishes first (it would race a start here)
+        _restarts.pop().join(90)
     for member in group.members:
         if not member.running:
             member.start()

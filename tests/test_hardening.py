@@ -4,6 +4,7 @@ starves the other tenants or loses their data. Each test is a case that broke th
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import signal
@@ -333,5 +334,9 @@ def test_an_idle_pool_gives_its_shared_memory_back(daemon: RunningDaemon) -> Non
     segments = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "probe" not in n]  # noqa: E731
     assert segments(), "the epoch left no segment to give back: the test is broken"
     del kept
+    # After tests/test_failover.py in the same process, a batch of this epoch stayed referenced
+    # until the collector ran (a client-side reference cycle, not pinned down yet: see issue 10's
+    # note). This test is about the daemon giving memory back once the client lets go.
+    gc.collect()
     wait_for(lambda: not segments(), 60, "idle workers to remove their segments")
     squares_epoch_is_right(daemon, "shm")
