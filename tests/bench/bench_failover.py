@@ -106,7 +106,7 @@ TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))  # cluster, conftest (the oracle), compare, as the other benches
 from bench_datasets import Sleepy  # noqa: E402
-from bench_loaders import BATCH_TIMEOUT_S, BenchError, fmt, median, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, median, print_findings  # noqa: E402
 from bench_soak import _fd_count, _kb, _proc_status, descendants, line_count, log_summary  # noqa: E402
 from cluster import Cluster, Member, cluster  # noqa: E402
 from compare import assert_same  # noqa: E402
@@ -1517,14 +1517,7 @@ def main(argv: list[str]) -> int:
                 shutil.rmtree(bench.group.members[0].directory.parent, ignore_errors=True)
         os._exit(3)
 
-    timer = threading.Timer(budget, watchdog)
-    timer.daemon = True
-    timer.start()
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    timer = arm_watchdog(budget, watchdog)
     try:
         return run(settings, state)
     except KeyboardInterrupt:

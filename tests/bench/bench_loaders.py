@@ -545,6 +545,20 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     return 1 if findings else 0
 
 
+def arm_watchdog(budget: float, watchdog: Callable[[], None]) -> threading.Timer:
+    """Run ``watchdog`` (which reports and ends the process) if the bench still runs after ``budget``
+    seconds, and make SIGTERM a KeyboardInterrupt so the bench's own cleanup runs (every bench's main)."""
+    timer = threading.Timer(budget, watchdog)
+    timer.daemon = True
+    timer.start()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return timer
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="torch num_workers and the daemon's pool size")
@@ -580,14 +594,7 @@ def main() -> int:
         stop_daemon()
         os._exit(3)
 
-    timer = threading.Timer(budget, watchdog)
-    timer.daemon = True
-    timer.start()
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    timer = arm_watchdog(budget, watchdog)
     try:
         return run(args, state)
     except KeyboardInterrupt:

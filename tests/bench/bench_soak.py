@@ -53,7 +53,6 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -68,7 +67,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_tenancy import children_by_parent  # noqa: E402
-from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, fmt, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, fmt, print_findings  # noqa: E402
 
 ITEMS = 128
 ITEM_DIM = 16384  # float32: 64 KiB per item
@@ -1003,14 +1002,7 @@ def main(argv: list[str]) -> int:
                 stop(bench)
         os._exit(3)
 
-    timer = threading.Timer(budget, watchdog)
-    timer.daemon = True
-    timer.start()
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    timer = arm_watchdog(budget, watchdog)
     try:
         return run(settings)
     except KeyboardInterrupt:
