@@ -10,9 +10,8 @@ daemon sees the session end and takes every lease back.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -23,9 +22,11 @@ from typing import Any
 
 import grpc
 
+from loaderd.copy_fence import CopyFence
 from loaderd.errors import LoaderdError, TransportError, error_from_rpc
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import SHM_DIR, is_segment_name
+from loaderd.wire.mapping import SharedMapping
 
 log = logging.getLogger("loaderd.session")
 
@@ -46,22 +47,25 @@ class SegmentMaps:
     """This process's mappings of daemon segments, opened once each."""
 
     def __init__(self) -> None:
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._maps: OrderedDict[str, SharedMapping] = OrderedDict()
         self._pinned: set[str] = set()
         self._lock = threading.Lock()
 
-    def get(self, name: str, size: int, pin: bool = False) -> mmap.mmap:
+    def get(self, name: str, size: int, pin: bool = False) -> memoryview:
+        """A view of segment ``name`` (at least ``size`` bytes); with ``pin``, page-locked for CUDA once."""
         if not is_segment_name(name):
             raise TransportError(f"refusing shared-memory name {name!r}")
         with self._lock:
             mapping = self._maps.get(name)
-            if mapping is None or len(mapping) < size:
+            if mapping is None or mapping.size < size:
                 try:
                     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
                 except OSError as exc:
                     raise TransportError(f"cannot open the daemon's shared-memory slot {name}: {exc.strerror}") from None
                 try:
-                    mapping = mmap.mmap(fd, size)
+                    mapping = SharedMapping(fd, size, writable=True)
+                except OSError as exc:
+                    raise TransportError(f"cannot map the daemon's shared-memory slot {name}: {exc.strerror}") from None
                 finally:
                     os.close(fd)
                 self._maps[name] = mapping
@@ -74,7 +78,7 @@ class SegmentMaps:
             if pin and name not in self._pinned:
                 _host_register(mapping)
                 self._pinned.add(name)
-            return mapping
+            return mapping.view
 
     def forget(self, names: Iterable[str], prefixes: Iterable[str]) -> None:
         """Drop mappings of segments the daemon removed (each unmaps once no tensor views it)."""
@@ -86,14 +90,25 @@ class SegmentMaps:
                 self._pinned.discard(name)
 
 
-def _host_register(mapping: mmap.mmap) -> None:
-    """Page-lock a mapping once for CUDA, so views of it are pinned without a copy per batch."""
+def _host_register(mapping: SharedMapping) -> None:
+    """Page-lock a mapping once for CUDA, so views of it are pinned without a copy per batch.
+
+    It is unregistered when the mapping goes, before it is unmapped (see ``loaderd.wire.mapping``)."""
     import torch
 
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    err = torch.cuda.cudart().cudaHostRegister(address, len(mapping), 0)
+    err = torch.cuda.cudart().cudaHostRegister(mapping.address, mapping.size, 0)
     if int(err) != 0:
         log.warning("cudaHostRegister failed (%s); pinned batches will be copied", err)
+        return
+    mapping.before_unmap(_host_unregister)
+
+
+def _host_unregister(address: int, size: int) -> None:
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(err) != 0:
+        log.warning("cudaHostUnregister of a %d-byte slot failed (%s)", size, err)
 
 
 class ShmSession:
@@ -128,6 +143,7 @@ class ShmSession:
         self.shm = ready.shm
         self.reason = ready.reason
         self.maps = SegmentMaps()
+        self._fence = CopyFence()
         # Leases this process turned into batches and has not released: lease -> stream token.
         self._claimed: dict[int, int] = {}
         self._claimed_lock = threading.Lock()
@@ -181,10 +197,14 @@ class ShmSession:
 
     def lease_view(self, handle: pb.SlotHandle, nbytes: int, stream_token: int, pin: bool = False) -> memoryview:
         """A view of a leased slot that releases the lease when the last tensor viewing it dies."""
-        view = memoryview(self.maps.get(handle.name, handle.size, pin))[:nbytes]
+        view = self.maps.get(handle.name, handle.size, pin)[:nbytes]
         with self._claimed_lock:
             self._claimed[handle.lease] = stream_token
-        weakref.finalize(view, self.release, handle.lease)
+        if pin:
+            # The view is page-locked: GPU copies from it may still be queued when it dies.
+            weakref.finalize(view, self._fence.defer, functools.partial(self.release, handle.lease))
+        else:
+            weakref.finalize(view, self.release, handle.lease)
         return view
 
     def abandon(self, stream_token: int) -> None:
@@ -195,6 +215,7 @@ class ShmSession:
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 
     def close(self) -> None:
+        self._fence.close()  # pinned slots still being copied go back first
         self._stop.set()
         self._requests.put(None)
         self._call.cancel()

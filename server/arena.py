@@ -15,19 +15,17 @@ shutdown, and at start sweeps what a killed daemon (pid no longer alive) left.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import glob
 import logging
-import mmap
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from loaderd.wire.codec import EncodedBatch
 from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
+from loaderd.wire.mapping import map_fd
 
 log = logging.getLogger("loaderd.arena")
 
@@ -43,32 +41,6 @@ class SlotRef:
 
     name: str
     size: int  # the segment's size (>= payload)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def map_fd(fd: int, size: int, writable: bool) -> memoryview:
-    """``size`` bytes of file ``fd`` mapped shared, as a byte memoryview; the caller may close ``fd`` at once.
-
-    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for the mapping's
-    whole life, so a daemon mapping thousands of segments ran out of descriptors.
-    This mapping holds none: it lives as long as any view of it does, and is
-    unmapped when the last one goes (a finalizer on the buffer, not ``__del__``).
-    """
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    addr = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    buffer = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(buffer, _libc.munmap, addr, size)
-    view = memoryview(buffer).cast("B")
-    return view if writable else view.toreadonly()
 
 
 def daemon_prefix(pid: int, token: str) -> str:
