@@ -3,8 +3,10 @@
 import gc
 
 from loaderd.errors import (
+    AuthenticationError,
     BatchTimeoutError,
     ConfigOnlyArgumentError,
+    CredentialsError,
     DaemonMismatchError,
     DaemonUnavailableError,
     DatasetNotFoundError,
@@ -18,8 +20,10 @@ from loaderd.errors import (
 from loaderd.loader import RemoteDataLoader
 
 __all__ = [
+    "AuthenticationError",
     "BatchTimeoutError",
     "ConfigOnlyArgumentError",
+    "CredentialsError",
     "DaemonMismatchError",
     "DaemonUnavailableError",
     "DatasetNotFoundError",

@@ -14,6 +14,7 @@ name resolves to, plus one more.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Sequence
@@ -30,6 +31,12 @@ class Resolved:
 
     addresses: tuple[str, ...]
     problems: tuple[str, ...] = ()
+    # (address, DNS name it came from): TLS checks a daemon's certificate against the name, not the IP.
+    names: tuple[tuple[str, str], ...] = ()
+
+    def name_of(self, address: str) -> str:
+        """The DNS name ``address`` was found under, or "" for an address given as is."""
+        return next((name for a, name in self.names if a == address), "")
 
 
 def _dns_part(part: str) -> tuple[str, int] | None:
@@ -44,6 +51,22 @@ def _dns_part(part: str) -> tuple[str, int] | None:
     if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
         raise LoaderdError(f"malformed DNS address {part!r}: expected dns:///name:port")
     return name, int(port)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` stays on this host: a unix socket, or TCP to 127.0.0.0/8, ::1 or localhost.
+
+    A host name other than localhost is not loopback: it may resolve to anything.
+    """
+    if address.startswith("unix:"):
+        return True
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _join(host: str, port: int) -> str:
@@ -73,12 +96,16 @@ class Target:
         """The addresses now: the fixed ones and what each name resolves to (a slow DNS can block here)."""
         found = list(self.fixed)
         problems = []
+        names: list[tuple[str, str]] = []
         for name, port in self.names:
             try:
-                found.extend(a for a in lookup(name, port) if a not in found)
+                new = [a for a in lookup(name, port) if a not in found]
             except OSError as exc:
                 problems.append(f"dns:///{name}:{port} did not resolve ({exc.strerror or exc})")
-        return Resolved(tuple(found), tuple(problems))
+                continue
+            found.extend(new)
+            names.extend((a, name) for a in new)
+        return Resolved(tuple(found), tuple(problems), tuple(names))
 
 
 def parse_target(address: str | Sequence[str] | None) -> Target:

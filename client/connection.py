@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from loaderd.credentials import Credentials, open_channel
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
@@ -36,11 +37,12 @@ CHANNEL_OPTIONS = [
 
 
 class DaemonConnection:
-    """A channel to one daemon. Shared by every loader of a process."""
+    """A channel to one daemon, with one set of credentials. Shared by every loader of a process that uses both."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, credentials: Credentials) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.credentials = credentials
+        self.channel = open_channel(address, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.LoaderStub(self.channel)
         self._stream_batches = self.channel.stream_stream(
             "/loaderd.v1.Loader/StreamBatches",
@@ -85,19 +87,19 @@ class DaemonConnection:
         return self.stub.DescribeDataset(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
 
 
-_connections: dict[tuple[int, str], DaemonConnection] = {}
+_connections: dict[tuple[int, str, Credentials], DaemonConnection] = {}
 _lock = threading.Lock()
 # Set when the interpreter exits: threads that would keep calling daemons (fleet monitors) stop.
 EXITING = threading.Event()
 
 
-def get_connection(address: str) -> DaemonConnection:
-    """The process's connection to ``address``; a forked child gets its own."""
-    key = (os.getpid(), address)
+def get_connection(address: str, credentials: Credentials) -> DaemonConnection:
+    """The process's connection to ``address`` with ``credentials``; a forked child gets its own."""
+    key = (os.getpid(), address, credentials)
     with _lock:
         conn = _connections.get(key)
         if conn is None:
-            conn = _connections[key] = DaemonConnection(address)
+            conn = _connections[key] = DaemonConnection(address, credentials)
         return conn
 
 
@@ -112,7 +114,7 @@ def _close_all() -> None:
     """
     EXITING.set()
     with _lock:
-        connections = [c for (pid, _), c in _connections.items() if pid == os.getpid()]
+        connections = [c for (pid, _, _), c in _connections.items() if pid == os.getpid()]
         _connections.clear()
     for conn in connections:
         conn.close()

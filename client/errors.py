@@ -62,6 +62,17 @@ class LimitExceededError(LoaderdError):
     """The daemon refused a request over one of its limits (the config's ``limits:``); the message names it."""
 
 
+class AuthenticationError(LoaderdError, PermissionError):
+    """The daemon did not accept this client's credentials (token, certificate) or refused it an action.
+
+    Raised at once: retrying with the same credentials cannot help.
+    """
+
+
+class CredentialsError(LoaderdError, ValueError):
+    """The ``tls``/``token`` arguments (or their environment variables) cannot be used; the message says which."""
+
+
 class _KeyErrorMessage(str):
     """KeyError reprs its message; keep the remote traceback readable (as torch does)."""
 
@@ -145,6 +156,8 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[LoaderdError]] = {
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: BatchTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
 }
 
 
@@ -161,9 +174,9 @@ _TRANSIENT = {
 
 
 def is_transient(exc: grpc.RpcError) -> bool:
-    """Whether a failed call says something about the daemon's state, not about the request."""
+    """Whether a failed call says something about the daemon's state, not about the request (or credentials)."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
-    return code is None or code in _TRANSIENT
+    return (code is None or code in _TRANSIENT) and tls_failure(exc, "") is None
 
 
 def rpc_summary(exc: grpc.RpcError) -> str:
@@ -174,10 +187,34 @@ def rpc_summary(exc: grpc.RpcError) -> str:
     return f"{exc.code().name}: {details}" if details else exc.code().name
 
 
+_TLS_REASONS = (
+    ("CERTIFICATE_VERIFY_FAILED", "its certificate is not signed by the CA this client trusts (tls['ca'])"),
+    ("WRONG_VERSION_NUMBER", "it does not speak TLS on that port (a plaintext listener): drop tls= for it"),
+    ("Hostname Verification", "its certificate does not name the address this client used: connect by a name it carries"),
+)
+_TLS_FAILURES = ("handshake failed", "verification check failed")
+
+
+def tls_failure(exc: grpc.RpcError, address: str) -> AuthenticationError | None:
+    """The error for a call that failed in the TLS handshake on this client's side, else None."""
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or ""
+    if not any(marker in details.lower() for marker in _TLS_FAILURES):
+        return None
+    # Only reasons that retrying cannot fix; another failure (a reset, a proxy's alert) may pass.
+    reason = next((why for key, why in _TLS_REASONS if key in details), None)
+    if reason is None:
+        return None
+    summary = " ".join(details.split())[-300:]
+    return AuthenticationError(f"cannot connect to the daemon at {address} over TLS: {reason} ({summary})")
+
+
 def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     """Map a failed gRPC call to the loaderd error a user can act on."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    tls = tls_failure(exc, address)
+    if tls is not None:
+        return tls
     cls = _STATUS_ERRORS.get(code, LoaderdError) if code is not None else LoaderdError
     if cls is DaemonUnavailableError:
         return cls(f"loaderd at {address} is unavailable: {details}")

@@ -15,6 +15,7 @@ its streams see. The fleet's lock guards the members; probing happens outside it
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from loaderd.addresses import Target
+from loaderd.addresses import Resolved, Target
 from loaderd.connection import EXITING, DaemonConnection, get_connection
+from loaderd.credentials import Credentials, refusal
 from loaderd.errors import (
+    AuthenticationError,
     DaemonMismatchError,
     DaemonUnavailableError,
     LoaderdError,
@@ -104,6 +107,8 @@ class Fleet:
     dataset: str
     # "auto" | "grpc" | "shm": whether lanes stream through a shared-memory session.
     transport: str
+    # TLS and token for every member (one set per loader).
+    credentials: Credentials = field(default_factory=Credentials)
     members: dict[str, Member] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,10 +122,15 @@ class Fleet:
 
     # ------------------------------------------------------------ membership
 
-    def _add(self, addresses: tuple[str, ...] | list[str]) -> None:
+    def _add(self, addresses: tuple[str, ...] | list[str], resolved: Resolved | None = None) -> None:
         for address in addresses:
             if address not in self.members:
-                self.members[address] = Member(address, get_connection(address))
+                self.members[address] = Member(address, get_connection(address, self._credentials_for(address, resolved)))
+
+    def _credentials_for(self, address: str, resolved: Resolved | None) -> Credentials:
+        """The loader's credentials; for a daemon found under a DNS name, TLS checks its certificate against that name."""
+        name = resolved.name_of(address) if resolved is not None else ""
+        return dataclasses.replace(self.credentials, server_name=name) if name and self.credentials.tls else self.credentials
 
     def refresh(self, force: bool = False) -> bool:
         """Look the target's names up again (at most every RESOLVE_INTERVAL_S); True if the member set changed."""
@@ -144,7 +154,7 @@ class Fleet:
             for address in [a for a, m in self.members.items() if not m.listed and not m.up]:
                 del self.members[address]
             new = [a for a in resolved.addresses if a not in self.members]
-            self._add(new)
+            self._add(new, resolved)
             return changed or bool(new)
 
     def usable(self) -> list[Usable]:
@@ -219,9 +229,16 @@ class Fleet:
                 return False
             session = self.session_for(member.address)
         except grpc.RpcError as exc:
+            refused = refusal(exc, member.address, member.connection.credentials)
+            if refused is not None:
+                self._probed(member, str(refused), refused=True, error=refused)
+                return False
             transient = is_transient(exc)
             # Not transient: it answered, and said no (no such dataset, ...).
             self._probed(member, rpc_summary(exc), refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
+            return False
+        except AuthenticationError as exc:  # the session was refused
+            self._probed(member, str(exc), refused=True, error=exc)
             return False
         except TransportError as exc:  # transport="shm" and this daemon's shared memory is out of reach
             self._probed(member, str(exc), refused=True, error=exc)
@@ -247,6 +264,15 @@ class Fleet:
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
         return True
+
+    def denied(self) -> AuthenticationError | None:
+        """The refusal to raise when no daemon is up and one refused this loader's credentials
+        (they go to every daemon alike: waiting for the others cannot help), else None."""
+        with self._lock:
+            listed = [m for m in self.members.values() if m.listed]
+            if any(m.up for m in listed):
+                return None
+            return next((m.refused for m in listed if isinstance(m.refused, AuthenticationError)), None)
 
     def _probed(self, member: Member, reason: str, *, refused: bool, error: LoaderdError | None = None) -> None:
         """``member`` did not come up: why, and when to ask again (a daemon that answered no: less often)."""
@@ -295,6 +321,9 @@ class Fleet:
             with self._lock:
                 listed = [m for m in self.members.values() if m.listed]
                 refusals = [m.refused for m in listed if m.refused is not None]
+            denied = self.denied()
+            if denied is not None:
+                raise denied
             if listed and len(refusals) == len(listed):
                 raise refusals[0]  # every daemon answered and said no: that, not their absence, is the problem
             if time.monotonic() >= deadline:

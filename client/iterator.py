@@ -48,7 +48,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaderd.epoch_stream import EpochStream
-from loaderd.errors import BatchTimeoutError, DaemonMismatchError, DaemonUnavailableError, exception_from_remote
+from loaderd.errors import (
+    AuthenticationError,
+    BatchTimeoutError,
+    DaemonMismatchError,
+    DaemonUnavailableError,
+    exception_from_remote,
+)
 from loaderd.fleet import FleetMonitor, rendezvous_order
 from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
 from loaderd.plan import window_size
@@ -419,6 +425,9 @@ class RemoteLoaderIter:
                 raise failure
             if self._fleet.mismatch is not None:
                 raise DaemonMismatchError(str(self._fleet.mismatch))
+            denied = self._fleet.denied() if self._outage else None
+            if denied is not None:  # e.g. restarted with the token revoked: not an outage to wait out
+                raise AuthenticationError(str(denied))
             if self._epoch_over():
                 return "end", None
             now = time.monotonic()

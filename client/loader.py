@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from loaderd.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
 from loaderd.addresses import parse_target
+from loaderd.credentials import Credentials
 from loaderd.epoch import (
     EpochProgress,
     EpochStart,
@@ -62,6 +63,11 @@ class RemoteDataLoader:
       own job.
     * ``seed`` (default 0): DistributedSampler's seed and the share's; only
       with ``rank=`` or ``share=``.
+    * ``tls`` and ``token`` (defaults: ``$LOADERD_TLS_CA``/``_CERT``/``_KEY`` and
+      ``$LOADERD_TOKEN``): TLS to TCP daemons (``True``: system roots; or
+      ``{"ca": path, "cert": path, "key": path}``, cert and key for mTLS) and a
+      bearer token sent with every call. A daemon that refuses them raises
+      ``AuthenticationError`` at once (see ``loaderd.credentials``).
 
     ``state_dict()``/``load_state_dict()`` resume mid-epoch, in another
     process and against a restarted daemon of any pool size, with exactly the
@@ -95,6 +101,8 @@ class RemoteDataLoader:
         world_size: int | None = None,
         seed: int | None = None,
         share: str | None = None,
+        tls: bool | Mapping[str, str] | None = None,
+        token: str | None = None,
     ) -> None:
         refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
         check_options(num_workers, timeout, prefetch_factor, transport, failover_timeout)
@@ -103,6 +111,7 @@ class RemoteDataLoader:
         del persistent_workers, pin_memory_device, in_order  # DataLoader's, meaningless here (see above)
 
         self.dataset_name = dataset_name
+        credentials = Credentials.resolve(tls, token)
         target = parse_target(address)
         self.address = target.text
         self.num_workers = num_workers
@@ -118,7 +127,7 @@ class RemoteDataLoader:
         self.generator = generator
         # The daemons; the first to answer describes the dataset (the others must agree).
         # transport="shm" where it cannot work fails here, not mid-training.
-        self._fleet = Fleet(target, dataset_name, transport)
+        self._fleet = Fleet(target, dataset_name, transport, credentials)
         info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
         self._iterable = info.kind == pb.DatasetInfo.ITERABLE
         check_dataset_fits(dataset_name, info, distributed, share)

@@ -15,9 +15,12 @@ from types import FrameType
 import grpc
 
 from loaderd.addresses import ADDRESS_ENV, single_address
+from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
 from loaderd.errors import LoaderdError
-from loaderd.server.config import ConfigError, MetricsConfig, check_port, load_config
-from loaderd.server.daemon import Daemon, ListenError
+from loaderd.server.config import ConfigError, ListenSpec, MetricsConfig, check_listen, check_port, load_config
+from loaderd.server.daemon import Daemon
+from loaderd.server.listeners import ListenError
+from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.pool import PoolStartError
 from loaderd.server.status import format_status, status_dict
 from loaderd.v1 import loaderd_pb2 as pb
@@ -34,7 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         overrides = {}
         if args.listen:
-            overrides["listen"] = tuple(args.listen)
+            overrides["listen"] = tuple(ListenSpec(address) for address in args.listen)
+            check_listen(overrides["listen"])
         if args.workers is not None:
             if args.workers < 1:
                 raise ConfigError(f"--workers: must be at least 1, got {args.workers}")
@@ -68,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    notifier = SystemdNotifier.from_env()  # a no-op unless systemd runs us (Type=notify)
     daemon = Daemon(config, startup_timeout=args.startup_timeout)
     try:
         daemon.start()
@@ -79,17 +84,37 @@ def _serve(args: argparse.Namespace) -> int:
         daemon.shutdown()
         print(f"loaderd: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+    notifier.ready(f"serving on {', '.join(daemon.bound)}")
+    pings_done = threading.Event()
+    start_watchdog_pings(notifier, healthy=lambda: not daemon.failed.is_set(), done=pings_done)
     try:
         while not (woken.wait(0.5) or daemon.failed.is_set()):
             pass
-        if drain.is_set() and not stop.is_set() and not daemon.failed.is_set():
+        if daemon.failed.is_set():
+            notifier.status(f"failed: {daemon.fatal}")  # no STOPPING=1: exiting 1 lets Restart=on-failure act
+        elif drain.is_set() and not stop.is_set():
+            notifier.stopping("draining: clients are moving to other daemons")
             daemon.drain(config.drain_timeout, abort=stop)
+            notifier.status("stopping")
+        else:
+            notifier.stopping("stopping")
     finally:
         daemon.shutdown()
+        pings_done.set()
+        notifier.close()
     if daemon.failed.is_set():
         print(f"loaderd: stopped: {daemon.fatal}", file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _tls_flags(args: argparse.Namespace) -> dict[str, str] | None:
+    """The TLS files from --tls-* flags, each falling back to its variable; None (the variables alone) without flags."""
+    flags = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    if not any(flags.values()):
+        return None
+    env = {"ca": TLS_CA_ENV, "cert": TLS_CERT_ENV, "key": TLS_KEY_ENV}
+    return {k: v or os.environ.get(env[k], "") for k, v in flags.items()}
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -102,10 +127,18 @@ def _status(args: argparse.Namespace) -> int:
         print(f"loaderd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
-        with grpc.insecure_channel(address) as channel:
+        credentials = Credentials.resolve(_tls_flags(args), args.token)
+    except LoaderdError as exc:
+        print(f"loaderd: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        with open_channel(address, credentials, []) as channel:
             reply = pb_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=args.timeout)
     except grpc.RpcError as exc:
         detail = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
+        refused = refusal(exc, address, credentials)  # a TLS mismatch, which gRPC reports as a closed socket
+        if refused is not None:
+            detail = str(refused)
         print(f"loaderd: cannot get status from {address}: {exc.code().name}: {detail}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(json.dumps(status_dict(reply), indent=2) if args.json else format_status(reply))
@@ -126,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--address", help="the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon's reply")
+    status.add_argument("--tls-ca", help=f"CA of the daemon's TLS certificate (default: ${TLS_CA_ENV})")
+    status.add_argument("--tls-cert", help=f"client certificate for mTLS (default: ${TLS_CERT_ENV})")
+    status.add_argument("--tls-key", help=f"its key (default: ${TLS_KEY_ENV})")
+    status.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV}; prefer the variable: arguments show in ps)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from loaderd.addresses import is_loopback
 from loaderd.wire.limits import MAX_CHUNK_BYTES
 
 DEFAULT_LISTEN = ("unix:///tmp/loaderd.sock",)
@@ -42,6 +43,44 @@ class MetricsConfig:
     port: int = 9464  # 0 picks a free port; the log says which
     # Loopback by default: the endpoint names clients and datasets, so exposing it is a choice.
     host: str = "127.0.0.1"
+    # With ``auth:``, scrapers must send ``Authorization: Bearer <token>`` (a token of the token file).
+    require_token: bool = False
+
+
+@dataclass(frozen=True)
+class TlsSpec:
+    """A listener's ``tls:``: absolute paths; with ``client_ca``, clients need a certificate it signed (mTLS)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
+@dataclass(frozen=True)
+class ListenSpec:
+    """One ``listen:`` entry: an address string, or a mapping that adds TLS and socket permissions.
+
+    Plaintext TCP on an address that is not loopback is refused unless ``insecure``
+    (``check_listen``). Unix sockets are created ``socket_mode`` (0600 unless set),
+    group ``socket_group`` if set.
+    """
+
+    address: str
+    tls: TlsSpec | None = None
+    insecure: bool = False
+    socket_mode: int | None = None
+    socket_group: str | None = None
+
+    @property
+    def unix(self) -> bool:
+        return self.address.startswith("unix:")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``auth:``: bearer tokens, one ``name:token`` per line of ``token_file`` (see server/auth.py)."""
+
+    token_file: Path
 
 
 @dataclass(frozen=True)
@@ -71,7 +110,7 @@ class LoaderConfig:
     """The whole config, with paths already made absolute."""
 
     path: Path
-    listen: tuple[str, ...]
+    listen: tuple[ListenSpec, ...]
     workers: int
     python_path: tuple[str, ...]
     datasets: dict[str, DatasetSpec]
@@ -92,6 +131,11 @@ class LoaderConfig:
     worker_max_rss_mb: int = 0
     # SIGTERM drains: at most this many seconds for clients to move their streams elsewhere (0: stop at once).
     drain_timeout: float = 30.0
+    auth: AuthConfig | None = None  # None: no tokens asked for
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(spec.address for spec in self.listen)
 
 
 _TOP_KEYS = {
@@ -109,9 +153,12 @@ _TOP_KEYS = {
     "max_tasks_per_worker",
     "worker_max_rss_mb",
     "drain_timeout",
+    "auth",
 }
 _DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn", "task_timeout"}
-_METRICS_KEYS = {"port", "host"}
+_METRICS_KEYS = {"port", "host", "require_token"}
+_LISTEN_KEYS = {"address", "tls", "insecure", "socket_mode", "socket_group"}
+_TLS_KEYS = {"cert", "key", "client_ca"}
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
@@ -179,13 +226,83 @@ def check_port(value: Any, where: str) -> int:
 def _metrics(raw: Any) -> MetricsConfig:
     # An empty `metrics:` (YAML null) turns the endpoint on with the defaults.
     raw = {} if raw is None else raw
-    _expect(raw, dict, "metrics", "a mapping with 'port' and/or 'host'")
+    _expect(raw, dict, "metrics", "a mapping with 'port', 'host' and/or 'require_token'")
     _unknown_keys(raw, _METRICS_KEYS, "metrics")
     default = MetricsConfig()
     host = _expect(raw.get("host", default.host), str, "metrics.host", "a host name or IP address")
     if not host.strip():
         raise ConfigError("metrics.host: must not be empty")
-    return MetricsConfig(port=check_port(raw.get("port", default.port), "metrics.port"), host=host)
+    require_token = _expect(raw.get("require_token", False), bool, "metrics.require_token", "true or false")
+    return MetricsConfig(port=check_port(raw.get("port", default.port), "metrics.port"), host=host, require_token=require_token)
+
+
+def _file(base: Path, value: Any, where: str) -> Path:
+    _expect(value, str, where, "a file path")
+    if not value.strip():
+        raise ConfigError(f"{where}: must not be empty")
+    return (base / value).resolve()
+
+
+def _tls(raw: Any, base: Path, where: str) -> TlsSpec:
+    _expect(raw, dict, where, "a mapping with 'cert', 'key' and optionally 'client_ca'")
+    _unknown_keys(raw, _TLS_KEYS, where)
+    for key in ("cert", "key"):
+        if key not in raw:
+            raise ConfigError(f"{where}: missing required key {key!r}")
+    client_ca = raw.get("client_ca")
+    return TlsSpec(
+        cert=_file(base, raw["cert"], f"{where}.cert"),
+        key=_file(base, raw["key"], f"{where}.key"),
+        client_ca=_file(base, client_ca, f"{where}.client_ca") if client_ca is not None else None,
+    )
+
+
+def _listen_entry(raw: Any, base: Path, where: str) -> ListenSpec:
+    if isinstance(raw, str):
+        return ListenSpec(address=raw)
+    _expect(raw, dict, where, "an address string or a mapping with 'address'")
+    _unknown_keys(raw, _LISTEN_KEYS, where)
+    if "address" not in raw:
+        raise ConfigError(f"{where}: missing required key 'address'")
+    address = _expect(raw["address"], str, f"{where}.address", "an address string")
+    unix = address.startswith("unix:")
+    tls = _tls(raw["tls"], base, f"{where}.tls") if raw.get("tls") is not None else None
+    insecure = _expect(raw.get("insecure", False), bool, f"{where}.insecure", "true or false")
+    mode = raw.get("socket_mode")
+    group = raw.get("socket_group")
+    if unix and tls is not None:
+        raise ConfigError(f"{where}.tls: {address} is a unix socket, protected by its file mode (socket_mode/socket_group), not TLS")
+    if not unix and (mode is not None or group is not None):
+        raise ConfigError(f"{where}: socket_mode and socket_group apply to unix sockets, not {address}")
+    if tls is not None and insecure:
+        raise ConfigError(f"{where}: 'tls' and 'insecure: true' contradict each other")
+    if mode is not None:
+        _expect(mode, int, f"{where}.socket_mode", "an octal mode such as 0660")
+        if not 0 <= mode <= 0o777 or mode & 0o007:
+            raise ConfigError(f"{where}.socket_mode: {mode:#o} must give 'other' users nothing (at most 0770)")
+    if group is not None:
+        _expect(group, (str, int), f"{where}.socket_group", "a group name or id")
+    return ListenSpec(address=address, tls=tls, insecure=insecure, socket_mode=mode, socket_group=group)
+
+
+def check_listen(listen: tuple[ListenSpec, ...]) -> None:
+    """Refuse plaintext TCP on an address that is not loopback, unless the entry says ``insecure: true``."""
+    for spec in listen:
+        if not spec.unix and spec.tls is None and not spec.insecure and not is_loopback(spec.address):
+            raise ConfigError(
+                f"listen: {spec.address} would serve plaintext beyond this host; add tls: {{cert, key}} to the entry, "
+                "or insecure: true if the network is trusted"
+            )
+
+
+def _auth(raw: Any, base: Path) -> AuthConfig | None:
+    if raw is None:
+        return None
+    _expect(raw, dict, "auth", "a mapping with 'token_file'")
+    _unknown_keys(raw, {"token_file"}, "auth")
+    if "token_file" not in raw:
+        raise ConfigError("auth: missing required key 'token_file'")
+    return AuthConfig(token_file=_file(base, raw["token_file"], "auth.token_file"))
 
 
 def parse_config(raw: Any, path: Path) -> LoaderConfig:
@@ -201,7 +318,7 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
     _expect(listen_raw, list, "listen", "an address or a list of addresses")
     if not listen_raw:
         raise ConfigError("listen: needs at least one address")
-    listen = tuple(_expect(a, str, f"listen[{i}]", "an address string") for i, a in enumerate(listen_raw))
+    listen = tuple(_listen_entry(a, path.parent, f"listen[{i}]") for i, a in enumerate(listen_raw))
 
     python_path_raw = raw.get("python_path", [])
     _expect(python_path_raw, list, "python_path", "a list of directories")
@@ -244,6 +361,11 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
     log_level = _expect(raw.get("log_level", "INFO"), str, "log_level", "a logging level name").upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"log_level: {log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    check_listen(listen)  # after the rest: a config with no datasets says that first
+    auth = _auth(raw.get("auth"), path.parent)
+    metrics = _metrics(raw["metrics"]) if "metrics" in raw else None
+    if metrics is not None and metrics.require_token and auth is None:
+        raise ConfigError("metrics.require_token: needs auth.token_file (the tokens scrapers must send)")
     return LoaderConfig(
         path=path,
         listen=listen,
@@ -255,11 +377,12 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         share_buffer=_int_at_least(raw, "share_buffer", 32, 0),
         shm_bytes_per_worker=_int_at_least(raw, "shm_bytes_per_worker", 1 << 30, 0),
         log_level=log_level,
-        metrics=_metrics(raw["metrics"]) if "metrics" in raw else None,
+        metrics=metrics,
         limits=_limits(raw.get("limits")),
         max_tasks_per_worker=_int_at_least(raw, "max_tasks_per_worker", 0, 0),
         worker_max_rss_mb=_int_at_least(raw, "worker_max_rss_mb", 0, 0),
         drain_timeout=_drain_timeout(raw.get("drain_timeout", 30.0)),
+        auth=auth,
     )
 
 

@@ -34,7 +34,6 @@ import logging
 import os
 import resource
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,15 +43,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from loaderd.addresses import is_loopback
 from loaderd.server.admission import handler_threads
 from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
+from loaderd.server.auth import Authenticator, TokenFile, TokenFileError, TokenInterceptor
 from loaderd.server.catalog import Catalog
-from loaderd.server.config import LoaderConfig, check_imports
+from loaderd.server.config import ConfigError, LoaderConfig, check_imports
 from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import WorkerPool
 from loaderd.server.executor import ElasticExecutor
+from loaderd.server.listeners import Listener, ListenError, bind, log_listening, prepare, secure_sockets
 from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
 from loaderd.server.scheduler import Scheduler, SchedulerPolicy
 from loaderd.server.servicer import LoaderServicer
@@ -99,19 +101,6 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-class ListenError(Exception):
-    """An address in ``listen:`` cannot be served."""
-
-
-def unix_path(address: str) -> str | None:
-    """The filesystem path of a unix: address, else None."""
-    if address.startswith("unix://"):
-        return address[len("unix://") :]
-    if address.startswith("unix:"):
-        return address[len("unix:") :]
-    return None
-
-
 def raise_fd_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit; returns the limit now in force.
 
@@ -126,23 +115,6 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
     return soft
-
-
-def _claim_unix_path(path: str) -> None:
-    """Remove a stale socket file left by a killed daemon; refuse a live one."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody answers: stale
-        return
-    finally:
-        probe.close()
-    raise ListenError(f"{path} is in use by a running process (another loaderd?)")
 
 
 @dataclass
@@ -165,6 +137,7 @@ class Daemon:
         self._executor: ElasticExecutor | None = None
         self.health = health.HealthServicer()
         self.drain_signal = DrainSignal()
+        self._listeners: list[Listener] = []
         self._unix_paths: list[str] = []
         # Set when the daemon cannot serve any more (the reason is in ``fatal``): the caller shuts down and exits non-zero.
         self.failed = threading.Event()
@@ -177,6 +150,12 @@ class Daemon:
         """
         config = self.config
         check_imports(config)
+        # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
+        self._listeners = prepare(config.listen)
+        try:
+            authenticator = Authenticator(TokenFile(config.auth.token_file) if config.auth is not None else None)
+        except TokenFileError as exc:
+            raise ConfigError(str(exc)) from None
         fd_limit = raise_fd_limit()
         limit_malloc_arenas()
         swept = sweep_stale()
@@ -212,15 +191,19 @@ class Daemon:
         self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
         status = StatusBoard(pool.states, catalog, scheduler, sessions)
         if config.metrics is not None:
-            self.metrics = MetricsEndpoint(registry, status.snapshot)
+            scrape_auth = authenticator if config.metrics.require_token else None
+            self.metrics = MetricsEndpoint(registry, status.snapshot, scrape_auth)
             host, port = config.metrics.host, config.metrics.port
             try:
                 url = self.metrics.serve(host, port)
             except OSError as exc:
                 raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
             log.info("metrics on %s", url)
+            if not is_loopback(f"{host}:{port}") and not config.metrics.require_token:
+                log.warning("metrics on %s answer anyone who can reach them (client and dataset names); "
+                            "set metrics.require_token (with auth:) or keep metrics.host on loopback", url)
         servicer = LoaderServicer(
-            config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal
+            config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal, authenticator
         )
         threads = handler_threads(limits)
         log.info("open-file limit %d; up to %d handler threads", fd_limit, threads)
@@ -232,6 +215,8 @@ class Daemon:
             # this, so short calls (health, Status) always find a thread.
             executor,
             handlers=[generic_handler(servicer, raw_responses={"StreamBatches"})],
+            # Every call but health's needs a token when auth: is set (server/auth.py).
+            interceptors=[TokenInterceptor(authenticator)] if authenticator.required else None,
             # A backstop to admission: past this many calls at once (health's Watch included),
             # new ones are refused RESOURCE_EXHAUSTED rather than queued behind busy threads.
             maximum_concurrent_rpcs=threads,
@@ -254,23 +239,10 @@ class Daemon:
         # Reflection lets grpcurl and friends list and call the services without the .proto files.
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         add_parsing(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.ReflectionServicer(names), server)
-        for address in self.config.listen:
-            path = unix_path(address)
-            if path is not None:
-                _claim_unix_path(path)
-            try:
-                port = server.add_insecure_port(address)
-            except RuntimeError as exc:
-                raise ListenError(f"cannot listen on {address}: {exc}") from None
-            if path is not None:
-                self._unix_paths.append(path)
-                self.bound.append(address)
-            else:
-                host = address.rsplit(":", 1)[0]
-                self.bound.append(f"{host}:{port}")
+        self.bound = bind(server, self._listeners, self._unix_paths)
         server.start()
-        for address in self.bound:  # logged before SERVING: tools read the bound port once healthy
-            log.info("listening on %s", address)
+        secure_sockets(self._listeners)
+        log_listening(self._listeners, self.bound)  # before SERVING: tools read the bound port once healthy
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 

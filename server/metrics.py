@@ -8,14 +8,18 @@ at scrape time from the same snapshot ``loaderd status`` shows
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from loaderd.server.auth import Authenticator
 from loaderd.v1 import loaderd_pb2 as pb
 
 # From a tiny in-memory batch (~1 ms) to a slow decode-and-augment one (tens of seconds).
@@ -48,7 +52,7 @@ class _StatusCollector(Collector):
                 family.add_metric([dataset.info.name], getattr(dataset, field))
             yield family
 
-        labels = ["client", "stream", "dataset"]
+        labels = ["client", "identity", "stream", "dataset"]
         delivered = CounterMetricFamily("loaderd_client_batches_delivered", "Batches sent on a stream", labels=labels)
         stalled = CounterMetricFamily(
             "loaderd_client_stall_seconds", "Time the client reported waiting for batches", labels=labels
@@ -57,7 +61,7 @@ class _StatusCollector(Collector):
             "loaderd_client_in_flight", "Batches computing or ready to send on a stream", labels=labels
         )
         for stream in status.streams:
-            key = [stream.client, str(stream.stream_id), stream.dataset]
+            key = [stream.client, stream.identity, str(stream.stream_id), stream.dataset]
             delivered.add_metric(key, stream.delivered)
             stalled.add_metric(key, stream.stalled_s)
             in_flight.add_metric(key, stream.in_flight)
@@ -95,18 +99,58 @@ class BatchLatency:
         (child if child is not None else self._latency.labels(dataset)).observe(seconds)
 
 
-class MetricsEndpoint:
-    """Serves ``registry`` (plus the status-derived families) over HTTP after ``serve``."""
+def _bearer_only(app: Any, authenticator: Authenticator) -> Any:
+    """``app`` answering 401 unless the scrape sends ``Authorization: Bearer <token>`` of the token file."""
 
-    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], pb.StatusResponse]) -> None:
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if authenticator.check_token([("authorization", environ.get("HTTP_AUTHORIZATION", ""))]):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"a bearer token is required\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = 10.0  # a scraper that stops mid-request does not hold its thread
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged (prometheus_client's own server does the same)."""
+
+
+class _Server(ThreadingWSGIServer):
+    """prometheus_client's threading server, for either address family."""
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, handler)
+
+
+class MetricsEndpoint:
+    """Serves ``registry`` (plus the status-derived families) over HTTP after ``serve``.
+
+    With an ``authenticator``, every scrape needs a bearer token of its token file (``metrics.require_token``).
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, snapshot: Callable[[], pb.StatusResponse], authenticator: Authenticator | None = None
+    ) -> None:
         self.registry = registry
         self.registry.register(_StatusCollector(snapshot))
+        self._auth = authenticator
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint (port 0 picks one); returns its URL. Raises OSError if it cannot bind."""
-        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        if self._auth is None:
+            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        else:
+            app = _bearer_only(make_wsgi_app(self.registry), self._auth)
+            server = make_server(host, port, app, _Server, handler_class=_QuietHandler)
+            self._server = server
+            self._thread = threading.Thread(target=server.serve_forever, name="loaderd-metrics", daemon=True)
+            self._thread.start()
         bound = self._server.server_address[1]
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{bound}/metrics"

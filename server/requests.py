@@ -68,7 +68,9 @@ def check_position(value: int, field: str) -> int:
     return value
 
 
-def open_spec(request: pb.OpenStream, catalog: Catalog, limits: Limits, max_window: int, *, peer: str, shm: bool) -> Opening:
+def open_spec(
+    request: pb.OpenStream, catalog: Catalog, limits: Limits, max_window: int, *, peer: str, shm: bool, identity: str = ""
+) -> Opening:
     """Check an ``OpenStream``; UnknownDatasetError, BadRequestError or LimitExceededError if it cannot be served."""
     check_name(request.dataset, "the dataset name", limits)
     check_name(request.client, "the client name", limits)
@@ -115,6 +117,7 @@ def open_spec(request: pb.OpenStream, catalog: Catalog, limits: Limits, max_wind
         start=request.start,
         client=request.client,
         peer=peer,
+        identity=identity,
         stream_token=request.stream_token,
         shm=shm,
         share=share.name if share is not None else None,

@@ -18,6 +18,7 @@ import grpc
 
 from loaderd.errors import LimitExceededError, clip
 from loaderd.server.admission import Admission
+from loaderd.server.auth import Authenticator
 from loaderd.server.catalog import Catalog, UnknownDatasetError
 from loaderd.server.config import LoaderConfig
 from loaderd.server.drain import DrainSignal
@@ -25,7 +26,7 @@ from loaderd.server.ledger import SlotLedger
 from loaderd.server.producer import END, Delivery, StreamFailed
 from loaderd.server.requests import BadRequestError, Opening, open_spec, plan_batches, shown
 from loaderd.server.scheduler import Scheduler
-from loaderd.server.sessions import ClientSession, SessionHost
+from loaderd.server.sessions import ClientSession, SessionForeignError, SessionHost
 from loaderd.server.share import ShareMismatchError
 from loaderd.server.stream import BatchStream
 from loaderd.server.throttle import LogThrottle
@@ -66,8 +67,10 @@ class LoaderServicer:
         status: Callable[[], pb.StatusResponse],
         watchdog: Watchdog,
         drain: DrainSignal,
+        authenticator: Authenticator,
     ) -> None:
-        """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot; ``drain`` says when to send clients away."""
+        """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot; ``drain`` says when to send
+        clients away; ``authenticator`` names callers (the token interceptor already refused unknown ones)."""
         self._catalog = catalog
         self._scheduler = scheduler
         self._session_host = session_host
@@ -76,6 +79,7 @@ class LoaderServicer:
         self._status = status
         self._watchdog = watchdog
         self._drain = drain
+        self._auth = authenticator
         self._limits = config.limits
         self._chunk_bytes = config.chunk_bytes
         self._max_window = config.max_window
@@ -138,7 +142,7 @@ class LoaderServicer:
             hello = self._first(request_iterator, context, "session")
             if hello is None or hello.WhichOneof("kind") != "hello":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'")
-            yield from self._session_host.serve(hello.hello, request_iterator, context)
+            yield from self._session_host.serve(hello.hello, request_iterator, context, self._auth.identify(context))
         finally:
             ticket.release()
 
@@ -159,10 +163,15 @@ class LoaderServicer:
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
         opening = first.open
-        who = f"{shown(opening.client) if opening.client else 'unnamed client'} ({context.peer()})"
+        identity = self._auth.identify(context)
+        who = f"{shown(opening.client) if opening.client else 'unnamed client'} ({context.peer()}, {identity})"
         session = None
         if opening.session_id:
-            session = self._sessions.shm_session(opening.session_id)
+            try:
+                session = self._sessions.shm_session(opening.session_id, identity)
+            except SessionForeignError as exc:
+                self._throttle.log(logging.WARNING, "foreign", "stream from %s named another client's session: %s", who, exc)
+                session = None  # answered as an unknown session: the reply says nothing of whose it is
             if session is None:
                 self._throttle.log(logging.WARNING, "session", "stream from %s refused: session %d unknown or closed", who, opening.session_id)
                 # ABORTED: retry with a new session (after a daemon restart the old id means nothing).
@@ -171,7 +180,9 @@ class LoaderServicer:
                     f"session {opening.session_id} is unknown, closed, or cannot use shared memory",
                 )
         try:
-            checked = open_spec(opening, self._catalog, self._limits, self._max_window, peer=context.peer(), shm=session is not None)
+            checked = open_spec(
+                opening, self._catalog, self._limits, self._max_window, peer=context.peer(), shm=session is not None, identity=identity.name
+            )
             ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
         except _REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")

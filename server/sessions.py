@@ -10,7 +10,10 @@ A client process opens one ``Session`` call per daemon. The handshake
   4. daemon: ``ready`` with the session id and whether shared memory is usable.
 
 Only a client that read the token shares the daemon's /dev/shm, so nothing is
-guessed from the address. Afterwards the client sends ``release`` (batches it
+guessed from the address. Session ids are random (63 bits) and bound to the
+connection and identity that opened the session: a stream naming a session is
+served through it only if it comes from the same peer with the same identity
+(``SessionRegistry.shm_session``), so no client can lease slots into another's. Afterwards the client sends ``release`` (batches it
 dropped) and ``abandon`` (a stream it stopped) messages, and the daemon sends
 ``retired`` notices (segments it removed, to unmap). The session's slot leases
 are kept by the ledger (server/ledger.py); when the call ends, however it ends,
@@ -23,6 +26,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from loaderd.server.arena import create_probe
+from loaderd.server.auth import ANONYMOUS, Identity
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.requests import BadRequestError
 from loaderd.server.watchdog import Watchdog
@@ -47,10 +52,15 @@ class ClientSession:
 
     session_id: int
     peer: str
+    identity: Identity = ANONYMOUS
     shm: bool = False
     closed: bool = False
     # Messages for the client (segments it should unmap), sent by the session's handler.
     outbox: queue.Queue[pb.SessionResponse] = field(default_factory=queue.Queue)
+
+
+class SessionForeignError(Exception):
+    """A stream named a session that another identity opened."""
 
 
 class SessionRegistry:
@@ -59,23 +69,30 @@ class SessionRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[int, ClientSession] = {}
-        self._ids = itertools.count(1)
 
-    def open(self, peer: str) -> ClientSession:
+    def open(self, peer: str, identity: Identity = ANONYMOUS) -> ClientSession:
         with self._lock:
-            session = ClientSession(session_id=next(self._ids), peer=peer)
-            self._sessions[session.session_id] = session
+            session_id = 0
+            while not session_id or session_id in self._sessions:
+                session_id = secrets.randbits(63)  # unguessable: ids are not handed out in order
+            session = ClientSession(session_id=session_id, peer=peer, identity=identity)
+            self._sessions[session_id] = session
             return session
 
     def open_count(self) -> int:
         with self._lock:
             return len(self._sessions)
 
-    def shm_session(self, session_id: int) -> ClientSession | None:
-        """The open session ``session_id`` if it proved shared memory, else None."""
+    def shm_session(self, session_id: int, identity: Identity) -> ClientSession | None:
+        """The open session ``session_id`` if it proved shared memory, else None; SessionForeignError
+        if ``identity`` is not the one that opened it."""
         with self._lock:
             session = self._sessions.get(session_id)
-            return session if session is not None and session.shm and not session.closed else None
+            if session is None or not session.shm or session.closed:
+                return None
+            if session.identity != identity:
+                raise SessionForeignError(f"session {session_id} was opened by {session.identity}, not {identity}")
+            return session
 
     def close(self, session: ClientSession) -> bool:
         """Forget ``session``; False if it was closed already."""
@@ -127,10 +144,10 @@ class SessionHost:
             self.end(session)
 
     def serve(
-        self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+        self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext, identity: Identity
     ) -> Iterator[pb.SessionResponse]:
         """The session's responses, from the challenge on (see the module docstring)."""
-        session = self.registry.open(context.peer())
+        session = self.registry.open(context.peer(), identity)
         self._ledger.open_session(session.session_id)
         context.add_callback(lambda: self.end(session))
         try:
@@ -153,7 +170,14 @@ class SessionHost:
                 session.shm = proof.proof.token == token
                 reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
             verdict = "yes" if session.shm else f"no ({reason})"
-            log.info("session %d from %s (pid %d): shared memory %s", session.session_id, context.peer(), hello.pid, verdict)
+            log.info(
+                "session %d from %s (pid %d): shared memory %s; identity: %s",
+                session.session_id,
+                context.peer(),
+                hello.pid,
+                verdict,
+                identity,
+            )
             yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
             reader = threading.Thread(
                 target=self._read, args=(requests, session), name=f"loaderd-session-{session.session_id}", daemon=True

@@ -83,6 +83,7 @@ class StatusBoard:
                     stream_id=stream.stream_id,
                     peer=spec.peer,
                     client=spec.client,
+                    identity=spec.identity,
                     dataset=spec.dataset,
                     window=spec.window,
                     delivered=stream.delivered,
@@ -180,13 +181,13 @@ def format_status(status: pb.StatusResponse) -> str:
         )
     )
     if status.streams:
-        headers = ["STREAM", "CLIENT", "PEER", "DATASET", "WINDOW", "DELIVERED", "CONSUMED", "IN-FLIGHT", "STALL"]
+        headers = ["STREAM", "CLIENT", "IDENTITY", "PEER", "DATASET", "WINDOW", "DELIVERED", "CONSUMED", "IN-FLIGHT", "STALL"]
         parts.append(
             _table(
                 headers + ["OPEN", "SHARE", "SHM"],
                 [
                     [
-                        s.stream_id, s.client or "-", s.peer, s.dataset, s.window, s.delivered, s.consumed,
+                        s.stream_id, s.client or "-", s.identity or "-", s.peer, s.dataset, s.window, s.delivered, s.consumed,
                         s.in_flight, _duration(s.stalled_s), _duration(s.open_s), s.share or "-", _yes(s.shm),
                     ]
                     for s in status.streams

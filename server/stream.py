@@ -45,6 +45,8 @@ class StreamSpec:
     start: int = 0
     client: str = ""
     peer: str = ""
+    # Who the daemon verified the caller to be (token name or certificate subject; "" if neither).
+    identity: str = ""
     stream_token: int = 0
     shm: bool = False
     share: str | None = None  # the share's name, for a consumer of a shared job

@@ -15,7 +15,9 @@ from loaderd.server.config import (
     DEFAULT_LISTEN,
     ConfigError,
     DatasetSpec,
+    ListenSpec,
     MetricsConfig,
+    TlsSpec,
     check_imports,
     load_config,
     parse_config,
@@ -71,7 +73,7 @@ def test_valid_config_with_relative_python_path(tmp_path: Path) -> None:
     )
     config = load_config(path)
     assert config.path == path.resolve()
-    assert config.listen == ("unix:///tmp/x.sock", "127.0.0.1:7070")
+    assert config.addresses == ("unix:///tmp/x.sock", "127.0.0.1:7070")
     assert config.workers == 3
     assert config.python_path == (str(tmp_path.resolve()), str((tmp_path / "sub").resolve()), "/abs/dir")
     assert config.chunk_bytes == 1024
@@ -109,13 +111,13 @@ def test_relative_python_path_resolves_against_config_dir_not_cwd(tmp_path: Path
 @pytest.mark.timeout(30)
 def test_listen_as_string(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "listen: unix:///tmp/one.sock\ndatasets: {a: {dataset: 'm:A'}}\n"))
-    assert config.listen == ("unix:///tmp/one.sock",)
+    assert config.addresses == ("unix:///tmp/one.sock",)
 
 
 @pytest.mark.timeout(30)
 def test_defaults(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "datasets:\n  a:\n    dataset: m:A\n"))
-    assert config.listen == DEFAULT_LISTEN == ("unix:///tmp/loaderd.sock",)
+    assert config.addresses == DEFAULT_LISTEN == ("unix:///tmp/loaderd.sock",)
     assert config.workers == 2
     assert config.python_path == ()
     assert config.chunk_bytes == 4 << 20
@@ -128,16 +130,16 @@ def test_defaults(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_parse_config_directly() -> None:
-    config = parse_config(minimal(workers=5, listen=["a:1"]), Path("/etc/loaderd/ds.yaml"))
+    config = parse_config(minimal(workers=5, listen=["127.0.0.1:1"]), Path("/etc/loaderd/ds.yaml"))
     assert config.workers == 5
-    assert config.listen == ("a:1",)
+    assert config.addresses == ("127.0.0.1:1",)
     assert config.datasets["sq"].factory == "datasets:Squares"
 
 
 @pytest.mark.timeout(30)
 def test_deploy_config_loads() -> None:
     config = load_config(REPO / "deploy" / "ds.yaml")
-    assert config.listen == ("unix:///tmp/loaderd.sock", "127.0.0.1:7070")
+    assert config.addresses == ("unix:///tmp/loaderd.sock", "127.0.0.1:7070")
     assert config.workers == 2
     assert config.python_path == (str((REPO / "deploy").resolve()),)
     assert set(config.datasets) == {"digits-train", "digits-val", "counting"}
@@ -351,7 +353,7 @@ def test_metrics(tmp_path: Path, text: str, expect: MetricsConfig | None) -> Non
      ("{port: http}", "metrics.port", "expected a port number"), ("{port: true}", "metrics.port", "expected a port"),
      ("{port: 9.5}", "metrics.port", "expected a port"), ("{host: 7}", "metrics.host", "expected a host name"),
      ("{host: ''}", "metrics.host", "must not be empty"), ("9464", "metrics", "expected a mapping"),
-     ("{prot: 1}", "metrics", "unknown key 'prot' (allowed: host, port)")],
+     ("{prot: 1}", "metrics", "unknown key 'prot' (allowed: host, port, require_token)")],
 )  # fmt: skip
 def test_bad_metrics(tmp_path: Path, value: str, culprit: str, expect: str) -> None:
     message = config_error(tmp_path, f"metrics: {value}\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
@@ -454,3 +456,65 @@ def test_check_imports_not_callable(tmp_path: Path, isolated_sys_path: None) -> 
     assert message.startswith("datasets.train.worker_init_fn:"), message
     assert "not callable" in message
     sys.modules.pop(name, None)
+
+
+# ------------------------------------------------------------------ listen entries and auth
+
+
+def test_listen_mappings_tls_auth_and_metrics_token() -> None:
+    config = parse_config(
+        minimal(
+            listen=[
+                "unix:///tmp/a.sock",
+                {"address": "unix:///run/l/l.sock", "socket_mode": 0o660, "socket_group": "trainers"},
+                {"address": "0.0.0.0:7070", "tls": {"cert": "tls/s.crt", "key": "tls/s.key", "client_ca": "tls/ca.crt"}},
+                {"address": "10.0.0.1:7071", "insecure": True},
+                "[::1]:7072",
+                "localhost:7073",
+            ],
+            auth={"token_file": "tokens.txt"},
+            metrics={"require_token": True},
+        ),
+        Path("/etc/loaderd/ds.yaml"),
+    )
+    unix, group, tls, insecure, v6, local = config.listen
+    assert unix == ListenSpec("unix:///tmp/a.sock") and unix.unix
+    assert (group.socket_mode, group.socket_group) == (0o660, "trainers")
+    assert tls.tls == TlsSpec(Path("/etc/loaderd/tls/s.crt"), Path("/etc/loaderd/tls/s.key"), Path("/etc/loaderd/tls/ca.crt"))
+    assert insecure.insecure and v6.address == "[::1]:7072" and local.address == "localhost:7073"
+    assert config.auth is not None and config.auth.token_file == Path("/etc/loaderd/tokens.txt")
+    assert config.metrics is not None and config.metrics.require_token
+
+
+@pytest.mark.parametrize(
+    "listen, expect",
+    [
+        (["0.0.0.0:7070"], "listen: 0.0.0.0:7070 would serve plaintext beyond this host; add tls:"),
+        (["loaderd.example:7070"], "would serve plaintext beyond this host"),
+        ([{"address": "unix:///a.sock", "tls": {"cert": "c", "key": "k"}}], "listen[0].tls: unix:///a.sock is a unix socket"),
+        ([{"address": "1.2.3.4:1", "tls": {"cert": "c"}}], "listen[0].tls: missing required key 'key'"),
+        ([{"address": "1.2.3.4:1", "tls": {"cert": "c", "key": "k"}, "insecure": True}], "contradict"),
+        ([{"address": "unix:///a.sock", "socket_mode": 0o666}], "must give 'other' users nothing"),
+        ([{"address": "127.0.0.1:1", "socket_mode": 0o600}], "apply to unix sockets"),
+        ([{"address": "127.0.0.1:1", "tsl": {}}], "listen[0]: unknown key 'tsl'"),
+        ([{"tls": {}}], "listen[0]: missing required key 'address'"),
+    ],
+)
+def test_bad_listen_entries_name_the_culprit(listen: list[Any], expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(minimal(listen=listen), Path("/etc/loaderd/ds.yaml"))
+    assert expect in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    "top, expect",
+    [
+        ({"auth": {}}, "auth: missing required key 'token_file'"),
+        ({"auth": {"tokens": "x"}}, "auth: unknown key 'tokens'"),
+        ({"metrics": {"require_token": True}}, "metrics.require_token: needs auth.token_file"),
+    ],
+)
+def test_bad_auth_names_the_culprit(top: dict[str, Any], expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(minimal(**top), Path("/etc/loaderd/ds.yaml"))
+    assert expect in str(info.value), info.value

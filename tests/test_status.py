@@ -187,7 +187,7 @@ def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDa
     next(it)
     (stream,) = [s for s in daemon_status(daemon.address).streams if s.client == client_name()]
     samples = scrape(url)
-    labels = {"client": client_name(), "stream": str(stream.stream_id), "dataset": "squares"}
+    labels = {"client": client_name(), "identity": "", "stream": str(stream.stream_id), "dataset": "squares"}
     assert client_series(samples) == {
         "loaderd_client_batches_delivered_total": labels,
         "loaderd_client_stall_seconds_total": labels,

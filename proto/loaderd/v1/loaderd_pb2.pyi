@@ -384,7 +384,7 @@ class DatasetStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[DatasetInfo, _Mapping]] = ..., batches_computed: _Optional[int] = ..., samples_fetched: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., errors: _Optional[int] = ..., open_streams: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class StreamStatus(_message.Message):
-    __slots__ = ("stream_id", "peer", "client", "dataset", "window", "delivered", "consumed", "in_flight", "stalled_s", "open_s", "share", "shm")
+    __slots__ = ("stream_id", "peer", "client", "dataset", "window", "delivered", "consumed", "in_flight", "stalled_s", "open_s", "share", "shm", "identity")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class StreamStatus(_message.Message):
     OPEN_S_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     peer: str
     client: str
@@ -409,7 +410,8 @@ class StreamStatus(_message.Message):
     open_s: float
     share: str
     shm: bool
-    def __init__(self, stream_id: _Optional[int] = ..., peer: _Optional[str] = ..., client: _Optional[str] = ..., dataset: _Optional[str] = ..., window: _Optional[int] = ..., delivered: _Optional[int] = ..., consumed: _Optional[int] = ..., in_flight: _Optional[int] = ..., stalled_s: _Optional[float] = ..., open_s: _Optional[float] = ..., share: _Optional[str] = ..., shm: _Optional[bool] = ...) -> None: ...
+    identity: str
+    def __init__(self, stream_id: _Optional[int] = ..., peer: _Optional[str] = ..., client: _Optional[str] = ..., dataset: _Optional[str] = ..., window: _Optional[int] = ..., delivered: _Optional[int] = ..., consumed: _Optional[int] = ..., in_flight: _Optional[int] = ..., stalled_s: _Optional[float] = ..., open_s: _Optional[float] = ..., share: _Optional[str] = ..., shm: _Optional[bool] = ..., identity: _Optional[str] = ...) -> None: ...
 
 class ShareStatus(_message.Message):
     __slots__ = ("name", "epoch", "dataset", "consumers", "produced", "recomputed", "buffered")
