@@ -3,8 +3,12 @@
 Every manifest is validated against the Kubernetes OpenAPI schemas that the
 ``kubernetes-validate`` package ships (strict: unknown fields fail), and the
 things loaderd depends on are asserted: the ConfigMap's ds.yaml parses with
-loaderd's own parser, one port everywhere, a grace period that covers the
-drain, a sized memory-backed /dev/shm, non-root with a read-only root.
+loaderd's own parser, ports that agree everywhere (TLS for clients, plaintext
+for the kubelet's probes only), TLS files and tokens from read-only Secrets, a
+NetworkPolicy that admits clients and Prometheus only, a grace period that
+covers the drain, a sized memory-backed /dev/shm, non-root with a read-only root.
+The Secret template (secrets.example.yaml) is validated too, but kustomize does
+not apply it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from loaderd.server.config import ConfigError, LoaderConfig, load_config
+from deploy_configs import Listener, check_contract, parse_with_loaderd
+from loaderd.server.config import LoaderConfig
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
@@ -33,15 +39,24 @@ SHUTDOWN_MARGIN_S = 10
 
 
 def manifest_files() -> list[Path]:
-    """The files kubectl applies: every YAML file except kustomize's own."""
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    """The files kubectl applies: every YAML file except kustomize's own and the templates."""
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith(".example.yaml"))
 
 
-def load_docs() -> list[dict[str, Any]]:
+def template_files() -> list[Path]:
+    """Templates with placeholders (the Secrets): validated, never applied by kustomize."""
+    return sorted(K8S.glob("*.example.yaml"))
+
+
+def load_docs(paths: list[Path] | None = None) -> list[dict[str, Any]]:
     docs = []
-    for path in manifest_files():
+    for path in manifest_files() if paths is None else paths:
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
+
+
+def secrets_by_name() -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in load_docs(template_files()) if d["kind"] == "Secret"}
 
 
 def one(kind: str) -> dict[str, Any]:
@@ -67,22 +82,12 @@ def raw_ds_yaml() -> dict[str, Any]:
 def loaded_config(tmp_path: Path) -> tuple[LoaderConfig, dict[str, Any]]:
     """ds.yaml from the ConfigMap through loaderd's own load_config (which imports nothing).
 
-    Written where the pod mounts it, relative to tmp_path, so relative python_path
-    entries would resolve as in the pod. If this checkout's parser does not know
-    ``drain_timeout`` yet, the key is stripped before parsing (it is checked from
-    the raw YAML instead).
+    Written to tmp_path/ds.yaml; python_path is absolute, so it resolves as in the
+    pod. The listen/auth/metrics format is checked by ``deploy_configs`` (see
+    there for a parser that predates it).
     """
-    raw = raw_ds_yaml()
-    path = tmp_path / "ds.yaml"
-    path.write_text(one("ConfigMap")["data"]["ds.yaml"])
-    try:
-        return load_config(path), raw
-    except ConfigError as exc:
-        if "'drain_timeout'" not in str(exc) or "unknown key" not in str(exc):
-            raise
-    stripped = {k: v for k, v in raw.items() if k != "drain_timeout"}
-    path.write_text(yaml.safe_dump(stripped))
-    return load_config(path), raw
+    text = one("ConfigMap")["data"]["ds.yaml"]
+    return parse_with_loaderd(text, tmp_path / "ds.yaml", tmp_path / "files"), raw_ds_yaml()
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -96,10 +101,28 @@ def quantity_bytes(value: str | int) -> int:
     return int(m.group(1)) * {**_BINARY, **_DECIMAL}[m.group(2)]
 
 
-def listen_port(config: LoaderConfig) -> int:
-    ports = {int(a.rsplit(":", 1)[1]) for a in config.listen if not a.startswith("unix:")}
-    assert len(ports) == 1, f"expected one TCP listen port, got {config.listen}"
-    return ports.pop()
+def listeners() -> tuple[Listener, Listener]:
+    """ds.yaml's two listeners: (TLS for clients, plaintext for the kubelet's probes)."""
+    found = check_contract(raw_ds_yaml())
+    assert not any(lst.unix for lst in found), "no unix socket in a pod: nothing on its disk is shared"
+    tls = [lst for lst in found if lst.tls]
+    plain = [lst for lst in found if not lst.tls]
+    assert len(tls) == 1 and len(plain) == 1, f"expected one TLS and one plaintext listener, got {found}"
+    assert plain[0].insecure, "the probe listener is plaintext on the pod address: it must say insecure: true"
+    return tls[0], plain[0]
+
+
+def named_port(name: str) -> dict[str, Any]:
+    (port,) = [p for p in container()["ports"] if p["name"] == name]
+    return port
+
+
+def volume_for(mount_path_prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volumeMount, volume) of the mount that holds ``mount_path_prefix``'s files."""
+    mounts = [m for m in container()["volumeMounts"] if mount_path_prefix.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert len(mounts) == 1, f"{mount_path_prefix} should be in exactly one mount, got {mounts}"
+    volume = next(v for v in pod_spec()["volumes"] if v["name"] == mounts[0]["name"])
+    return mounts[0], volume
 
 
 @pytest.fixture
@@ -121,7 +144,11 @@ def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == [p.name for p in manifest_files()]
     kinds = sorted(d["kind"] for d in load_docs())
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
+    # The Secrets are created with kubectl; applying the template would overwrite them with placeholders.
+    assert [p.name for p in template_files()] == ["secrets.example.yaml"]
+    assert sorted(d["kind"] for d in load_docs(template_files())) == ["Secret", "Secret"]
+    assert "secrets.example.yaml" not in kustomization["resources"]
 
 
 @pytest.mark.timeout(30)
@@ -129,7 +156,7 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_manifests_match_kubernetes_schemas_offline(k8s_version: str, no_network: None) -> None:
     import kubernetes_validate
 
-    for doc in load_docs():
+    for doc in load_docs(manifest_files() + template_files()):
         # Raises ValidationError (a field of the wrong type, a misspelled or unknown
         # field: strict) or SchemaNotFoundError (a kind/apiVersion it does not know).
         validated = kubernetes_validate.validate(doc, k8s_version, strict=True)
@@ -149,12 +176,22 @@ def test_schema_validation_catches_mistakes(no_network: None) -> None:
     service["spec"]["ports"][0]["port"] = "seventy"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(service, KUBERNETES_VERSIONS[-1], strict=True)
+    policy = one("NetworkPolicy")
+    policy["spec"]["ingres"] = policy["spec"].pop("ingress")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(policy, KUBERNETES_VERSIONS[-1], strict=True)
+    secret = secrets_by_name()["loaderd-tokens"]
+    secret["stringData"]["tokens.txt"] = ["not", "a", "string"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
 
 
 @pytest.mark.timeout(10)
 def test_config_parses_with_loaderds_parser(tmp_path: Path) -> None:
     config, raw = loaded_config(tmp_path)
-    assert config.listen == ("0.0.0.0:7070",), "TCP on every pod address, no unix socket in a pod"
+    tls, probe = listeners()
+    assert tls.address == "0.0.0.0:7070" and probe.address == "0.0.0.0:7071", "every pod address"
+    assert raw["auth"]["token_file"], "tokens: the probe listener is plaintext, so only health may answer without one"
     drain = raw.get("drain_timeout")
     assert isinstance(drain, (int, float)) and drain > 0, "ds.yaml must set drain_timeout"
     if hasattr(config, "drain_timeout"):
@@ -179,25 +216,103 @@ def test_config_parses_with_loaderds_parser(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_one_port_everywhere(tmp_path: Path) -> None:
-    config, _ = loaded_config(tmp_path)
-    port = listen_port(config)
-    assert port == 7070
+def test_ports_agree_everywhere(tmp_path: Path) -> None:
+    loaded_config(tmp_path)
+    tls, probe = listeners()
+    assert tls.port == 7070 and probe.port == 7071
 
-    (container_port,) = container()["ports"]
-    assert container_port == {"name": "grpc", "containerPort": port, "protocol": "TCP"}
+    assert sorted(p["name"] for p in container()["ports"]) == ["grpc", "metrics", "probe"]
+    grpc_port = named_port("grpc")
+    assert grpc_port == {"name": "grpc", "containerPort": tls.port, "protocol": "TCP"}
+    assert named_port("probe") == {"name": "probe", "containerPort": probe.port, "protocol": "TCP"}
+    metrics = raw_ds_yaml()["metrics"]
+    assert named_port("metrics") == {"name": "metrics", "containerPort": metrics["port"], "protocol": "TCP"}
+    assert metrics["require_token"] is True, "the metrics endpoint names clients and datasets"
 
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        spec = container()[probe]
-        assert set(spec) & {"grpc", "tcpSocket", "httpGet", "exec"} == {"grpc"}, f"{probe} must be a native gRPC probe"
-        assert spec["grpc"]["port"] == port, probe
-        assert spec["grpc"].get("service", "") in ("", SERVICE_NAME), probe
+    # Native gRPC probes cannot speak TLS: they use the plaintext listener.
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        spec = container()[name]
+        assert set(spec) & {"grpc", "tcpSocket", "httpGet", "exec"} == {"grpc"}, f"{name} must be a native gRPC probe"
+        assert spec["grpc"]["port"] == probe.port, name
+        assert spec["grpc"].get("service", "") in ("", SERVICE_NAME), name
 
+    # Clients dial the pod IPs from DNS, so the Service port must be the TLS port the daemon
+    # serves; the probe and metrics ports stay out of the Service.
     (service_port,) = one("Service")["spec"]["ports"]
     assert service_port["name"] == "grpc"
-    # Clients dial the pod IPs from DNS, so the Service port must be the port the daemon serves.
-    assert service_port["port"] == port
-    assert service_port["targetPort"] in (port, container_port["name"])
+    assert service_port["port"] == tls.port
+    assert service_port["targetPort"] in (tls.port, grpc_port["name"])
+
+
+@pytest.mark.timeout(10)
+def test_tls_and_tokens_come_from_read_only_secrets() -> None:
+    tls, _ = listeners()
+    assert tls.tls is not None
+    token_file = raw_ds_yaml()["auth"]["token_file"]
+    templates = secrets_by_name()
+    fs_group = pod_spec()["securityContext"]["fsGroup"]
+    assert fs_group == pod_spec()["securityContext"]["runAsGroup"], "the daemon reads the secrets through its group"
+
+    wanted = {name: path for name, path in tls.tls.items()} | {"token_file": token_file}
+    for what, path in wanted.items():
+        mount, volume = volume_for(path)
+        assert mount["readOnly"] is True, f"{what}: {path} must be on a read-only mount"
+        assert "secret" in volume, f"{what}: {path} must come from a Secret"
+        secret = volume["secret"]
+        template = templates[secret["secretName"]]
+        key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+        if "items" in secret:
+            key = next(item["key"] for item in secret["items"] if item["path"] == key)
+        assert key in template["stringData"], f"{what}: the Secret {secret['secretName']} has no key {key}"
+        # Kubernetes writes Secret files owned by root, group fsGroup, with these bits; the
+        # daemon refuses a token file that others can read or the group can write, and
+        # accepts group read only on a file root owns.
+        mode = secret["defaultMode"]
+        assert not mode & 0o007, f"{what}: defaultMode {mode:o} lets every user in"
+        assert not mode & stat.S_IWGRP and mode & stat.S_IRGRP, f"{what}: defaultMode {mode:o}: the daemon reads through fsGroup"
+        assert secret.get("optional", False) is False, f"{what}: a missing Secret must stop the pod, not start it without TLS"
+
+    assert templates["loaderd-tls"]["type"] == "kubernetes.io/tls"
+    assert {"tls.crt", "tls.key"} <= set(templates["loaderd-tls"]["stringData"])
+    assert templates["loaderd-tokens"]["type"] == "Opaque"
+
+
+@pytest.mark.timeout(10)
+def test_secret_template_holds_no_usable_secret() -> None:
+    """Placeholders only: no key material, and no token line a daemon would accept."""
+    text = (K8S / "secrets.example.yaml").read_text()
+    assert "-----BEGIN" not in text
+    templates = secrets_by_name()
+    for value in templates["loaderd-tls"]["stringData"].values():
+        assert value.startswith("REPLACE"), value
+    lines = [line.strip() for line in templates["loaderd-tokens"]["stringData"]["tokens.txt"].splitlines()]
+    assert all(not line or line.startswith("#") for line in lines), "every token line stays commented out"
+
+
+@pytest.mark.timeout(10)
+def test_network_policy_admits_clients_and_prometheus_only() -> None:
+    tls, probe = listeners()
+    metrics_port = raw_ds_yaml()["metrics"]["port"]
+    policy = one("NetworkPolicy")["spec"]
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+
+    admitted: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("from"), "every ingress rule names who (no rule open to all)"
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert sorted(admitted) == sorted([tls.port, metrics_port]), "the probe port is for the kubelet only"
+    assert admitted[tls.port] == [{"podSelector": {"matchLabels": {"loaderd-client": "true"}}}]
+    (monitoring,) = admitted[metrics_port]
+    assert set(monitoring) == {"namespaceSelector", "podSelector"}, "Prometheus: a namespace and its pods, both"
+
+    # Out: DNS only.
+    ports = [(p["port"], p["protocol"]) for rule in policy["egress"] for p in rule["ports"]]
+    assert sorted(ports) == [(53, "TCP"), (53, "UDP")]
+    assert all(rule.get("to") for rule in policy["egress"]), "DNS: the cluster's DNS pods, not anywhere"
 
 
 @pytest.mark.timeout(10)
