@@ -157,7 +157,7 @@ def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
         "| start |",
         "| end |",
         "| daemon open fds |",
-        "| client open fds, segment mappings aside |",
+        "| client open fds |",
         "| client sessions of killed daemons still alive |",
         "| /dev/shm entries left by killed daemons |",
         "| processes of killed daemons still alive |",

@@ -23,7 +23,6 @@ markdown; exits 1 if a loader misbehaved.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import platform
 import shutil
@@ -42,11 +41,12 @@ from bench_loaders import (
     STARTUP_TIMEOUT_S,
     BenchError,
     Result,
-    arm_watchdog,
     check_batch,
     fmt,
     median,
     print_findings,
+    round_args,
+    run_guarded,
     start_daemon,
     wait_serving,
 )
@@ -224,16 +224,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="torch num_workers and the daemon's pool size")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload")
-    parser.add_argument("--seconds", type=float, default=2.0, help="steady-state seconds per measurement")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 2 rounds of 0.5 s")
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.seconds = 2, 0.5
-    if args.workers < 1 or args.rounds < 1 or args.seconds <= 0:
-        parser.error("--workers and --rounds must be >= 1 and --seconds > 0")
+    args = round_args(__doc__.split("\n\n")[0])
     if not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure.")
         return 0
@@ -249,24 +240,12 @@ def main() -> int:
 
     budget = 180 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5)
 
-    def watchdog() -> None:
-        print(f"[bench] WATCHDOG: still running after {budget:.0f}s; stacks follow", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    def daemon_log() -> None:
         daemon = state.get("daemon")
         if daemon is not None:
             print(f"--- daemon log (tail) ---\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
-        stop_daemon()
-        os._exit(3)
 
-    timer = arm_watchdog(budget, watchdog)
-    try:
-        return run(args, state)
-    except KeyboardInterrupt:
-        print("[bench] interrupted", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        timer.cancel()
-        stop_daemon()
+    return run_guarded(budget, lambda: run(args, state), stop_daemon, daemon_log)
 
 
 if __name__ == "__main__":

@@ -129,10 +129,15 @@ class Daemon:
 
 
 def start_daemon(
-    workers: int, datasets: dict[str, Any] | None = None, python_path: Path = BENCH_DIR, **top: Any
+    workers: int,
+    datasets: dict[str, Any] | None = None,
+    python_path: Path = BENCH_DIR,
+    extra_listen: tuple[Any, ...] = (),
+    **top: Any,
 ) -> Daemon:
-    """`loaderd serve` on a temp unix socket and 127.0.0.1:0 (``wait_serving`` reads the port);
-    ``datasets`` defaults to this benchmark's in-memory ones; ``top`` adds top-level config keys."""
+    """`loaderd serve` on a temp unix socket and 127.0.0.1:0 (``wait_serving`` reads the port), plus
+    ``extra_listen`` entries; ``datasets`` defaults to this benchmark's in-memory ones; ``top`` adds
+    top-level config keys."""
     tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
     socket_path = tmp / "d.sock"
     if datasets is None:
@@ -141,7 +146,7 @@ def start_daemon(
         }
     config = {
         "python_path": [str(python_path)],
-        "listen": [f"unix://{socket_path}", "127.0.0.1:0"],
+        "listen": [f"unix://{socket_path}", "127.0.0.1:0", *extra_listen],
         "workers": workers,
         "datasets": datasets,
         **top,
@@ -559,9 +564,35 @@ def arm_watchdog(budget: float, watchdog: Callable[[], None]) -> threading.Timer
     return timer
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="torch num_workers and the daemon's pool size")
+def run_guarded(
+    budget: float, body: Callable[[], int], cleanup: Callable[[], None], on_hang: Callable[[], None] = lambda: None
+) -> int:
+    """A bench's ``body``, bounded in time (every bench's main): past ``budget`` seconds every thread's
+    stack is dumped, ``on_hang`` reports, ``cleanup`` stops the daemons and the process exits 3;
+    SIGTERM or Ctrl-C cleans up and returns 130; ``cleanup`` runs however ``body`` ends."""
+
+    def watchdog() -> None:
+        print(f"[bench] WATCHDOG: still running after {budget:.0f}s; stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        on_hang()
+        cleanup()
+        os._exit(3)
+
+    timer = arm_watchdog(budget, watchdog)
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("[bench] interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        timer.cancel()
+        cleanup()
+
+
+def round_args(description: str, workers_help: str = "torch num_workers and the daemon's pool size") -> argparse.Namespace:
+    """The interleaved-rounds benches' options: --workers, --rounds, --seconds, --quick (checked)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workers", type=int, default=2, help=workers_help)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload")
     parser.add_argument("--seconds", type=float, default=2.0, help="steady-state seconds per measurement")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 rounds of 0.5 s")
@@ -570,6 +601,11 @@ def main() -> int:
         args.rounds, args.seconds = 2, 0.5
     if args.workers < 1 or args.rounds < 1 or args.seconds <= 0:
         parser.error("--workers and --rounds must be >= 1 and --seconds > 0")
+    return args
+
+
+def main() -> int:
+    args = round_args(__doc__.split("\n\n")[0])
 
     state: dict[str, Any] = {"daemon": None}
 
@@ -585,24 +621,12 @@ def main() -> int:
     # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
     budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5) + 120
 
-    def watchdog() -> None:
-        print(f"[bench] WATCHDOG: still running after {budget:.0f}s; stacks follow", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    def daemon_log() -> None:
         daemon = state.get("daemon")
         if daemon is not None:
             print(f"--- daemon log (tail) ---\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
-        stop_daemon()
-        os._exit(3)
 
-    timer = arm_watchdog(budget, watchdog)
-    try:
-        return run(args, state)
-    except KeyboardInterrupt:
-        print("[bench] interrupted", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        timer.cancel()
-        stop_daemon()
+    return run_guarded(budget, lambda: run(args, state), stop_daemon, daemon_log)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,245 @@
+"""Benchmark: what TLS and tokens cost. RemoteDataLoader over gRPC (TCP loopback), plaintext vs TLS, and with a token.
+
+    python tests/bench/bench_security.py [--workers 2] [--rounds 5] [--seconds 2.0] [--quick]
+
+Starts two daemons with the same datasets and pool size: ``open`` (a plaintext
+and a TLS listener on 127.0.0.1, no auth) and ``auth`` (a token file; a
+plaintext listener on 127.0.0.1 and a unix socket). Certificates are made with
+trustme (the test extra). For each workload it measures, interleaved in every
+round: gRPC plaintext, gRPC TLS (``open``), gRPC plaintext with a token
+(``auth``), and shared memory without and with a token (the unix sockets).
+Prints medians and ratios; exits 1 if a loader misbehaved.
+
+The token is checked once per call (a stream opens one call per epoch per
+daemon), never per batch, so its cost per batch is what the table shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench_soak import descendants
+from bench_loaders import (
+    BATCH_TIMEOUT_S,
+    DATASETS,
+    STARTUP_TIMEOUT_S,
+    BenchError,
+    Daemon,
+    Result,
+    fmt,
+    measure,
+    median,
+    print_findings,
+    round_args,
+    run_guarded,
+    start_daemon,
+    wait_serving,
+)
+
+WORKLOADS = [("f32", 256), ("u8", 64), ("tiny", 32)]
+# (label, daemon, address attribute, tls, token)
+LOADERS = [
+    ("grpc plaintext", "open", "tcp_address", False, False),
+    ("grpc TLS", "open", "tls_address", True, False),
+    ("grpc plaintext + token", "auth", "tcp_address", False, True),
+    ("shm", "open", "unix_address", False, False),
+    ("shm + token", "auth", "unix_address", False, True),
+]
+TOKEN = "bench-token-0123456789abcdef"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process below it (daemon, fork server, workers)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+TLS_TARGET = 0.9
+LOADERS_BY_LABEL = {label: (which, attr, tls, token) for label, which, attr, tls, token in LOADERS}
+
+
+def make_pki(directory: Path) -> dict[str, str]:
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    files = {"ca": ca.cert_pem, "cert": server.cert_chain_pems, "key": server.private_key_pem}
+    paths = {}
+    for name, blob in files.items():
+        path = directory / f"{name}.pem"
+        path.write_bytes(b"".join(b.bytes() for b in blob) if isinstance(blob, list) else blob.bytes())
+        path.chmod(0o600)
+        paths[name] = str(path)
+    return paths
+
+
+def tls_address(daemon: Daemon) -> str:
+    import re
+
+    match = re.search(r"(127\.0\.0\.1:\d+): TLS", daemon.log())
+    if match is None:
+        raise RuntimeError(f"no TLS listener in the daemon log:\n{daemon.log()}")
+    return match.group(1)
+
+
+def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
+    from_start = time.perf_counter()
+    findings: list[str] = []
+    results = {(name, label): Result() for name, _ in WORKLOADS for label, *_ in LOADERS}
+    cpu_per_gb: dict[tuple[str, str], list[float]] = {key: [] for key in results}
+    pki_dir = Path(tempfile.mkdtemp(prefix="ldb-pki-", dir="/tmp"))
+    state["dirs"].append(pki_dir)
+    pki = make_pki(pki_dir)
+    tokens = pki_dir / "tokens.txt"
+    tokens.write_text(f"bench:{TOKEN}\n")
+    tokens.chmod(0o600)
+
+    tls = {"cert": pki["cert"], "key": pki["key"]}
+    open_daemon = start_daemon(args.workers, extra_listen=({"address": "127.0.0.1:0", "tls": tls},))
+    state["daemons"].append(open_daemon)
+    auth_daemon = start_daemon(args.workers, auth={"token_file": str(tokens)})
+    state["daemons"].append(auth_daemon)
+    for daemon in (open_daemon, auth_daemon):
+        wait_serving(daemon, STARTUP_TIMEOUT_S)
+    daemons = {"open": open_daemon, "auth": auth_daemon}
+    addresses = {
+        "open": {"tcp_address": open_daemon.tcp_address, "unix_address": open_daemon.unix_address, "tls_address": tls_address(open_daemon)},
+        "auth": {"tcp_address": auth_daemon.tcp_address, "unix_address": auth_daemon.unix_address},
+    }
+    print(f"[bench] daemons serving: {addresses}", file=sys.stderr, flush=True)
+
+    from loaderd import RemoteDataLoader
+
+    loaders: dict[tuple[str, str], Any] = {}
+    for name, batch_size in WORKLOADS:
+        for label, which, attr, tls, token in LOADERS:
+            address = addresses[which][attr]
+            loaders[(name, label)] = RemoteDataLoader(
+                name,
+                batch_size=batch_size,
+                shuffle=True,
+                timeout=BATCH_TIMEOUT_S,
+                address=address,
+                transport="shm" if attr == "unix_address" else "grpc",
+                tls={"ca": pki["ca"]} if tls else False,
+                token=TOKEN if token else "",
+            )
+
+    for name, batch_size in WORKLOADS:
+        spec = DATASETS[name]
+        expected = (batch_size, *spec["shape"])
+        dtype = getattr(torch, spec["dtype"])
+        for rnd in range(args.rounds):
+            for label, *_ in LOADERS:
+                result = results[(name, label)]
+                if result.error:
+                    continue
+                daemon_pid = daemons[LOADERS_BY_LABEL[label][0]].process.pid
+                cpu0 = cpu_seconds(daemon_pid) + sum(os.times()[:2])
+                t0 = time.perf_counter()
+                try:
+                    bps, gbs = measure(loaders[(name, label)], args.seconds, expected, dtype)
+                except Exception as exc:  # noqa: BLE001
+                    result.error = f"{label} on {name}, round {rnd + 1}: {type(exc).__name__}: {exc}"
+                    if not isinstance(exc, BenchError):
+                        result.error += "\n" + "".join(traceback.format_exception(exc))
+                    findings.append(result.error)
+                    continue
+                result.batches_s.append(bps)
+                result.gb_s.append(gbs)
+                moved_gb = gbs * (time.perf_counter() - t0)  # about: the warm-up batch is not in gbs
+                cpu = cpu_seconds(daemon_pid) + sum(os.times()[:2]) - cpu0
+                if moved_gb > 0:
+                    cpu_per_gb[(name, label)].append(cpu / moved_gb)
+            print(
+                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
+                + ", ".join(f"{label} {results[(name, label)].batches_s[-1]:.0f}" for label, *_ in LOADERS if results[(name, label)].batches_s),
+                file=sys.stderr,
+                flush=True,
+            )
+    loaders.clear()
+    for daemon in list(state["daemons"]):
+        _, problem = daemon.stop()
+        state["daemons"].remove(daemon)
+        if problem:
+            findings.append(f"shutdown: {problem}\n{daemon.log()[-4000:]}")
+        shutil.rmtree(daemon.tmp, ignore_errors=True)
+    print_report(args, results, cpu_per_gb, findings, time.perf_counter() - from_start)
+    return 1 if findings else 0
+
+
+def print_report(
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], Result],
+    cpu_per_gb: dict[tuple[str, str], list[float]],
+    findings: list[str],
+    wall_s: float,
+) -> None:
+    p = print
+    p("## loaderd security benchmark: TLS and tokens\n")
+    p(f"- machine: nproc={os.cpu_count()}, torch {torch.__version__}, Python {platform.python_version()}, {platform.platform()}")
+    p(f"- settings: workers={args.workers}, rounds={args.rounds}, seconds={args.seconds}; loaders interleaved in each round")
+    p(f"- wall time: {wall_s:.0f} s\n")
+    p("| workload | loader | batches/s | GB/s | ratio | CPU s per GB (all processes) | per-round batches/s |")
+    p("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for name, batch_size in WORKLOADS:
+        spec = DATASETS[name]
+        label_w = f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
+        for label, *_ in LOADERS:
+            r = results[(name, label)]
+            base_label = "shm" if label.startswith("shm") else "grpc plaintext"
+            base = median(results[(name, base_label)].batches_s)
+            bps = median(r.batches_s)
+            ratio = f"{bps / base:.2f}x vs {base_label}" if label != base_label and base == base and base > 0 else "1.00x"
+            rounds = ", ".join(f"{x:.0f}" for x in r.batches_s)
+            cpu = fmt(median(cpu_per_gb[(name, label)]), 2) if name != "tiny" else "-"
+            p(f"| {label_w} | {label} | {fmt(bps)} | {fmt(median(r.gb_s), 3)} | {ratio} | {cpu} | {rounds} |")
+    p("")
+    p("CPU s per GB: user+system seconds of this client process, the daemon, its fork server and workers,")
+    p(f"per GB delivered (machine: {os.cpu_count()} cores; where they are all busy, extra CPU per GB is lost throughput).\n")
+    p(f"### Target: TLS >= {TLS_TARGET:g}x plaintext gRPC on large batches\n")
+    for name in ("f32", "u8"):
+        base = median(results[(name, "grpc plaintext")].batches_s)
+        value = median(results[(name, "grpc TLS")].batches_s)
+        ratio = value / base if base == base and base > 0 and value == value else float("nan")
+        verdict = "n/a" if ratio != ratio else ("PASS" if ratio >= TLS_TARGET else "MISS")
+        p(f"- {name}: {fmt(ratio, 2)}x, {verdict}")
+    p("")
+    print_findings(p, findings)
+
+
+def main() -> int:
+    args = round_args(__doc__.split("\n\n")[0], "each daemon's pool size")
+    state: dict[str, Any] = {"daemons": [], "dirs": []}
+
+    def cleanup() -> None:
+        for daemon in state["daemons"]:
+            daemon.stop()
+            shutil.rmtree(daemon.tmp, ignore_errors=True)
+        state["daemons"].clear()
+        for directory in state["dirs"]:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    budget = 240 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5)
+    return run_guarded(budget, lambda: run(args, state), cleanup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
