@@ -215,7 +215,7 @@ class Daemon:
             # this, so short calls (health, Status) always find a thread.
             executor,
             handlers=[generic_handler(servicer, raw_responses={"StreamBatches"})],
-            # Every call but health's needs a token when auth: is set (server/auth.py).
+            # Every call but health's Check needs a token when auth: is set (server/auth.py).
             interceptors=[TokenInterceptor(authenticator)] if authenticator.required else None,
             # A backstop to admission: past this many calls at once (health's Watch included),
             # new ones are refused RESOURCE_EXHAUSTED rather than queued behind busy threads.
