@@ -85,6 +85,12 @@ def prepare(specs: tuple[ListenSpec, ...]) -> list[Listener]:
                 gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
             except KeyError:
                 raise ConfigError(f"listen[{i}].socket_group: no group named {group!r}") from None
+            # chown to a group needs membership (or root): say so now, not after the pool warmed up.
+            if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+                raise ConfigError(
+                    f"listen[{i}].socket_group: this daemon's user is not a member of group {group!r}, so it cannot "
+                    "give the socket to it (systemd: SupplementaryGroups=)"
+                )
         listeners.append(Listener(spec, tls, gid))
     return listeners
 

@@ -476,3 +476,19 @@ def test_tls_through_a_dns_name_checks_the_certificate_against_the_name(short_tm
         # The same daemon by its IP: the certificate does not name it.
         error = refused_fast("by IP", address=f"127.0.0.1:{port}", tls={"ca": str(ca_file)})
         assert isinstance(error, AuthenticationError) and "does not name the address" in str(error)
+
+
+def test_a_socket_group_that_cannot_be_used_is_a_config_error() -> None:
+    import grp
+
+    from loaderd.server.config import ConfigError, ListenSpec
+    from loaderd.server.listeners import prepare
+
+    with pytest.raises(ConfigError, match=r"listen\[0\]\.socket_group: no group named 'no-such-group-x'"):
+        prepare((ListenSpec("unix:///tmp/x.sock", socket_group="no-such-group-x"),))
+    if os.geteuid() == 0:
+        return  # root may give a socket to any group
+    foreign = next((g for g in grp.getgrall() if g.gr_gid != os.getegid() and g.gr_gid not in os.getgroups()), None)
+    if foreign is not None:
+        with pytest.raises(ConfigError, match="not a member"):
+            prepare((ListenSpec("unix:///tmp/x.sock", socket_group=foreign.gr_name),))
