@@ -87,13 +87,6 @@ class Credentials:
             key_path=os.fspath(tls.get("key") or ""),
         )
 
-    def describe(self) -> str:
-        """For messages: what this client presents (never the token itself)."""
-        parts = ["TLS" + (" with a client certificate" if self.cert else "") if self.tls else "plaintext"]
-        if self.token:
-            parts.append("a token")
-        return " and ".join(parts)
-
 
 def _read(path: Any, what: str) -> bytes | None:
     if not path:

@@ -57,7 +57,6 @@ class Identity:
     """Who a call comes from: ``name`` is what logs, status and metrics show ("" if unknown)."""
 
     name: str = ""
-    how: str = ""  # "token", "certificate" or "" (anonymous)
 
     def __str__(self) -> str:
         return self.name or "anonymous"
@@ -204,9 +203,9 @@ class Authenticator:
             token = bearer_token(context.invocation_metadata())
             name = self.tokens.name_of(token) if token is not None else None
             if name is not None:
-                return Identity(name, "token")
+                return Identity(name)
         subject = certificate_name(context)
-        return Identity(subject, "certificate") if subject else ANONYMOUS
+        return Identity(subject) if subject else ANONYMOUS
 
     def check_token(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
         """"" if the call may proceed, else why not (for UNAUTHENTICATED)."""

@@ -25,7 +25,7 @@ import grpc
 
 from loaderd.addresses import is_loopback
 from loaderd.server.config import ConfigError, ListenSpec
-from loaderd.server.tls import CertificateReloader, TlsConfigError, TlsFiles
+from loaderd.server.tls import CertificateReloader, TlsConfigError
 
 log = logging.getLogger("loaderd")
 
@@ -75,7 +75,7 @@ def prepare(specs: tuple[ListenSpec, ...]) -> list[Listener]:
         tls = None
         if spec.tls is not None:
             try:
-                tls = CertificateReloader(TlsFiles(spec.tls.cert, spec.tls.key, spec.tls.client_ca))
+                tls = CertificateReloader(spec.tls)
             except TlsConfigError as exc:
                 raise ConfigError(f"listen[{i}] ({spec.address}): {exc}") from None
         gid = None

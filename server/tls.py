@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from loaderd.server.config import TlsSpec
 
 log = logging.getLogger("loaderd.tls")
 
@@ -27,15 +28,6 @@ MAX_PEM_BYTES = 1 << 20
 
 class TlsConfigError(Exception):
     """A listener's TLS files cannot be used; the message names the file."""
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """``tls:`` of one listener: absolute paths."""
-
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
 
 
 def _read_pem(path: Path, what: str) -> bytes:
@@ -63,7 +55,7 @@ def _stamp(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int], ...]:
 class CertificateReloader:
     """The certificate configuration of one listener, re-read when its files change."""
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsSpec) -> None:
         """Read the files now; TlsConfigError if one cannot be used."""
         self.files = files
         self._paths = tuple(p for p in (files.cert, files.key, files.client_ca) if p is not None)

@@ -127,6 +127,12 @@ def serve_command(config_path: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path), *extra]
 
 
+def loaderd_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``loaderd ARGS...`` to completion (stdin closed); its exit code and output."""
+    command = [sys.executable, "-m", "loaderd.server.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
 def popen_serve(config_path: Path, log_path: Path, *extra: str) -> subprocess.Popen[str]:
     """Start `loaderd serve` with its stdout and stderr going to ``log_path``."""
     with open(log_path, "w") as log_file:

@@ -15,7 +15,6 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -31,7 +30,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from compare import assert_same_batches
-from conftest import RunningDaemon, oracle_loader, popen_serve, wait_for, wait_serving, write_config
+from conftest import RunningDaemon, loaderd_cli, oracle_loader, popen_serve, wait_serving, write_config
 from datasets import Squares
 from loaderd import AuthenticationError, CredentialsError, LoaderdError, RemoteDataLoader
 from loaderd.connection import get_connection
@@ -290,9 +289,9 @@ def test_missing_or_wrong_token_is_refused_at_once_and_health_still_answers(secu
         error = refused_fast(f"token {token!r}", address=secured.daemon.address, token=token)
         assert isinstance(error, AuthenticationError) and isinstance(error, PermissionError), error
         assert ("requires a token" in str(error)) if not token else ("not valid" in str(error))
-    for token in (None, "nope"):
+    for sent in (None, "nope"):
         with pytest.raises(grpc.RpcError) as info:
-            secured_status(secured.daemon.address, token)
+            secured_status(secured.daemon.address, sent)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(secured.daemon.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -314,11 +313,6 @@ def test_the_token_names_the_client_in_status_and_logs(secured: Secured, monkeyp
     got += list(it)
     assert_same_batches(got, torch_epoch(), "with a token")
     assert "identity: ops" in secured.daemon.log()
-
-
-def loaderd_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "loaderd.server.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
 
 
 def test_loaderd_status_needs_the_token(secured: Secured) -> None:
@@ -392,9 +386,7 @@ def hijack(address: str, creds: grpc.ChannelCredentials | None, token: str, sess
 
 
 def serve_exit(tmp: Path, **config: Any) -> subprocess.CompletedProcess[str]:
-    config_path = write_config(tmp, DATASETS, workers=1, **config)
-    command = [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    return loaderd_cli("serve", "--config", str(write_config(tmp, DATASETS, workers=1, **config)))
 
 
 def test_plaintext_on_a_public_address_is_refused(short_tmp: Path) -> None:

@@ -8,8 +8,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +19,7 @@ from conftest import (
     RunningDaemon,
     STARTUP_TIMEOUT_S,
     daemon_status,
+    loaderd_cli,
     popen_serve,
     running_daemon,
     wait_for,
@@ -40,7 +39,6 @@ BATCH = 4
 EPOCH = N // BATCH
 DATASETS = {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": N}}}
 # A CLI run pays Python's and torch's import.
-CLI_TIMEOUT_S = 60.0
 METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -54,11 +52,6 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def loaderd_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "loaderd.server.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
 
 
 

@@ -28,7 +28,6 @@ import platform
 import shutil
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -43,10 +42,13 @@ from bench_loaders import (
     Result,
     check_batch,
     fmt,
-    median,
+    measure,
+    interleaved_rounds,
     print_findings,
+    ratio_verdict,
     round_args,
-    run_guarded,
+    run_with_daemon,
+    throughput_table,
     start_daemon,
     wait_serving,
 )
@@ -57,43 +59,17 @@ TARGET = 1.5  # shm pinned vs torch pinned, batches/s to the GPU
 
 
 def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
-    """Steady-state batches/s and GB/s to the GPU over ``seconds`` (after one checked warm-up batch)."""
-    per_epoch = len(loader)
-    it = iter(loader)
-    batch = next(it)
-    check_batch(batch, expected, dtype, full=True)
-    del batch
+    """``measure`` with each batch copied to the GPU, checked there (all ones) without a sync per batch."""
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
-    in_epoch = 1
-    batches = nbytes = 0
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
-    while time.perf_counter() < deadline:
-        try:
-            batch = next(it)
-        except StopIteration:
-            if in_epoch != per_epoch:
-                raise BenchError(f"epoch ended after {in_epoch} batches, len(loader) is {per_epoch}") from None
-            it = iter(loader)
-            in_epoch = 0
-            continue
-        in_epoch += 1
-        if batch.shape != expected:
-            raise BenchError(f"batch {in_epoch} of an epoch has shape {tuple(batch.shape)}, expected {expected}")
-        x = batch.cuda(non_blocking=True)
-        del batch  # a pinned shm batch's slot goes back once the copy above has run
-        wrong += (x != 1).sum()  # queued on the GPU: no sync per batch
-        nbytes += x.numel() * x.element_size()
-        batches += 1
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    if hasattr(it, "close"):
-        it.close()
-    del it
+
+    def to_gpu(batch: torch.Tensor) -> None:
+        x = batch.cuda(non_blocking=True)  # a pinned shm batch's slot goes back once this copy has run
+        wrong.add_((x != 1).sum())  # queued on the GPU
+
+    rates = measure(loader, seconds, expected, dtype, step=to_gpu, settle=torch.cuda.synchronize)
     if int(wrong.item()):
         raise BenchError(f"{int(wrong.item())} wrong values arrived on the GPU (expected all ones)")
-    return batches / elapsed, nbytes / elapsed / 1e9
+    return rates
 
 
 def print_report(args: argparse.Namespace, results: dict[tuple[str, str], Result], findings: list[str], wall_s: float) -> None:
@@ -108,28 +84,11 @@ def print_report(args: argparse.Namespace, results: dict[tuple[str, str], Result
         f"seconds={args.seconds}; each step: batch.cuda(non_blocking=True), then the host batch is dropped"
     )
     p(f"- wall time: {wall_s:.0f} s\n")
-    p("| workload | loader | batches/s | GB/s to GPU | ratio vs torch | per-round batches/s |")
-    p("| --- | --- | ---: | ---: | ---: | --- |")
-    for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        label = f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
-        base = median(results[(name, "torch")].batches_s)
-        for kind in LOADERS:
-            r = results[(name, kind)]
-            if r.error and not r.batches_s:
-                p(f"| {label} | {kind} | ERROR | | | {r.error.splitlines()[0][:80]} |")
-                continue
-            bps = median(r.batches_s)
-            ratio = "1.00x" if kind == "torch" else (f"{bps / base:.2f}x" if base == base and base > 0 else "n/a")
-            rounds = ", ".join(f"{x:.0f}" for x in r.batches_s)
-            p(f"| {label} | {kind} | {fmt(bps)} | {fmt(median(r.gb_s), 2)} | {ratio} | {rounds} |")
+    throughput_table(p, results, WORKLOADS, LOADERS, gb_header="GB/s to GPU")
     p("")
     p(f"### Target: shm pinned >= {TARGET:g}x torch pinned\n")
     for name, _ in WORKLOADS:
-        base = median(results[(name, "torch")].batches_s)
-        value = median(results[(name, "shm")].batches_s)
-        ratio = value / base if base == base and base > 0 and value == value else float("nan")
-        verdict = "n/a" if ratio != ratio else ("PASS" if ratio >= TARGET else "MISS")
+        ratio, verdict = ratio_verdict(results[(name, "shm")], results[(name, "torch")], TARGET)
         p(f"- {name}: {fmt(ratio, 2)}x, {verdict}")
     p("")
     print_findings(p, findings)
@@ -139,14 +98,6 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     from_start = time.perf_counter()
     findings: list[str] = []
     results = {(name, kind): Result() for name, _ in WORKLOADS for kind in LOADERS}
-
-    def note(where: str, exc: BaseException) -> str:
-        text = f"{where}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, BenchError):
-            text += "\n" + "".join(traceback.format_exception(exc))
-        findings.append(text)
-        print(f"[bench] PROBLEM {text.splitlines()[0]}", file=sys.stderr, flush=True)
-        return text
 
     torch.cuda.init()
     daemon = state["daemon"] = start_daemon(args.workers)
@@ -188,28 +139,14 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 transport=transport,
             )
 
-    for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        expected = (batch_size, *spec["shape"])
-        dtype = getattr(torch, spec["dtype"])
-        for rnd in range(args.rounds):
-            for kind in LOADERS:
-                result = results[(name, kind)]
-                if result.error:
-                    continue
-                try:
-                    bps, gbs = measure_to_gpu(loaders[(name, kind)], args.seconds, expected, dtype)
-                except Exception as exc:  # noqa: BLE001
-                    result.error = note(f"{kind} on {name}, round {rnd + 1}", exc)
-                    continue
-                result.batches_s.append(bps)
-                result.gb_s.append(gbs)
-            print(
-                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
-                + ", ".join(f"{k} {results[(name, k)].batches_s[-1]:.0f} b/s" for k in LOADERS if results[(name, k)].batches_s),
-                file=sys.stderr,
-                flush=True,
-            )
+    interleaved_rounds(
+        args,
+        WORKLOADS,
+        LOADERS,
+        results,
+        lambda name, kind, expected, dtype: measure_to_gpu(loaders[(name, kind)], args.seconds, expected, dtype),
+        findings,
+    )
 
     loaders.clear()
     _, problem = daemon.stop()
@@ -229,23 +166,8 @@ def main() -> int:
         print("bench_gpu.py: no CUDA device here; nothing to measure.")
         return 0
 
-    state: dict[str, Any] = {"daemon": None}
-
-    def stop_daemon() -> None:
-        daemon = state.get("daemon")
-        if daemon is not None:
-            state["daemon"] = None
-            daemon.stop()
-            shutil.rmtree(daemon.tmp, ignore_errors=True)
-
     budget = 180 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5)
-
-    def daemon_log() -> None:
-        daemon = state.get("daemon")
-        if daemon is not None:
-            print(f"--- daemon log (tail) ---\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
-
-    return run_guarded(budget, lambda: run(args, state), stop_daemon, daemon_log)
+    return run_with_daemon(budget, lambda state: run(args, state))
 
 
 if __name__ == "__main__":

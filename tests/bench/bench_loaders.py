@@ -205,8 +205,19 @@ def check_batch(batch: Any, expected: tuple[int, ...], dtype: torch.dtype, full:
         raise BenchError(f"batch values are not all ones (sum {batch.double().sum().item()}, numel {batch.numel()})")
 
 
-def measure(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
-    """Steady-state batches/s and GB/s over ``seconds`` after one warm-up batch (epochs re-iterated)."""
+def measure(
+    loader: Any,
+    seconds: float,
+    expected: tuple[int, ...],
+    dtype: torch.dtype,
+    step: Callable[[torch.Tensor], None] | None = None,
+    settle: Callable[[], None] = lambda: None,
+) -> tuple[float, float]:
+    """Steady-state batches/s and GB/s over ``seconds`` after one warm-up batch (epochs re-iterated).
+
+    ``step(batch)`` is what a training loop does with each batch (bench_gpu.py: the copy to the GPU;
+    it must not keep the batch); ``settle()`` waits for work ``step`` left queued, before the clock
+    starts and before it stops."""
     per_epoch = len(loader)
     it = iter(loader)
     batch = next(it)  # warm-up, not timed; checked in full
@@ -215,6 +226,7 @@ def measure(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch
     in_epoch = 1
     batches = 0
     nbytes = 0
+    settle()
     t0 = time.perf_counter()
     deadline = t0 + seconds
     now = t0
@@ -231,11 +243,14 @@ def measure(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch
         in_epoch += 1
         if batch.shape != expected:  # cheap: no data is read
             raise BenchError(f"batch {in_epoch} of an epoch has shape {tuple(batch.shape)}, expected {expected}")
+        if step is not None:
+            step(batch)
         nbytes += batch.numel() * batch.element_size()
         batches += 1
         del batch  # an shm batch's slot goes back when its last view dies
         now = time.perf_counter()
-    elapsed = now - t0
+    settle()
+    elapsed = time.perf_counter() - t0
     if hasattr(it, "close"):
         it.close()
     del it
@@ -315,6 +330,91 @@ def fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:,.{digits}f}"
 
 
+def note_problem(findings: list[str], where: str, exc: BaseException) -> str:
+    """Record a loader's failure as a finding (with its traceback unless it is a BenchError); returns its text."""
+    text = f"{where}: {type(exc).__name__}: {exc}"
+    if not isinstance(exc, BenchError):
+        text += "\n" + "".join(traceback.format_exception(exc))
+    findings.append(text)
+    print(f"[bench] PROBLEM {text.splitlines()[0]}", file=sys.stderr, flush=True)
+    return text
+
+
+Measure = Callable[[str, str, tuple[int, ...], torch.dtype], tuple[float, float]]
+
+
+def interleaved_rounds(
+    args: argparse.Namespace,
+    workloads: list[tuple[str, int]],
+    kinds: list[str],
+    results: dict[tuple[str, str], Result],
+    measure_one: Measure,
+    findings: list[str],
+) -> None:
+    """Per workload, ``args.rounds`` rounds that each measure every loader kind once, in turn:
+    ``measure_one(workload, kind, expected shape, dtype)`` gives (batches/s, GB/s). A loader that
+    failed (now, or at its warm-up: ``results[...].error`` set) is not run again."""
+    for name, batch_size in workloads:
+        spec = DATASETS[name]
+        expected = (batch_size, *spec["shape"])
+        dtype = getattr(torch, spec["dtype"])
+        for rnd in range(args.rounds):
+            for kind in kinds:
+                result = results[(name, kind)]
+                if result.error:
+                    continue
+                try:
+                    bps, gbs = measure_one(name, kind, expected, dtype)
+                except Exception as exc:  # noqa: BLE001
+                    result.error = note_problem(findings, f"{kind} on {name}, round {rnd + 1}", exc)
+                    continue
+                result.batches_s.append(bps)
+                result.gb_s.append(gbs)
+            print(
+                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
+                + ", ".join(f"{k} {results[(name, k)].batches_s[-1]:.1f} b/s" for k in kinds if results[(name, k)].batches_s),
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def workload_label(name: str, batch_size: int) -> str:
+    """``f32 (float32 3x64x64, batch 256)``: a workload as the reports name it."""
+    spec = DATASETS[name]
+    return f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
+
+
+def ratio_verdict(result: Result, base: Result, goal: float) -> tuple[float, str]:
+    """The median ratio of ``result`` to ``base`` (NaN if either has none) and PASS/MISS against ``goal``."""
+    value, reference = median(result.batches_s), median(base.batches_s)
+    ratio = value / reference if reference == reference and reference > 0 and value == value else float("nan")
+    return ratio, "n/a" if ratio != ratio else ("PASS" if ratio >= goal else "MISS")
+
+
+def throughput_table(
+    p: Callable[[str], None],
+    results: dict[tuple[str, str], Result],
+    workloads: list[tuple[str, int]],
+    loaders: list[str],
+    gb_header: str = "GB/s",
+) -> None:
+    """The benches' markdown table: per workload and loader, median batches/s and GB/s, the ratio to
+    the "torch" loader, and every round's figure."""
+    p(f"| workload | loader | batches/s | {gb_header} | ratio vs torch | per-round batches/s |")
+    p("| --- | --- | ---: | ---: | ---: | --- |")
+    for name, batch_size in workloads:
+        label = workload_label(name, batch_size)
+        for kind in loaders:
+            r = results[(name, kind)]
+            if r.error and not r.batches_s:
+                p(f"| {label} | {kind} | ERROR | | | {r.error.splitlines()[0][:80]} |")
+                continue
+            ratio = "1.00x" if kind == "torch" else f"{fmt(ratio_verdict(r, results[(name, 'torch')], 0)[0], 2)}x"
+            rounds = ", ".join(f"{x:.0f}" if x >= 100 else f"{x:.1f}" for x in r.batches_s)
+            note = " (error in a later round)" if r.error else ""
+            p(f"| {label} | {kind} | {fmt(median(r.batches_s))} | {fmt(median(r.gb_s), 3)} | {ratio} | {rounds}{note} |")
+
+
 def print_report(
     args: argparse.Namespace,
     results: dict[tuple[str, str], Result],
@@ -343,23 +443,7 @@ def print_report(
     p(f"- wall time: {wall_s:.0f} s\n")
 
     p("### Throughput (median over rounds; torch, shm, grpc interleaved in each round)\n")
-    p("| workload | loader | batches/s | GB/s | ratio vs torch | per-round batches/s |")
-    p("| --- | --- | ---: | ---: | ---: | --- |")
-    for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        label = f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
-        base = median(results[(name, "torch")].batches_s)
-        for kind in LOADERS:
-            r = results[(name, kind)]
-            if r.error and not r.batches_s:
-                p(f"| {label} | {kind} | ERROR | | | {r.error.splitlines()[0][:80]} |")
-                continue
-            bps = median(r.batches_s)
-            ratio = "1.00x" if kind == "torch" else (f"{bps / base:.2f}x" if base == base and base > 0 else "n/a")
-            rounds = ", ".join(f"{x:.0f}" if x >= 100 else f"{x:.1f}" for x in r.batches_s)
-            note = " (error in a later round)" if r.error else ""
-            p(f"| {label} | {kind} | {fmt(bps)} | {fmt(median(r.gb_s), 3)} | {ratio} | {rounds}{note} |")
-    p("")
+    throughput_table(p, results, WORKLOADS, LOADERS)
     p("loader: torch = torch.utils.data.DataLoader in this process; shm = RemoteDataLoader(transport='shm') over")
     p("the unix socket; grpc = RemoteDataLoader(transport='grpc') over TCP 127.0.0.1.\n")
 
@@ -388,10 +472,7 @@ def print_report(
     p("| target | measured | result |")
     p("| --- | ---: | --- |")
     for (name, kind), goal in TARGETS.items():
-        base = median(results[(name, "torch")].batches_s)
-        value = median(results[(name, kind)].batches_s)
-        ratio = value / base if base == base and base > 0 and value == value else float("nan")
-        verdict = "n/a" if ratio != ratio else ("PASS" if ratio >= goal else "MISS")
+        ratio, verdict = ratio_verdict(results[(name, kind)], results[(name, "torch")], goal)
         p(f"| {kind} >= {goal:g}x torch on {name} | {fmt(ratio, 2)}x | {verdict} |")
     for key in ("remote_thread", "remote_subprocess"):
         total = [x * 1e3 for x in first.get(key, {}).get("total", [])]
@@ -430,12 +511,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     trials = 3 if args.quick else 5
 
     def note(where: str, exc: BaseException) -> str:
-        text = f"{where}: {type(exc).__name__}: {exc}"
-        if not isinstance(exc, BenchError):
-            text += "\n" + "".join(traceback.format_exception(exc))
-        findings.append(text)
-        print(f"[bench] PROBLEM {text.splitlines()[0]}", file=sys.stderr, flush=True)
-        return text
+        return note_problem(findings, where, exc)
 
     # 1. torch first-batch trials: they fork workers, so before any gRPC channel, and
     #    before the daemon starts (its startup would load the CPUs they are timed on).
@@ -497,29 +573,15 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
             except Exception as exc:  # noqa: BLE001
                 results[(name, kind)].error = note(f"{kind} loader for {name}: construct/warm-up", exc)
 
-    # 4. throughput, interleaved: torch, shm, grpc in every round.
-    for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        expected = (batch_size, *spec["shape"])
-        dtype = getattr(torch, spec["dtype"])
-        for rnd in range(args.rounds):
-            for kind in LOADERS:
-                result = results[(name, kind)]
-                if result.error or (name, kind) not in loaders:
-                    continue  # a loader that failed once is not run again
-                try:
-                    bps, gbs = measure(loaders[(name, kind)], args.seconds, expected, dtype)
-                except Exception as exc:  # noqa: BLE001
-                    result.error = note(f"{kind} on {name}, round {rnd + 1}", exc)
-                    continue
-                result.batches_s.append(bps)
-                result.gb_s.append(gbs)
-            print(
-                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
-                + ", ".join(f"{k} {results[(name, k)].batches_s[-1]:.1f} b/s" for k in LOADERS if results[(name, k)].batches_s),
-                file=sys.stderr,
-                flush=True,
-            )
+    # 4. throughput, interleaved: torch, shm, grpc in every round (a loader whose warm-up failed has its error set).
+    interleaved_rounds(
+        args,
+        WORKLOADS,
+        LOADERS,
+        results,
+        lambda name, kind, expected, dtype: measure(loaders[(name, kind)], args.seconds, expected, dtype),
+        findings,
+    )
 
     # 5. remote first batch on the warm daemon.
     print("[bench] remote first-batch trials", file=sys.stderr, flush=True)
@@ -604,9 +666,9 @@ def round_args(description: str, workers_help: str = "torch num_workers and the 
     return args
 
 
-def main() -> int:
-    args = round_args(__doc__.split("\n\n")[0])
-
+def run_with_daemon(budget: float, body: Callable[[dict[str, Any]], int]) -> int:
+    """``run_guarded`` for a bench with one daemon, which ``body`` keeps in ``state["daemon"]``
+    (None once it stopped it): stopped however the bench ends, its log's tail shown on a hang."""
     state: dict[str, Any] = {"daemon": None}
 
     def stop_daemon() -> None:
@@ -618,15 +680,20 @@ def main() -> int:
                 print(f"[bench] {problem}\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
             shutil.rmtree(daemon.tmp, ignore_errors=True)
 
-    # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
-    budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5) + 120
-
     def daemon_log() -> None:
         daemon = state.get("daemon")
         if daemon is not None:
             print(f"--- daemon log (tail) ---\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
 
-    return run_guarded(budget, lambda: run(args, state), stop_daemon, daemon_log)
+    return run_guarded(budget, lambda: body(state), stop_daemon, daemon_log)
+
+
+def main() -> int:
+    args = round_args(__doc__.split("\n\n")[0])
+
+    # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
+    budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5) + 120
+    return run_with_daemon(budget, lambda state: run(args, state))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,18 @@ import torch
 from bench_soak import descendants
 from bench_loaders import (
     BATCH_TIMEOUT_S,
-    DATASETS,
     STARTUP_TIMEOUT_S,
-    BenchError,
     Daemon,
     Result,
     fmt,
+    interleaved_rounds,
     measure,
     median,
     print_findings,
+    ratio_verdict,
     round_args,
     run_guarded,
+    workload_label,
     start_daemon,
     wait_serving,
 )
@@ -80,11 +80,15 @@ def make_pki(directory: Path) -> dict[str, str]:
 
     ca = trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
-    files = {"ca": ca.cert_pem, "cert": server.cert_chain_pems, "key": server.private_key_pem}
+    files = {
+        "ca": ca.cert_pem.bytes(),
+        "cert": b"".join(blob.bytes() for blob in server.cert_chain_pems),
+        "key": server.private_key_pem.bytes(),
+    }
     paths = {}
-    for name, blob in files.items():
+    for name, data in files.items():
         path = directory / f"{name}.pem"
-        path.write_bytes(b"".join(b.bytes() for b in blob) if isinstance(blob, list) else blob.bytes())
+        path.write_bytes(data)
         path.chmod(0o600)
         paths[name] = str(path)
     return paths
@@ -111,8 +115,8 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     tokens.write_text(f"bench:{TOKEN}\n")
     tokens.chmod(0o600)
 
-    tls = {"cert": pki["cert"], "key": pki["key"]}
-    open_daemon = start_daemon(args.workers, extra_listen=({"address": "127.0.0.1:0", "tls": tls},))
+    server_tls = {"cert": pki["cert"], "key": pki["key"]}
+    open_daemon = start_daemon(args.workers, extra_listen=({"address": "127.0.0.1:0", "tls": server_tls},))
     state["daemons"].append(open_daemon)
     auth_daemon = start_daemon(args.workers, auth={"token_file": str(tokens)})
     state["daemons"].append(auth_daemon)
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
 
     loaders: dict[tuple[str, str], Any] = {}
     for name, batch_size in WORKLOADS:
-        for label, which, attr, tls, token in LOADERS:
+        for label, which, attr, use_tls, token in LOADERS:
             address = addresses[which][attr]
             loaders[(name, label)] = RemoteDataLoader(
                 name,
@@ -138,42 +142,22 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 timeout=BATCH_TIMEOUT_S,
                 address=address,
                 transport="shm" if attr == "unix_address" else "grpc",
-                tls={"ca": pki["ca"]} if tls else False,
+                tls={"ca": pki["ca"]} if use_tls else False,
                 token=TOKEN if token else "",
             )
 
-    for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        expected = (batch_size, *spec["shape"])
-        dtype = getattr(torch, spec["dtype"])
-        for rnd in range(args.rounds):
-            for label, *_ in LOADERS:
-                result = results[(name, label)]
-                if result.error:
-                    continue
-                daemon_pid = daemons[LOADERS_BY_LABEL[label][0]].process.pid
-                cpu0 = cpu_seconds(daemon_pid) + sum(os.times()[:2])
-                t0 = time.perf_counter()
-                try:
-                    bps, gbs = measure(loaders[(name, label)], args.seconds, expected, dtype)
-                except Exception as exc:  # noqa: BLE001
-                    result.error = f"{label} on {name}, round {rnd + 1}: {type(exc).__name__}: {exc}"
-                    if not isinstance(exc, BenchError):
-                        result.error += "\n" + "".join(traceback.format_exception(exc))
-                    findings.append(result.error)
-                    continue
-                result.batches_s.append(bps)
-                result.gb_s.append(gbs)
-                moved_gb = gbs * (time.perf_counter() - t0)  # about: the warm-up batch is not in gbs
-                cpu = cpu_seconds(daemon_pid) + sum(os.times()[:2]) - cpu0
-                if moved_gb > 0:
-                    cpu_per_gb[(name, label)].append(cpu / moved_gb)
-            print(
-                f"[bench] {name} round {rnd + 1}/{args.rounds}: "
-                + ", ".join(f"{label} {results[(name, label)].batches_s[-1]:.0f}" for label, *_ in LOADERS if results[(name, label)].batches_s),
-                file=sys.stderr,
-                flush=True,
-            )
+    def measure_with_cpu(name: str, label: str, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+        """``measure``, and the CPU seconds per GB that all processes spent on it."""
+        daemon_pid = daemons[LOADERS_BY_LABEL[label][0]].process.pid
+        cpu0 = cpu_seconds(daemon_pid) + sum(os.times()[:2])
+        t0 = time.perf_counter()
+        bps, gbs = measure(loaders[(name, label)], args.seconds, expected, dtype)
+        moved_gb = gbs * (time.perf_counter() - t0)  # about: the warm-up batch is not in gbs
+        if moved_gb > 0:
+            cpu_per_gb[(name, label)].append((cpu_seconds(daemon_pid) + sum(os.times()[:2]) - cpu0) / moved_gb)
+        return bps, gbs
+
+    interleaved_rounds(args, WORKLOADS, [label for label, *_ in LOADERS], results, measure_with_cpu, findings)
     loaders.clear()
     for daemon in list(state["daemons"]):
         _, problem = daemon.stop()
@@ -200,26 +184,22 @@ def print_report(
     p("| workload | loader | batches/s | GB/s | ratio | CPU s per GB (all processes) | per-round batches/s |")
     p("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for name, batch_size in WORKLOADS:
-        spec = DATASETS[name]
-        label_w = f"{name} ({spec['dtype']} {'x'.join(map(str, spec['shape']))}, batch {batch_size})"
+        label_w = workload_label(name, batch_size)
         for label, *_ in LOADERS:
             r = results[(name, label)]
             base_label = "shm" if label.startswith("shm") else "grpc plaintext"
-            base = median(results[(name, base_label)].batches_s)
             bps = median(r.batches_s)
-            ratio = f"{bps / base:.2f}x vs {base_label}" if label != base_label and base == base and base > 0 else "1.00x"
+            vs = f"{fmt(ratio_verdict(r, results[(name, base_label)], 0)[0], 2)}x vs {base_label}"
+            shown = "1.00x" if label == base_label else vs
             rounds = ", ".join(f"{x:.0f}" for x in r.batches_s)
             cpu = fmt(median(cpu_per_gb[(name, label)]), 2) if name != "tiny" else "-"
-            p(f"| {label_w} | {label} | {fmt(bps)} | {fmt(median(r.gb_s), 3)} | {ratio} | {cpu} | {rounds} |")
+            p(f"| {label_w} | {label} | {fmt(bps)} | {fmt(median(r.gb_s), 3)} | {shown} | {cpu} | {rounds} |")
     p("")
     p("CPU s per GB: user+system seconds of this client process, the daemon, its fork server and workers,")
     p(f"per GB delivered (machine: {os.cpu_count()} cores; where they are all busy, extra CPU per GB is lost throughput).\n")
     p(f"### Target: TLS >= {TLS_TARGET:g}x plaintext gRPC on large batches\n")
     for name in ("f32", "u8"):
-        base = median(results[(name, "grpc plaintext")].batches_s)
-        value = median(results[(name, "grpc TLS")].batches_s)
-        ratio = value / base if base == base and base > 0 and value == value else float("nan")
-        verdict = "n/a" if ratio != ratio else ("PASS" if ratio >= TLS_TARGET else "MISS")
+        ratio, verdict = ratio_verdict(results[(name, "grpc TLS")], results[(name, "grpc plaintext")], TLS_TARGET)
         p(f"- {name}: {fmt(ratio, 2)}x, {verdict}")
     p("")
     print_findings(p, findings)
