@@ -3,6 +3,7 @@ slows nobody; concurrent clients on several datasets all get exact epochs."""
 
 from __future__ import annotations
 
+import signal
 import statistics
 import threading
 import time
@@ -83,14 +84,44 @@ def test_stalled_client_holds_only_its_window(daemon: RunningDaemon, kind: str) 
         assert len(streams) == 1 and streams[0].window == window
 
 
+_TOGGLED_CLIENT = """
+import signal, sys
+from loaderd import RemoteDataLoader
+name, address = sys.argv[1:3]
+signal.signal(signal.SIGUSR1, lambda *_: None)
+loader = RemoteDataLoader(name, batch_size=8, prefetch_factor=2, address=address)
+while True:
+    it = iter(loader)
+    next(it)
+    print("stalled", flush=True)
+    signal.pause()  # hold the iterator and read nothing until SIGUSR1
+    it.close()
+    print("released", flush=True)
+    signal.pause()  # no stream at all until the next SIGUSR1
+"""
+
+
 def test_reader_keeps_its_throughput_beside_a_stalled_client(daemon: RunningDaemon) -> None:
-    """The issue asks for >= 90% of solo throughput; the items sleep, so CPU noise barely matters."""
+    """The issue asks for >= 90% of solo throughput; the items sleep, so CPU noise barely matters.
+
+    Alone and beside rounds alternate (one client process toggled by SIGUSR1) so that
+    machine noise lands on both sides; the verdict is the median of the per-pair ratios.
+    """
     _reader_epoch(daemon.address)  # warm
-    alone = statistics.median(_reader_epoch(daemon.address) for _ in range(3))
-    with client_process(_STALLED_CLIENT, "held", daemon.address, "map") as stalled:
-        stalled.read_until(lambda line: line.startswith("stalled"), 60, "the client did not take its first batch")
-        beside = statistics.median(_reader_epoch(daemon.address) for _ in range(3))
-    assert alone / beside >= 0.85, f"alone {alone:.3f}s, beside a stalled client {beside:.3f}s"
+    ratios: list[str] = []
+    with client_process(_TOGGLED_CLIENT, "held", daemon.address) as other:
+        other.read_until(lambda line: line == "stalled\n", 60, "the client did not take its first batch")
+        values: list[float] = []
+        for _ in range(5):
+            beside = _reader_epoch(daemon.address)
+            other.process.send_signal(signal.SIGUSR1)
+            other.read_until(lambda line: line == "released\n", 30, "the client did not close its iterator")
+            alone = _reader_epoch(daemon.address)
+            other.process.send_signal(signal.SIGUSR1)
+            other.read_until(lambda line: line == "stalled\n", 30, "the client did not stall again")
+            values.append(alone / beside)
+            ratios.append(f"{alone:.3f}/{beside:.3f}")
+    assert statistics.median(values) >= 0.9, f"alone/beside a stalled client, per pair (s): {ratios}"
 
 
 def test_concurrent_clients_on_several_datasets_get_exact_epochs(daemon: RunningDaemon) -> None:
