@@ -11,6 +11,12 @@ from typing import Any
 
 import grpc
 
+# gRPC imports its channel implementation on the first channel a process makes
+# (~6 ms here). Importing it with loaderd moves that into `import loaderd`, out
+# of a fresh process's first RemoteDataLoader (and under loaderd's gc.freeze()).
+import grpc._channel  # noqa: F401  (imported for its side effect)
+import grpc.experimental  # noqa: F401
+
 from loaderd.credentials import Credentials, open_channel
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
@@ -82,9 +88,10 @@ class DaemonConnection:
                 self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
             return self._session
 
-    def describe(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> pb.DescribeDatasetResponse:
-        """The daemon's description of ``dataset``; grpc.RpcError as is (the caller decides what it means)."""
-        return self.stub.DescribeDataset(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
+    def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
+        """The daemon's description of ``dataset``, as a call in flight: ``result()`` returns the
+        DescribeDatasetResponse or raises grpc.RpcError as is (the caller decides what it means)."""
+        return self.stub.DescribeDataset.future(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
 
 
 _connections: dict[tuple[int, str, Credentials], DaemonConnection] = {}

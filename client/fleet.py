@@ -218,7 +218,16 @@ class Fleet:
     def _probe(self, member: Member) -> bool:
         """Ask ``member`` for the dataset (and open its session); True if it is up now."""
         try:
-            described = member.connection.describe(self.dataset)
+            # The description and the session are asked for together (one round trip less);
+            # what the description says is heard first, as it says more (no such dataset, too old).
+            describing = member.connection.describe_later(self.dataset)
+            session: ShmSession | None = None
+            session_error: Exception | None = None
+            try:
+                session = self.session_for(member.address)
+            except (grpc.RpcError, LoaderdError) as exc:
+                session_error = exc
+            described = describing.result()
             if described.protocol_revision < MIN_PROTOCOL_REVISION:
                 self._probed(
                     member,
@@ -227,7 +236,8 @@ class Fleet:
                     refused=True,
                 )
                 return False
-            session = self.session_for(member.address)
+            if session_error is not None:
+                raise session_error
         except grpc.RpcError as exc:
             refused = refusal(exc, member.address, member.connection.credentials)
             if refused is not None:
