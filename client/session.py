@@ -131,10 +131,10 @@ class ShmSession:
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
                 response = next(self._call)
         except StopIteration:  # the daemon ended the call without a reply
-            self.close()
+            self._end_call()
             raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
         except grpc.RpcError as exc:
-            self.close()
+            self._end_call()
             raise error_from_rpc(exc, address) from None
         finally:
             cut.cancel()
@@ -216,6 +216,10 @@ class ShmSession:
 
     def close(self) -> None:
         self._fence.close()  # pinned slots still being copied go back first
+        self._end_call()
+
+    def _end_call(self) -> None:
+        """Stop sending and cancel the call (all a session that failed to open has to undo)."""
         self._stop.set()
         self._requests.put(None)
         self._call.cancel()

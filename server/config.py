@@ -34,6 +34,9 @@ class DatasetSpec:
     # Seconds one batch may run in a worker before the worker is killed and replaced
     # and the client gets a BatchTimeoutError for that batch (None: no limit).
     task_timeout: float | None = None
+    # "per_worker": every worker builds its own copy. "once": built in the pool's fork
+    # server before it forks the workers, which share its pages (server/prebuilt.py).
+    build: str = "per_worker"
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ _TOP_KEYS = {
     "drain_timeout",
     "auth",
 }
-_DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn", "task_timeout"}
+_DATASET_KEYS = {"dataset", "args", "kwargs", "collate_fn", "worker_init_fn", "task_timeout", "build"}
+_BUILD_MODES = ("per_worker", "once")
 _METRICS_KEYS = {"port", "host", "require_token"}
 _LISTEN_KEYS = {"address", "tls", "insecure", "socket_mode", "socket_group"}
 _TLS_KEYS = {"cert", "key", "client_ca"}
@@ -345,6 +349,9 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         kwargs = entry.get("kwargs") if entry.get("kwargs") is not None else {}
         _expect(args, list, f"{where}.args", "a list")
         _expect(kwargs, dict, f"{where}.kwargs", "a mapping")
+        build = entry.get("build", "per_worker")
+        if build not in _BUILD_MODES:
+            raise ConfigError(f"{where}.build: expected one of {', '.join(_BUILD_MODES)}, got {build!r}")
         datasets[name] = DatasetSpec(
             name=name,
             factory=_import_path(entry["dataset"], f"{where}.dataset"),
@@ -357,6 +364,7 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
                 else None
             ),
             task_timeout=_seconds(entry["task_timeout"], f"{where}.task_timeout") if entry.get("task_timeout") is not None else None,
+            build=build,
         )
     log_level = _expect(raw.get("log_level", "INFO"), str, "log_level", "a logging level name").upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

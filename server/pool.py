@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from loaderd.server import prebuilt
 from loaderd.server.arena import worker_prefix
 from loaderd.server.config import LoaderConfig
 from loaderd.server.tasks import BatchDone, DatasetMeta, ReleaseSlot, Result, Task, WorkerReady, WorkerStartFailed
@@ -136,6 +138,10 @@ class WorkerPool:
         self._ctx = mp.get_context("forkserver")
         preload = ["torch", "numpy", "loaderd.server.worker"]
         preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
+        # build: once -> the fork server builds these while preloading, before it forks a worker.
+        self._build_once = [s for s in config.datasets.values() if s.build == "once"]
+        if self._build_once:
+            preload.append("loaderd.server.build_once")
         self._ctx.set_forkserver_preload(preload)
         self._workers: dict[int, _Worker] = {}
         self._generations: dict[int, int] = {}
@@ -188,10 +194,16 @@ class WorkerPool:
         return worker
 
     def start(self, timeout: float) -> dict[str, DatasetMeta]:
-        """Start every worker and wait until each has built its datasets."""
-        for worker_id in range(self.size):
-            self._spawn(worker_id)
+        """Start every worker and wait until each has built its datasets (all within ``timeout``)."""
         deadline = time.monotonic() + timeout
+        first = 0
+        if self._build_once:
+            # Left set for the pool's life: a fork server that multiprocessing restarts builds them again.
+            os.environ[prebuilt.ENV] = prebuilt.environment_value(self._build_once, self.config.python_path)
+            self._spawn_first(timeout)
+            first = 1
+        for worker_id in range(first, self.size):
+            self._spawn(worker_id)
         while not all(w.ready for w in self._workers.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -209,6 +221,34 @@ class WorkerPool:
                     self.shutdown()
                     raise PoolStartError(event.result.message)
         return self.datasets
+
+    def _spawn_first(self, timeout: float) -> None:
+        """Start worker 0 while the fork server builds the ``build: once`` datasets, for at most ``timeout`` s.
+
+        Starting a process waits (without a timeout) for the fork server to
+        finish its preloads, which now include building datasets; a constructor
+        that hangs would hang the daemon. So the start runs on a thread, and
+        past the deadline the fork server is killed, which ends the start.
+        """
+        failure: list[BaseException] = []
+
+        def spawn() -> None:
+            try:
+                self._spawn(0)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, on the daemon's thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            _stop_fork_server(0.0)
+            thread.join(10.0)
+            self.shutdown()
+            names = ", ".join(repr(s.name) for s in self._build_once)
+            raise PoolStartError(f"the fork server did not build the datasets with build: once ({names}) within {timeout:.0f}s")
+        if failure:
+            raise failure[0]
 
     def respawn(self, worker_id: int) -> None:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
@@ -282,6 +322,7 @@ class WorkerPool:
             if w.alive:
                 self._close(w)
         _stop_fork_server(timeout)
+        os.environ.pop(prebuilt.ENV, None)
 
     # ------------------------------------------------------------ messaging
 

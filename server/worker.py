@@ -30,6 +30,7 @@ from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.wire.limits import MAX_HEADER_BYTES
 from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
+from loaderd.server.prebuilt import BuildFailed, take
 from loaderd.server.seeding import derive_seed, seed_everything
 from loaderd.server.slot_collate import SlotArea, SlotFull, collate_into, estimate_bytes
 from loaderd.server.tasks import (
@@ -109,7 +110,8 @@ def _set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
 
 def _build_dataset(spec: DatasetSpec) -> _Dataset:
     factory = resolve(spec.factory)
-    dataset = factory(*spec.args, **spec.kwargs)
+    # build: once -> the object the fork server built, inherited copy-on-write (server/prebuilt.py).
+    dataset = take(spec) if spec.build == "once" else factory(*spec.args, **spec.kwargs)
     if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
         raise TypeError(f"{spec.factory} returned a {type(dataset).__name__}, which is neither a map-style nor an IterableDataset")
     collate_fn = resolve(spec.collate_fn) if spec.collate_fn else None
@@ -137,6 +139,8 @@ class WorkerRuntime:
         for name, ds_spec in self.spec.config.datasets.items():
             try:
                 ds = _build_dataset(ds_spec)
+            except BuildFailed as exc:
+                raise RuntimeError(f"dataset {name!r}: building {ds_spec.factory} once, in the fork server, failed: {exc}") from None
             except Exception as exc:
                 raise RuntimeError(f"dataset {name!r}: building {ds_spec.factory} failed: {type(exc).__name__}: {exc}") from exc
             self.datasets[name] = ds

@@ -304,3 +304,29 @@ class Blocks(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((32768,), float(i))
+
+
+class Recorded(Dataset):
+    """Squares that remember which process built them, holding ``mb`` MB of numpy data (every page written).
+
+    Each construction appends the building pid to the file ``record``.
+    """
+
+    def __init__(self, n: int, record: str, mb: int = 0) -> None:
+        self.n = n
+        self.built_in = os.getpid()
+        self.blob = np.full(mb * 2**20 // 8, 7, dtype=np.int64)
+        with open(record, "a") as f:
+            f.write(f"{self.built_in}\n")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"square": torch.tensor(i * i), "built_in": self.built_in, "worker": os.getpid()}
+
+
+def hang_on_build() -> Dataset:
+    """A constructor that never returns."""
+    time.sleep(3600)
+    raise AssertionError("unreachable")

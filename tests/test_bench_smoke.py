@@ -54,7 +54,8 @@ def test_tenancy_bench_runs_every_part(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert codes == [0, 0], out
     for row in (
-        "| memory, 1 procs, pylist 4 MB | footprint (PSS) |",
+        "| memory, 1 procs, pylist 4 MB, loaderd | footprint (PSS) |",
+        "| memory, 1 procs, pylist 4 MB, loaderd once | footprint (PSS) |",
         "| shared job, 2 consumers | __getitem__ calls |",
         "| fairness, beside stalled map |",
         "| fairness, beside stalled iterable |",

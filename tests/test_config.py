@@ -126,6 +126,20 @@ def test_defaults(tmp_path: Path) -> None:
     assert config.log_level == "INFO"
     spec = config.datasets["a"]
     assert (spec.args, spec.kwargs, spec.collate_fn, spec.worker_init_fn) == ((), {}, None, None)
+    assert spec.build == "per_worker"
+
+
+@pytest.mark.timeout(30)
+def test_build_once(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "datasets:\n  a:\n    dataset: m:A\n    build: once\n"))
+    assert config.datasets["a"].build == "once"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["twice", "true", "Once"])
+def test_bad_build(tmp_path: Path, value: str) -> None:
+    message = entry_error(tmp_path, "build", value)
+    assert "datasets.train.build" in message and "per_worker, once" in message
 
 
 @pytest.mark.timeout(30)

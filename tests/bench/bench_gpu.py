@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from bench_datasets import InMemory
 from bench_loaders import (
+    Rates,
     BATCH_TIMEOUT_S,
     DATASETS,
     STARTUP_TIMEOUT_S,
@@ -58,7 +59,7 @@ LOADERS = ["torch", "shm", "shm-unpinned", "grpc"]
 TARGET = 1.5  # shm pinned vs torch pinned, batches/s to the GPU
 
 
-def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> Rates:
     """``measure`` with each batch copied to the GPU, checked there (all ones) without a sync per batch."""
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
 

@@ -32,10 +32,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -193,7 +194,17 @@ def wait_serving(daemon: Daemon, timeout: float) -> None:
 class Result:
     batches_s: list[float] = field(default_factory=list)
     gb_s: list[float] = field(default_factory=list)
+    # CPU seconds of every process (this one and all below it) per 1,000 batches delivered.
+    cpu_s_per_k: list[float] = field(default_factory=list)
     error: str = ""
+
+
+class Rates(NamedTuple):
+    """One measurement: batches/s, GB/s, and CPU seconds of every process per 1,000 batches."""
+
+    batches_s: float
+    gb_s: float
+    cpu_s_per_k: float
 
 
 def check_batch(batch: Any, expected: tuple[int, ...], dtype: torch.dtype, full: bool) -> None:
@@ -212,8 +223,10 @@ def measure(
     dtype: torch.dtype,
     step: Callable[[torch.Tensor], None] | None = None,
     settle: Callable[[], None] = lambda: None,
-) -> tuple[float, float]:
-    """Steady-state batches/s and GB/s over ``seconds`` after one warm-up batch (epochs re-iterated).
+) -> Rates:
+    """Steady-state batches/s and GB/s over ``seconds`` after one warm-up batch (epochs re-iterated),
+    and the CPU time meanwhile of this process and every process below it (torch's workers, daemons
+    this process started, their fork servers and pools): what delivering the batches cost the machine.
 
     ``step(batch)`` is what a training loop does with each batch (bench_gpu.py: the copy to the GPU;
     it must not keep the batch); ``settle()`` waits for work ``step`` left queued, before the clock
@@ -227,6 +240,8 @@ def measure(
     batches = 0
     nbytes = 0
     settle()
+    me = os.getpid()
+    cpu0 = cpu_seconds(me)
     t0 = time.perf_counter()
     deadline = t0 + seconds
     now = t0
@@ -251,10 +266,11 @@ def measure(
         now = time.perf_counter()
     settle()
     elapsed = time.perf_counter() - t0
+    cpu = cpu_seconds(me) - cpu0
     if hasattr(it, "close"):
         it.close()
     del it
-    return batches / elapsed, nbytes / elapsed / 1e9
+    return Rates(batches / elapsed, nbytes / elapsed / 1e9, 1000 * cpu / batches if batches else float("nan"))
 
 
 def torch_first_batch_trial() -> float:
@@ -319,6 +335,51 @@ def remote_first_batch_subprocess_trial(address: str) -> tuple[float, float]:
     return result["construct_s"], result["total_s"]
 
 
+# ---------------------------------------------------------------- processes (/proc)
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """ppid -> pids from /proc/*/stat (this kernel has no /proc/PID/task/TID/children)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except OSError:  # exited meanwhile
+            continue
+        children[int(fields[1])].append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its fork server, the pool workers, ...), from /proc/*/stat
+    (this kernel has no /proc/PID/task/TID/children; psutil is not a dependency)."""
+    children = children_by_parent()
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return sorted(found)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process below it (a daemon: its fork server and workers; this process: torch workers and daemons)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
 # ---------------------------------------------------------------- report
 
 
@@ -340,7 +401,7 @@ def note_problem(findings: list[str], where: str, exc: BaseException) -> str:
     return text
 
 
-Measure = Callable[[str, str, tuple[int, ...], torch.dtype], tuple[float, float]]
+Measure = Callable[[str, str, tuple[int, ...], torch.dtype], Rates]
 
 
 def interleaved_rounds(
@@ -352,7 +413,7 @@ def interleaved_rounds(
     findings: list[str],
 ) -> None:
     """Per workload, ``args.rounds`` rounds that each measure every loader kind once, in turn:
-    ``measure_one(workload, kind, expected shape, dtype)`` gives (batches/s, GB/s). A loader that
+    ``measure_one(workload, kind, expected shape, dtype)`` gives its ``Rates``. A loader that
     failed (now, or at its warm-up: ``results[...].error`` set) is not run again."""
     for name, batch_size in workloads:
         spec = DATASETS[name]
@@ -364,12 +425,13 @@ def interleaved_rounds(
                 if result.error:
                     continue
                 try:
-                    bps, gbs = measure_one(name, kind, expected, dtype)
+                    rates = measure_one(name, kind, expected, dtype)
                 except Exception as exc:  # noqa: BLE001
                     result.error = note_problem(findings, f"{kind} on {name}, round {rnd + 1}", exc)
                     continue
-                result.batches_s.append(bps)
-                result.gb_s.append(gbs)
+                result.batches_s.append(rates.batches_s)
+                result.gb_s.append(rates.gb_s)
+                result.cpu_s_per_k.append(rates.cpu_s_per_k)
             print(
                 f"[bench] {name} round {rnd + 1}/{args.rounds}: "
                 + ", ".join(f"{k} {results[(name, k)].batches_s[-1]:.1f} b/s" for k in kinds if results[(name, k)].batches_s),
@@ -399,20 +461,25 @@ def throughput_table(
     gb_header: str = "GB/s",
 ) -> None:
     """The benches' markdown table: per workload and loader, median batches/s and GB/s, the ratio to
-    the "torch" loader, and every round's figure."""
-    p(f"| workload | loader | batches/s | {gb_header} | ratio vs torch | per-round batches/s |")
-    p("| --- | --- | ---: | ---: | ---: | --- |")
+    the "torch" loader, CPU seconds per 1,000 batches (and its ratio to torch's), and every round's figure."""
+    p(f"| workload | loader | batches/s | {gb_header} | ratio vs torch | CPU s / 1k batches | CPU vs torch | per-round batches/s |")
+    p("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, batch_size in workloads:
         label = workload_label(name, batch_size)
         for kind in loaders:
             r = results[(name, kind)]
             if r.error and not r.batches_s:
-                p(f"| {label} | {kind} | ERROR | | | {r.error.splitlines()[0][:80]} |")
+                p(f"| {label} | {kind} | ERROR | | | | | {r.error.splitlines()[0][:80]} |")
                 continue
             ratio = "1.00x" if kind == "torch" else f"{fmt(ratio_verdict(r, results[(name, 'torch')], 0)[0], 2)}x"
+            cpu, torch_cpu = median(r.cpu_s_per_k), median(results[(name, "torch")].cpu_s_per_k)
+            cpu_ratio = f"{fmt(cpu / torch_cpu, 2)}x" if torch_cpu == torch_cpu and torch_cpu > 0 else "n/a"
             rounds = ", ".join(f"{x:.0f}" if x >= 100 else f"{x:.1f}" for x in r.batches_s)
             note = " (error in a later round)" if r.error else ""
-            p(f"| {label} | {kind} | {fmt(median(r.batches_s))} | {fmt(median(r.gb_s), 3)} | {ratio} | {rounds}{note} |")
+            p(
+                f"| {label} | {kind} | {fmt(median(r.batches_s))} | {fmt(median(r.gb_s), 3)} | {ratio} | "
+                f"{fmt(cpu, 2)} | {cpu_ratio} | {rounds}{note} |"
+            )
 
 
 def print_report(

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from bench_soak import descendants
 from bench_loaders import (
+    Rates,
     BATCH_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     Daemon,
@@ -57,20 +57,6 @@ LOADERS = [
     ("shm + token", "auth", "unix_address", False, True),
 ]
 TOKEN = "bench-token-0123456789abcdef"
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and every process below it (daemon, fork server, workers)."""
-    total = 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    return total
 TLS_TARGET = 0.9
 LOADERS_BY_LABEL = {label: (which, attr, tls, token) for label, which, attr, tls, token in LOADERS}
 
@@ -146,16 +132,13 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 token=TOKEN if token else "",
             )
 
-    def measure_with_cpu(name: str, label: str, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[float, float]:
+    def measure_with_cpu(name: str, label: str, expected: tuple[int, ...], dtype: torch.dtype) -> Rates:
         """``measure``, and the CPU seconds per GB that all processes spent on it."""
-        daemon_pid = daemons[LOADERS_BY_LABEL[label][0]].process.pid
-        cpu0 = cpu_seconds(daemon_pid) + sum(os.times()[:2])
-        t0 = time.perf_counter()
-        bps, gbs = measure(loaders[(name, label)], args.seconds, expected, dtype)
-        moved_gb = gbs * (time.perf_counter() - t0)  # about: the warm-up batch is not in gbs
-        if moved_gb > 0:
-            cpu_per_gb[(name, label)].append((cpu_seconds(daemon_pid) + sum(os.times()[:2]) - cpu0) / moved_gb)
-        return bps, gbs
+        rates = measure(loaders[(name, label)], args.seconds, expected, dtype)
+        if rates.gb_s > 0:
+            # CPU s per 1,000 batches -> per GB (batches/s / GB/s = batches per GB).
+            cpu_per_gb[(name, label)].append(rates.cpu_s_per_k / 1000 * rates.batches_s / rates.gb_s)
+        return rates
 
     interleaved_rounds(args, WORKLOADS, [label for label, *_ in LOADERS], results, measure_with_cpu, findings)
     loaders.clear()

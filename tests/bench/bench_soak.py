@@ -66,8 +66,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_tenancy import children_by_parent  # noqa: E402
-from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, fmt, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, descendants, fmt, print_findings  # noqa: E402
 
 ITEMS = 128
 ITEM_DIM = 16384  # float32: 64 KiB per item
@@ -241,19 +240,6 @@ def _fd_count(pid: int) -> int:
 
 def _kb(value: str) -> int:
     return int(value.split()[0]) if value else 0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (its fork server, the pool workers, ...), from /proc/*/stat
-    (this kernel has no /proc/PID/task/TID/children; psutil is not a dependency)."""
-    children = children_by_parent()
-    found: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child, []))
-    return sorted(found)
 
 
 def shm_usage(daemon_pid: int) -> tuple[int, int]:

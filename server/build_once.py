@@ -1,0 +1,9 @@
+"""Imported by the pool's fork server only (a preload): builds the ``build: once`` datasets there.
+
+See ``loaderd.server.prebuilt``. The import is the whole point: multiprocessing's
+fork server runs no code of ours but the modules it preloads.
+"""
+
+from loaderd.server.prebuilt import build_from_environment
+
+build_from_environment()

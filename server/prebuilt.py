@@ -1,0 +1,80 @@
+"""Datasets built once, in the fork server, before it forks any worker (``build: once``).
+
+A dataset built in each worker costs the pool N copies of its memory. With
+``build: once`` the pool (server/pool.py) hands the dataset's spec to the fork
+server in the environment variable ``ENV`` (written by ``environment_value``)
+and the fork server builds it when it imports ``loaderd.server.build_once``
+among its preloads (that module exists for this side effect; nothing else
+imports it), before it forks the first worker. Every worker it forks, replacements
+included, inherits the object: its pages are shared copy-on-write, one copy for
+the whole pool, as torch's workers share the dataset their parent built.
+``gc.freeze()`` then keeps the workers' garbage collector from writing to those
+objects (each write would copy a page).
+
+Rules:
+
+* Only the fork server builds (``build_from_environment``, called by
+  ``build_once``); the daemon process never builds a dataset.
+* A failure never escapes: the fork server must live on (it forks every worker).
+  A dataset that failed is kept as its message, and each worker that asks for it
+  gets ``BuildFailed`` with that message, which it reports as its start failure.
+* The payload is the server's own config (pickled by the daemon for its own fork
+  server), never anything a client sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import os
+import pickle
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from loaderd.server.config import DatasetSpec, resolve
+
+ENV = "LOADERD_BUILD_ONCE"
+
+_built: dict[str, Any] = {}
+_failed: dict[str, str] = {}
+
+
+class BuildFailed(Exception):
+    """A ``build: once`` dataset could not be built in the fork server; the message says why."""
+
+
+def environment_value(specs: Sequence[DatasetSpec], python_path: Sequence[str]) -> str:
+    """What the pool puts in ``ENV`` for its fork server: these specs, and where to import them from."""
+    return base64.b64encode(pickle.dumps((tuple(specs), tuple(python_path)))).decode("ascii")
+
+
+def take(spec: DatasetSpec) -> Any:
+    """The dataset this process inherited for ``spec`` (a worker's call); BuildFailed if there is none."""
+    if spec.name in _built:
+        return _built[spec.name]
+    if spec.name in _failed:
+        raise BuildFailed(_failed[spec.name])
+    raise BuildFailed("it was not built in the fork server (was the fork server restarted without the pool?)")
+
+
+def build_from_environment() -> None:
+    """Build what ``ENV`` names (in the fork server, before it forks); record each failure as its message."""
+    payload = os.environ.pop(ENV, None)  # popped: the workers' own children must not build again
+    if not payload:
+        return
+    specs: tuple[DatasetSpec, ...]
+    specs, python_path = pickle.loads(base64.b64decode(payload))
+    for entry in reversed(python_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    for spec in specs:
+        try:
+            _built[spec.name] = resolve(spec.factory)(*spec.args, **spec.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit: the fork server must survive
+            where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+            at = f" (at {where.filename}:{where.lineno})" if where is not None else ""
+            _failed[spec.name] = f"{type(exc).__name__}: {exc}{at}"
+    # Everything built so far lives as long as the fork server and its workers: out of the collector's way.
+    gc.freeze()
