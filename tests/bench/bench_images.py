@@ -1,0 +1,472 @@
+"""Benchmark: a real image pipeline (JPEG decode + torchvision augmentation), torch DataLoaders vs one daemon.
+
+    pip install -e '.[bench]'
+    python tests/bench/bench_images.py [--images 512] [--epoch 65536] [--workers 2] [--trainers 4]
+        [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4] [--prefetch N] [--quick]
+
+Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
+``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
+is read from the page cache, decoded with PIL and run through RandomResizedCrop(224),
+RandomHorizontalFlip, ToTensor and Normalize; batch 64 (float32 64x3x224x224 + int64 labels).
+
+Scenario A: 1 trainer; DataLoader(num_workers=W) vs a RemoteDataLoader on a daemon with W workers.
+Scenario B: T trainers; T DataLoaders with W_total/T workers each vs T RemoteDataLoaders on one
+daemon with W_total workers: the same number of worker processes either way.
+
+Every trainer is its own process (this file run with --agent, bench_tenancy's protocol) that
+consumes batches in a thread as fast as they come, checks each one and reads all of it
+(``torch.aminmax``, as a copy to the GPU would). Each measurement starts its processes anew:
+after ``--warmup`` batches per trainer, the coordinator samples every trainer's batch count,
+the CPU time of every process involved (trainers, their workers; daemon, fork server, pool
+workers) and, mid-interval, their PSS; images/s counts from batch arrival to batch arrival.
+torch and loaderd alternate within each round (who goes first alternates too); medians of
+rounds. Markdown on stdout, progress on stderr; exits 1 if a loader misbehaved (reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import bench_tenancy  # noqa: E402
+from bench_loaders import (  # noqa: E402
+    BATCH_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    BenchError,
+    Daemon,
+    cpu_seconds,
+    fmt,
+    median,
+    note_problem,
+    print_findings,
+    run_guarded,
+    wait_serving,
+)
+from bench_tenancy import Agent, AgentState, GroupMem, _endless, call_all, close_agents, process_trees, ready, serving, shm_segments_kb  # noqa: E402
+from image_datasets import MEAN, STD, JpegImages  # noqa: E402  (trainers of both kinds import torchvision, as real ones do)
+
+BATCH = 64
+SHAPE = (BATCH, 3, 224, 224)
+LOW = min((0 - m) / s for m, s in zip(MEAN, STD)) - 1e-4  # the normalized range of a [0, 1] image
+HIGH = max((1 - m) / s for m, s in zip(MEAN, STD)) + 1e-4
+WARMUP_TIMEOUT_S = 240.0  # processes start, import torch, fork workers, run the warm-up batches
+DATASET = "images"
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+KINDS = ("torch", "loaderd")
+
+
+def log(message: str) -> None:
+    print(f"[images] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- trainer process (agent side)
+
+
+def check_batch(batch: Any) -> None:
+    """A wrong batch is a finding: (float32 64x3x224x224 in the normalized range, int64 64 labels)."""
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise BenchError(f"batch is {type(batch).__name__}, expected [images, labels]")
+    images, labels = batch
+    if not isinstance(images, torch.Tensor) or tuple(images.shape) != SHAPE or images.dtype != torch.float32:
+        raise BenchError(f"images are {getattr(images, 'dtype', type(images))} {tuple(getattr(images, 'shape', ()))}, expected float32 {SHAPE}")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (BATCH,) or labels.dtype != torch.int64:
+        raise BenchError(f"labels are {getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}, expected int64 ({BATCH},)")
+    lo, hi = (float(x) for x in torch.aminmax(images))  # reads every byte, as a copy to the GPU would
+    if not LOW <= lo < hi <= HIGH or int(labels.min()) < 0:
+        raise BenchError(f"values out of range: images in [{lo:.3f}, {hi:.3f}], labels min {int(labels.min())}")
+
+
+class ImageAgentState(AgentState):
+    """bench_tenancy's trainer commands (torch, remote, ...) plus a background consumer: run, count, halt."""
+
+    def op_run(self, name: str, warmup: int) -> dict[str, Any]:
+        """Consume ``name`` in a thread until halted; returns once ``warmup`` batches arrived."""
+        loader = self._loader(name)
+        box: dict[str, Any] = {"mark": (0, time.monotonic()), "error": ""}
+        stop, warm = threading.Event(), threading.Event()
+
+        def consume() -> None:
+            stream = _endless(loader)
+            try:
+                for count, batch in enumerate(stream, 1):
+                    check_batch(batch)
+                    del batch  # an shm batch's slot goes back when its last view dies
+                    box["mark"] = (count, time.monotonic())  # one tuple: read whole by op_count
+                    if count >= warmup:
+                        warm.set()
+                    if stop.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - reported by op_count / op_halt
+                box["error"] = "".join(traceback.format_exception(exc))
+            finally:
+                stream.close()  # type: ignore[attr-defined]  # a generator
+                warm.set()
+
+        thread = threading.Thread(target=consume, name="consume", daemon=True)
+        thread.start()
+        if not warm.wait(WARMUP_TIMEOUT_S) or box["error"]:
+            stop.set()
+            raise RuntimeError(f"no {warmup} warm-up batches: {box['error'] or 'timeout'}")
+        self.consumer = (thread, stop, box)
+        return {}
+
+    def op_count(self) -> dict[str, Any]:
+        """Batches so far and when the last one arrived (CLOCK_MONOTONIC: one clock for all processes)."""
+        thread, _, box = self.consumer
+        if box["error"] or not thread.is_alive():
+            raise RuntimeError(f"the consumer stopped: {box['error'] or 'no error'}")
+        batches, at = box["mark"]
+        return {"batches": batches, "at": at}
+
+    def op_halt(self) -> dict[str, Any]:
+        thread, stop, box = self.consumer
+        stop.set()
+        thread.join(BATCH_TIMEOUT_S)
+        if thread.is_alive() or box["error"]:
+            raise RuntimeError(f"the consumer did not stop cleanly: {box['error'] or 'still running'}")
+        return {}
+
+
+class ImageAgent(Agent):
+    """A trainer process: this file run with --agent; bench_tenancy's coordinator side."""
+
+    def __init__(self, label: str, log_dir: Path) -> None:  # Agent's, with this file as the program
+        self.label, self.log_path = label, log_dir / f"agent-{label}.log"
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--agent"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True,
+            )  # fmt: skip
+        self.pid = self.process.pid
+        self._pending = "startup"
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"agent-{label}", daemon=True).start()
+
+
+# ---------------------------------------------------------------- coordinator
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    trainers: int
+    workers: int  # in all: the daemon's pool; torch's num_workers summed over trainers
+
+    def describe(self, kind: str) -> str:
+        times = f"{self.trainers} x " if self.trainers > 1 else ""
+        if kind == "torch":
+            return f"{times}DataLoader(num_workers={self.workers // self.trainers})"
+        return f"{times}RemoteDataLoader, daemon workers: {self.workers}"
+
+
+@dataclass
+class Sample:
+    """One measurement of one group of processes."""
+
+    images_s: float
+    cpu_s: float  # CPU-seconds of every process involved over the interval
+    interval_s: float
+    memory: GroupMem
+    others: float  # cores that other processes on the machine kept busy meanwhile (noise)
+
+    @property
+    def cpu_per_1k(self) -> float:
+        return self.cpu_s / (self.images_s * self.interval_s) * 1000
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_s / self.interval_s
+
+
+@dataclass
+class Cell:
+    samples: list[Sample] = field(default_factory=list)
+    error: str = ""
+
+    def med(self, what: str) -> float:
+        return median([getattr(s, what) for s in self.samples])
+
+    def pss_gib(self) -> float:
+        return median([s.memory.total_kb() / 2**20 for s in self.samples])
+
+    def footprint_gib(self) -> float:
+        """PSS plus loaderd's slot memory in /dev/shm that no process maps (allocated all the same)."""
+        return median([s.memory.footprint_kb() / 2**20 for s in self.samples])
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine has been busy (all processes, ours and others'; /proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICK
+
+
+def measure_window(args: argparse.Namespace, agents: list[Agent], roots: dict[int, str], daemon: Daemon | None) -> Sample:
+    """One measured interval of a warm group: images/s, CPU of ``roots``' trees, PSS mid-way."""
+    busy0, cpu0 = machine_busy_s(), sum(cpu_seconds(pid) for pid in roots)
+    marks0 = call_all(agents, "count")
+    t0 = time.monotonic()
+    time.sleep(args.seconds / 2)  # the measured interval: the trainers consume meanwhile
+    memory = GroupMem(process_trees(roots), [])
+    if daemon is not None:
+        memory.shm_files_kb = shm_segments_kb(daemon.process.pid)
+    time.sleep(max(0.0, t0 + args.seconds - time.monotonic()))
+    marks1 = call_all(agents, "count")
+    cpu1, busy1 = sum(cpu_seconds(pid) for pid in roots), machine_busy_s()
+    interval = time.monotonic() - t0
+    rates = []
+    for agent, m0, m1 in zip(agents, marks0, marks1):
+        if m1["batches"] <= m0["batches"]:
+            raise BenchError(f"trainer {agent.label} got no batch in {interval:.1f} s")
+        rates.append((m1["batches"] - m0["batches"]) * BATCH / (m1["at"] - m0["at"]))  # arrival to arrival
+    others = max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / interval
+    return Sample(sum(rates), cpu1 - cpu0, interval, memory, others)
+
+
+def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state: dict[str, Any], findings: list[str]) -> Sample:
+    """Start one group (trainers, and the daemon for loaderd), warm it up, measure it, stop it.
+
+    The machine is shared: a window during which other processes kept more than ``--quiet`` cores
+    busy is measured again (``--tries`` windows at most) and the least disturbed one is kept."""
+    kwargs = {"n": args.images, "seed": args.seed, "length": args.epoch}
+    loader: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "timeout": BATCH_TIMEOUT_S}
+    try:
+        with contextlib.ExitStack() as stack:
+            roots: dict[int, str] = {}
+            daemon = None
+            if kind == "loaderd":
+                datasets = {DATASET: {"dataset": "image_datasets:JpegImages", "kwargs": kwargs}}
+                daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.workers, findings))
+                roots[daemon.process.pid] = "daemon"
+            agents: list[Agent] = [ImageAgent(f"{kind}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
+            state["agents"] = agents  # the watchdog's cleanup closes them too
+            stack.callback(close_agents, agents)  # before the daemon stops: LIFO
+            roots.update({agent.pid: "training process" for agent in agents})
+            if daemon is not None:
+                wait_serving(daemon, STARTUP_TIMEOUT_S)
+            ready(agents)
+            if daemon is None:
+                loader.update(num_workers=scenario.workers // scenario.trainers, persistent_workers=True, prefetch_factor=2)
+                call_all(agents, "torch", name="img", factory="image_datasets:JpegImages", kwargs=kwargs, loader=loader)
+            else:  # prefetch_factor None: loaderd's default (4 x pool size)
+                loader.update(address=daemon.unix_address, prefetch_factor=args.prefetch)
+                call_all(agents, "remote", name="img", dataset=DATASET, loader=loader)
+            call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup)
+            best: Sample | None = None
+            for attempt in range(args.tries):
+                sample = measure_window(args, agents, roots, daemon)
+                if best is None or sample.others < best.others:
+                    best = sample
+                if sample.others <= args.quiet:
+                    break
+                log(f"  window {attempt + 1}: other processes kept {sample.others:.2f} cores busy; measuring again")
+            call_all(agents, "halt")
+    finally:
+        state.pop("agents", None)
+        state.pop("daemon", None)
+    assert best is not None
+    return best
+
+
+def stage_times(n: int) -> dict[str, float]:
+    """CPU ms per image of each step of ``__getitem__``, and of ``default_collate`` per image, on one
+    thread of this process, batch by batch as a worker does (64 items live, then collated and dropped)."""
+    ds = JpegImages(n, 0)
+    steps = {"read (page cache)": ds.read, "PIL decode": ds.decode, "RandomResizedCrop(224)": ds.crop,
+             "RandomHorizontalFlip": ds.flip, "ToTensor": ds.to_tensor, "Normalize": ds.normalize}  # fmt: skip
+    totals = dict.fromkeys([*steps, "default_collate (per image)"], 0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's and loaderd's workers run with one thread
+    try:
+        batches = max(1, min(n, 512) // BATCH)
+        for b in range(batches):
+            items = []
+            for i in range(b * BATCH, (b + 1) * BATCH):
+                value: Any = i
+                for name, step in steps.items():
+                    started = time.thread_time()  # CPU time: comparable with the groups' CPU-s per image
+                    value = step(value)
+                    totals[name] += time.thread_time() - started
+                items.append((value, 0))
+            started = time.thread_time()
+            default_collate(items)
+            totals["default_collate (per image)"] += time.thread_time() - started
+    finally:
+        torch.set_num_threads(threads)
+    return {name: total * 1e3 / (batches * BATCH) for name, total in totals.items()}
+
+
+def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
+    started, load_before = time.perf_counter(), os.getloadavg()
+    findings: list[str] = []
+    log(f"making or reading the {args.images} JPEGs")
+    JpegImages(args.images, args.seed)  # builds the /tmp cache once, before any worker needs it
+    stages = stage_times(args.images)
+    scenarios = [Scenario("A", 1, args.workers), Scenario("B", args.trainers, args.total_workers)]
+    cells = {(s.key, kind): Cell() for s in scenarios for kind in KINDS}
+    for rnd in range(args.rounds):
+        for scenario in scenarios:
+            for kind in KINDS[::-1] if rnd % 2 else KINDS:  # who goes first alternates
+                cell = cells[(scenario.key, kind)]
+                if cell.error:
+                    continue  # failed once: not run again
+                where = f"{scenario.key} {kind}, round {rnd + 1}/{args.rounds}"
+                try:
+                    sample = measure_group(args, scenario, kind, state, findings)
+                except Exception as exc:  # noqa: BLE001
+                    cell.error = note_problem(findings, where, exc)
+                    continue
+                cell.samples.append(sample)
+                log(f"{where}: {sample.images_s:.0f} images/s, {sample.cpu_per_1k:.2f} CPU-s/1k, {sample.memory.total_kb() / 2**20:.2f} GiB PSS, "
+                    f"{sample.cores:.2f} cores busy, others {sample.others:.2f}")  # fmt: skip
+    print_report(args, scenarios, cells, stages, findings, load_before, time.perf_counter() - started)
+    return 1 if findings else 0
+
+
+def paired(t: Cell, d: Cell) -> str:
+    """loaderd / torch images/s within each round (back to back) and the median of those ratios."""
+    if not t.samples or len(t.samples) != len(d.samples):
+        return "n/a (a group failed)"
+    ratios = [x.images_s / y.images_s for x, y in zip(d.samples, t.samples)]
+    return f"{', '.join(f'{r:.2f}' for r in ratios)} (median {median(ratios):.2f}x)"
+
+
+def _ratio(a: float, b: float) -> str:
+    return "n/a" if not (a == a and b == b and b > 0) else f"**{a / b:.2f}x**"
+
+
+def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dict[tuple[str, str], Cell],
+                 stages: dict[str, float], findings: list[str], load_before: tuple[float, ...], wall_s: float) -> None:  # fmt: skip
+    p = print
+    ds = JpegImages(args.images, args.seed)
+    sizes = [JpegImages.decode(ds.read(i)).size for i in range(min(64, len(ds)))]
+    kb = median([length / 1e3 for _, length, _ in ds.index])
+    p("## Real image pipeline: torch DataLoaders vs one loaderd daemon\n")
+    p(f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
+      f"torchvision {sys.modules['torchvision'].__version__}, Pillow {sys.modules['PIL'].__version__}, "
+      f"Python {platform.python_version()}, {platform.platform()}")  # fmt: skip
+    p(f"- data: {len(ds.index)} JPEGs (quality 90) from scikit-image's photographs, median {kb:.0f} kB, "
+      f"median {median([w for w, _ in sizes]):.0f}x{median([h for _, h in sizes]):.0f} px; read from the page cache per item; "
+      f"epochs of {args.epoch} items")  # fmt: skip
+    p("- item: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize; batch 64, shuffle; "
+      f"torch prefetch_factor=2, persistent_workers; RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
+    p(f"- rounds={args.rounds}, {args.seconds:g} s measured per group after {args.warmup} warm-up batches per trainer "
+      f"(the quietest of up to {args.tries} windows: measured again while other processes kept > {args.quiet:g} cores busy); "
+      f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+      f"wall time {wall_s:.0f} s\n")  # fmt: skip
+
+    p("### Where an item's time goes (one thread of this process, before the groups run)\n")
+    p("| step | CPU ms per image | share |")
+    p("| --- | ---: | ---: |")
+    total = sum(stages.values())
+    for name, ms in stages.items():
+        p(f"| {name} | {ms:.3f} | {ms / total:.0%} |")
+    p(f"| all | {total:.2f} | = {1e3 / total:.0f} images/s per core |\n")
+    p("This host's speed drifts by up to ~30% within minutes: compare these with the groups' CPU-s per "
+      "1,000 images as proportions, not to the decimal.\n")  # fmt: skip
+
+    p("### Throughput, CPU and memory (medians of interleaved rounds)\n")
+    p("| scenario | loaders | images/s (all trainers) | CPU-s per 1,000 images | cores busy (other processes) | total PSS | PSS + unmapped /dev/shm | per-round images/s |")
+    p("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for s in scenarios:
+        title = f"{s.key}: {s.trainers} trainer{'s' if s.trainers > 1 else ''}, {s.workers} workers in all"
+        for kind in KINDS:
+            c = cells[(s.key, kind)]
+            if not c.samples:
+                p(f"| {title} | {s.describe(kind)} | ERROR | | | | | {c.error.splitlines()[0][:80] if c.error else ''} |")
+                continue
+            rounds = ", ".join(f"{x.images_s:.0f}" for x in c.samples) + (" (then an error)" if c.error else "")
+            p(f"| {title} | {s.describe(kind)} | {fmt(c.med('images_s'), 0)} | {fmt(c.med('cpu_per_1k'), 2)} | "
+              f"{fmt(c.med('cores'), 2)} ({fmt(c.med('others'), 2)}) | {fmt(c.pss_gib(), 2)} GiB | {fmt(c.footprint_gib(), 2)} GiB | {rounds} |")  # fmt: skip
+        t, d = cells[(s.key, "torch")], cells[(s.key, "loaderd")]
+        p(f"| {title} | loaderd / torch | {_ratio(d.med('images_s'), t.med('images_s'))} | "
+          f"{_ratio(d.med('cpu_per_1k'), t.med('cpu_per_1k'))} | | {_ratio(d.pss_gib(), t.pss_gib())} | "
+          f"{_ratio(d.footprint_gib(), t.footprint_gib())} | {paired(t, d)} |")  # fmt: skip
+    p("\nimages/s: higher is better; CPU-s per 1,000 images (every process involved) and PSS: lower is better. "
+      "cores busy: CPU-seconds per second of the group's processes; in brackets, of every other process on the "
+      "machine meanwhile (noise from outside the benchmark). Ratio rows: ratio of the medians; last column, the "
+      "ratio within each round (the two groups measured back to back, so the host's drift in speed mostly "
+      "cancels) and its median.\n")  # fmt: skip
+
+    p("### PSS by role (median round of each group, MiB)\n")
+    p("| scenario | loaders | role: processes x MiB | unmapped /dev/shm |")
+    p("| --- | --- | --- | ---: |")
+    for s in scenarios:
+        for kind in KINDS:
+            c = cells[(s.key, kind)]
+            if c.samples:
+                mid = sorted(c.samples, key=lambda x: x.memory.total_kb())[len(c.samples) // 2].memory
+                roles = "; ".join(f"{role}: {n} x {kb_ / n / 1024:.0f}" for role, (n, kb_) in sorted(mid.by_role().items()))
+                p(f"| {s.key} | {s.describe(kind)} | {roles} | {mid.unmapped_shm_kb() / 1024:.0f} MiB |")
+    p("")
+    print_findings(p, findings)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=512, help="distinct JPEGs in the data set")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the JPEGs' crops")
+    parser.add_argument("--epoch", type=int, default=65536, help="items per epoch, wrapping over the JPEGs: long, as on "
+                        "ImageNet, so that no epoch boundary (a pipeline refill) falls in a measured interval")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=2, help="scenario A: torch num_workers and the daemon's pool")
+    parser.add_argument("--trainers", type=int, default=4, help="scenario B: trainer processes")
+    parser.add_argument("--total-workers", type=int, default=4, help="scenario B: daemon pool = torch workers summed over trainers")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per group")
+    parser.add_argument("--prefetch", type=int, default=None, help="RemoteDataLoader's prefetch_factor (default: its own, 4)")
+    parser.add_argument("--quiet", type=float, default=0.25, help="cores other processes may keep busy in a kept window")
+    parser.add_argument("--tries", type=int, default=3, help="measured windows per group at most (the quietest is kept)")
+    parser.add_argument("--warmup", type=int, default=4, help="warm-up batches per trainer")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.images, args.rounds, args.seconds, args.warmup, args.tries = 128, 1, 3.0, 2, 1
+    if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
+        parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
+    if args.total_workers < args.trainers or args.total_workers % args.trainers:
+        parser.error("--total-workers must be a multiple of --trainers (torch's workers are split evenly)")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--agent"]:
+        bench_tenancy.AgentState = ImageAgentState  # type: ignore[misc]  # its agent loop builds one
+        return bench_tenancy.agent_main()
+    args = parse_args(argv)
+    args.tmp = Path(tempfile.mkdtemp(prefix="ldb-images-", dir="/tmp"))
+    state: dict[str, Any] = {}
+
+    def cleanup() -> None:  # also from the watchdog's thread: the current group's processes
+        close_agents(state.pop("agents", []))
+        daemon = state.pop("daemon", None)
+        if daemon is not None:
+            daemon.stop()
+
+    # A group: up to ~2 minutes to start and warm up, the measured interval, ~1 minute to stop.
+    budget = 300 + args.rounds * 4 * (args.tries * args.seconds + 240)
+    code = run_guarded(budget, lambda: run(args, state), cleanup)
+    if code == 0:
+        shutil.rmtree(args.tmp, ignore_errors=True)  # kept on failure: the agents' logs
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
