@@ -14,8 +14,11 @@ import grpc
 # gRPC imports its channel implementation on the first channel a process makes
 # (~6 ms here). Importing it with loaderd moves that into `import loaderd`, out
 # of a fresh process's first RemoteDataLoader (and under loaderd's gc.freeze()).
-import grpc._channel  # noqa: F401  (imported for its side effect)
-import grpc.experimental  # noqa: F401
+try:
+    import grpc._channel  # noqa: F401  (imported for its side effect; private, so optional)
+    import grpc.experimental  # noqa: F401
+except ImportError:  # a later gRPC moved them: the first channel imports what it needs, as before
+    pass
 
 from loaderd.credentials import Credentials, open_channel
 from loaderd.session import ShmSession

@@ -218,15 +218,19 @@ class Fleet:
     def _probe(self, member: Member) -> bool:
         """Ask ``member`` for the dataset (and open its session); True if it is up now."""
         try:
-            # The description and the session are asked for together (one round trip less);
-            # what the description says is heard first, as it says more (no such dataset, too old).
             describing = member.connection.describe_later(self.dataset)
             session: ShmSession | None = None
             session_error: Exception | None = None
-            try:
-                session = self.session_for(member.address)
-            except (grpc.RpcError, LoaderdError) as exc:
-                session_error = exc
+            together = self.reference is None
+            if together:
+                # At construction (nothing heard yet) the description and the session are asked for
+                # together: one round trip less before the first batch. What the description says is
+                # heard first, as it says more (no such dataset, too old). Later probes are often of
+                # daemons that are down: they ask for a session only once the daemon has answered.
+                try:
+                    session = self.session_for(member.address)
+                except (grpc.RpcError, LoaderdError) as exc:
+                    session_error = exc
             described = describing.result()
             if described.protocol_revision < MIN_PROTOCOL_REVISION:
                 self._probed(
@@ -238,6 +242,8 @@ class Fleet:
                 return False
             if session_error is not None:
                 raise session_error
+            if not together:
+                session = self.session_for(member.address)
         except grpc.RpcError as exc:
             refused = refusal(exc, member.address, member.connection.credentials)
             if refused is not None:

@@ -198,8 +198,6 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         first = 0
         if self._build_once:
-            # Left set for the pool's life: a fork server that multiprocessing restarts builds them again.
-            os.environ[prebuilt.ENV] = prebuilt.environment_value(self._build_once, self.config.python_path)
             self._spawn_first(timeout)
             first = 1
         for worker_id in range(first, self.size):
@@ -230,25 +228,45 @@ class WorkerPool:
         that hangs would hang the daemon. So the start runs on a thread, and
         past the deadline the fork server is killed, which ends the start.
         """
+        from multiprocessing import forkserver
+
+        names = ", ".join(repr(s.name) for s in self._build_once)
+        if forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+            # Its preloads ran already (another pool of this process): it would build nothing.
+            raise PoolStartError(f"build: once ({names}) needs a fork server of its own; this process has one already")
         failure: list[BaseException] = []
 
         def spawn() -> None:
             try:
                 self._spawn(0)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, on the daemon's thread
+            except BaseException as exc:  # noqa: BLE001 - reported below, on the daemon's thread
                 failure.append(exc)
 
-        thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            _stop_fork_server(0.0)
-            thread.join(10.0)
-            self.shutdown()
-            names = ", ".join(repr(s.name) for s in self._build_once)
-            raise PoolStartError(f"the fork server did not build the datasets with build: once ({names}) within {timeout:.0f}s")
+        # The variable names the payload only while the fork server starts (it reads the file
+        # before it forks); neither outlives this call.
+        path = prebuilt.write_payload(self._build_once, self.config.python_path)
+        os.environ[prebuilt.ENV] = path
+        try:
+            thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
+            thread.start()
+            thread.join(timeout)
+            if thread.is_alive():
+                _stop_fork_server(0.0)
+                thread.join(10.0)
+                self.shutdown()
+                raise PoolStartError(f"the fork server did not build the datasets with build: once ({names}) within {timeout:.0f}s")
+        finally:
+            os.environ.pop(prebuilt.ENV, None)
+            os.unlink(path)
         if failure:
-            raise failure[0]
+            # E.g. a constructor that ended the fork server (os._exit, a crash, the OOM killer):
+            # the start then fails with EOFError, which says nothing of the dataset.
+            self.shutdown()
+            raise PoolStartError(
+                f"the first worker could not start while the fork server built the datasets with build: once "
+                f"({names}): {type(failure[0]).__name__}: {failure[0]} (a constructor that ends its process, "
+                "e.g. out of memory, ends the fork server; see the log above)"
+            )
 
     def respawn(self, worker_id: int) -> None:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
@@ -322,7 +340,6 @@ class WorkerPool:
             if w.alive:
                 self._close(w)
         _stop_fork_server(timeout)
-        os.environ.pop(prebuilt.ENV, None)
 
     # ------------------------------------------------------------ messaging
 

@@ -1,9 +1,10 @@
 """Datasets built once, in the fork server, before it forks any worker (``build: once``).
 
 A dataset built in each worker costs the pool N copies of its memory. With
-``build: once`` the pool (server/pool.py) hands the dataset's spec to the fork
-server in the environment variable ``ENV`` (written by ``environment_value``)
-and the fork server builds it when it imports ``loaderd.server.build_once``
+``build: once`` the pool (server/pool.py) writes the datasets' specs to a
+private file (``write_payload``), names it in the environment variable ``ENV``
+while it starts its fork server, and the fork server builds them when it imports
+``loaderd.server.build_once``
 among its preloads (that module exists for this side effect; nothing else
 imports it), before it forks the first worker. Every worker it forks, replacements
 included, inherits the object: its pages are shared copy-on-write, one copy for
@@ -19,16 +20,19 @@ Rules:
   A dataset that failed is kept as its message, and each worker that asks for it
   gets ``BuildFailed`` with that message, which it reports as its start failure.
 * The payload is the server's own config (pickled by the daemon for its own fork
-  server), never anything a client sent.
+  server, in a 0600 file the pool removes once the fork server has read it), never
+  anything a client sent. A fork server that multiprocessing restarts later finds no
+  payload: workers it forks fail to start with ``BuildFailed``, and the scheduler
+  gives up on the pool after its usual failed starts (the daemon exits, to be restarted).
 """
 
 from __future__ import annotations
 
-import base64
 import gc
 import os
 import pickle
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -39,15 +43,23 @@ ENV = "LOADERD_BUILD_ONCE"
 
 _built: dict[str, Any] = {}
 _failed: dict[str, str] = {}
+_unread: list[str] = []  # why the payload itself could not be read (then nothing was built)
 
 
 class BuildFailed(Exception):
     """A ``build: once`` dataset could not be built in the fork server; the message says why."""
 
 
-def environment_value(specs: Sequence[DatasetSpec], python_path: Sequence[str]) -> str:
-    """What the pool puts in ``ENV`` for its fork server: these specs, and where to import them from."""
-    return base64.b64encode(pickle.dumps((tuple(specs), tuple(python_path)))).decode("ascii")
+def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str]) -> str:
+    """Write these specs, and where to import them from, to a new private file; its path (for ``ENV``).
+
+    A file, not the variable's value: a config's kwargs can pass the kernel's limit on one
+    environment string (128 KiB), and a variable's initial value stays readable in /proc.
+    """
+    fd, path = tempfile.mkstemp(prefix="loaderd-build-once-", suffix=".pickle")  # mode 0600
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((tuple(specs), tuple(python_path)), f)
+    return path
 
 
 def take(spec: DatasetSpec) -> Any:
@@ -56,16 +68,23 @@ def take(spec: DatasetSpec) -> Any:
         return _built[spec.name]
     if spec.name in _failed:
         raise BuildFailed(_failed[spec.name])
-    raise BuildFailed("it was not built in the fork server (was the fork server restarted without the pool?)")
+    if _unread:
+        raise BuildFailed(_unread[0])
+    raise BuildFailed("it was not built in this fork server (multiprocessing restarted the fork server; restart the daemon)")
 
 
 def build_from_environment() -> None:
     """Build what ``ENV`` names (in the fork server, before it forks); record each failure as its message."""
-    payload = os.environ.pop(ENV, None)  # popped: the workers' own children must not build again
-    if not payload:
+    path = os.environ.pop(ENV, None)  # popped: the workers' own children must not build again
+    if not path:
         return
     specs: tuple[DatasetSpec, ...]
-    specs, python_path = pickle.loads(base64.b64decode(payload))
+    try:
+        with open(path, "rb") as f:
+            specs, python_path = pickle.load(f)
+    except Exception as exc:  # noqa: BLE001 - the fork server must survive; workers report it
+        _unread.append(f"the fork server could not read the datasets to build ({path}: {type(exc).__name__}: {exc})")
+        return
     for entry in reversed(python_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)

@@ -522,8 +522,8 @@ class Scheduler:
             self._respawn_failures[worker_id] = self._respawn_failures.get(worker_id, 0) + 1
             try:
                 self._pool.respawn(worker_id)
-            except OSError as exc:  # e.g. out of file descriptors: try again later
-                log.error("cannot start a replacement for worker %d: %s", worker_id, exc)
+            except Exception as exc:  # out of file descriptors, a fork server that died: try again later
+                log.error("cannot start a replacement for worker %d: %s: %s", worker_id, type(exc).__name__, exc)
                 self._respawn(worker_id)
 
     # ------------------------------------------------------------ task timeouts and recycling

@@ -309,11 +309,14 @@ class Blocks(Dataset):
 class Recorded(Dataset):
     """Squares that remember which process built them, holding ``mb`` MB of numpy data (every page written).
 
+    ``padding`` stands for bulky constructor arguments (e.g. a list of file names).
+
     Each construction appends the building pid to the file ``record``.
     """
 
-    def __init__(self, n: int, record: str, mb: int = 0) -> None:
+    def __init__(self, n: int, record: str, mb: int = 0, padding: list[str] | None = None) -> None:
         self.n = n
+        self.padding = len(padding or ())  # bulky kwargs (a file list); only counted
         self.built_in = os.getpid()
         self.blob = np.full(mb * 2**20 // 8, 7, dtype=np.int64)
         with open(record, "a") as f:
@@ -330,3 +333,8 @@ def hang_on_build() -> Dataset:
     """A constructor that never returns."""
     time.sleep(3600)
     raise AssertionError("unreachable")
+
+
+def exit_on_build() -> Dataset:
+    """A constructor that ends its process without Python's cleanup (as the OOM killer would)."""
+    os._exit(3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,7 +35,9 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(records: Path) -> Iterator[RunningDaemon]:
-    once = {"n": N, "record": str(records / "once.txt"), "mb": BLOB_MB}
+    # 20,000 file-like names: ~0.5 MB of kwargs, beyond what one environment string may hold.
+    padding = [f"/data/train/n{i:08d}/image_{i:08d}.JPEG" for i in range(20_000)]
+    once = {"n": N, "record": str(records / "once.txt"), "mb": BLOB_MB, "padding": padding}
     per = {"n": N, "record": str(records / "per.txt")}
     with running_daemon(
         {
@@ -53,6 +56,10 @@ def _builders(path: Path) -> list[int]:
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _environment(pid: int) -> str:
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
 
 
 def _rollup_kb(pid: int, field: str) -> int:
@@ -82,6 +89,8 @@ def test_built_once_in_the_fork_server_and_shared(daemon: RunningDaemon, records
     assert _builders(records / "once.txt") == [fork_server]
     assert sorted(_builders(records / "per.txt")) == sorted(workers)  # the default: one build per worker
     assert _epoch_checked(daemon.address, workers) == {fork_server}
+    leftovers = [p for p in Path(tempfile.gettempdir()).glob("loaderd-build-once-*") if str(p) in _environment(fork_server)]
+    assert not leftovers, f"the payload outlived the start: {leftovers}"
     for pid in workers:
         # The blob's pages are the fork server's, mapped by every worker: shared, not copied.
         shared = _rollup_kb(pid, "Shared_Dirty")
@@ -138,6 +147,16 @@ def test_a_constructor_that_raises_stops_the_daemon_naming_it(short_tmp: Path) -
     assert culprit and "'boom'" in culprit[0] and "once, in the fork server" in culprit[0], stderr
     assert not left, f"processes left behind: {left}"
     assert not (short_tmp / "never.sock").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_constructor_that_ends_the_fork_server_stops_the_daemon_naming_it(short_tmp: Path) -> None:
+    rc, stderr, took, left = _serve_until_exit(short_tmp, "datasets:exit_on_build")
+    assert rc == 1, stderr
+    assert took < 60, f"took {took:.1f}s"
+    lines = [line for line in stderr.splitlines() if "cannot start" in line]
+    assert lines and "build: once ('boom')" in lines[0] and "Traceback" not in stderr, stderr
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest.mark.timeout(120)

@@ -86,18 +86,20 @@ def test_stalled_client_holds_only_its_window(daemon: RunningDaemon, kind: str) 
 
 _TOGGLED_CLIENT = """
 import signal, sys
+# Blocked before any thread exists (every thread inherits the mask), then waited for:
+# a SIGUSR1 sent before the wait stays pending instead of being lost.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 from loaderd import RemoteDataLoader
 name, address = sys.argv[1:3]
-signal.signal(signal.SIGUSR1, lambda *_: None)
 loader = RemoteDataLoader(name, batch_size=8, prefetch_factor=2, address=address)
 while True:
     it = iter(loader)
     next(it)
     print("stalled", flush=True)
-    signal.pause()  # hold the iterator and read nothing until SIGUSR1
+    signal.sigwait({signal.SIGUSR1})  # hold the iterator and read nothing until told
     it.close()
     print("released", flush=True)
-    signal.pause()  # no stream at all until the next SIGUSR1
+    signal.sigwait({signal.SIGUSR1})  # no stream at all until told
 """
 
 
