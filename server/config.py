@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,9 +417,9 @@ def load_config(path: str | Path) -> LoaderConfig:
     return parse_config(raw, path)
 
 
-def apply_python_path(config: LoaderConfig) -> None:
-    """Prepend the config's python_path to sys.path (daemon and workers alike)."""
-    for entry in reversed(config.python_path):
+def apply_python_path(python_path: Sequence[str]) -> None:
+    """Prepend a config's ``python_path`` to sys.path (daemon, fork server and workers alike)."""
+    for entry in reversed(python_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
 
@@ -443,7 +443,7 @@ def resolve(import_path: str) -> Callable[..., Any]:
 
 def check_imports(config: LoaderConfig) -> None:
     """Import every callable the config names, so a typo fails before any worker starts."""
-    apply_python_path(config)
+    apply_python_path(config.python_path)
     for spec in config.datasets.values():
         for key, value in (("dataset", spec.factory), ("collate_fn", spec.collate_fn), ("worker_init_fn", spec.worker_init_fn)):
             if value is None:

@@ -4,9 +4,8 @@ A dataset built in each worker costs the pool N copies of its memory. With
 ``build: once`` the pool (server/pool.py) writes the datasets' specs to a
 private file (``write_payload``), names it in the environment variable ``ENV``
 while it starts its fork server, and the fork server builds them when it imports
-``loaderd.server.build_once``
-among its preloads (that module exists for this side effect; nothing else
-imports it), before it forks the first worker. Every worker it forks, replacements
+``loaderd.server.build_once`` among its preloads (that module exists for this side
+effect; nothing else imports it), before it forks the first worker. Every worker it forks, replacements
 included, inherits the object: its pages are shared copy-on-write, one copy for
 the whole pool, as torch's workers share the dataset their parent built.
 ``gc.freeze()`` then keeps the workers' garbage collector from writing to those
@@ -31,13 +30,12 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from loaderd.server.config import DatasetSpec, resolve
+from loaderd.server.config import DatasetSpec, apply_python_path, resolve
 
 ENV = "LOADERD_BUILD_ONCE"
 
@@ -85,9 +83,7 @@ def build_from_environment() -> None:
     except Exception as exc:  # noqa: BLE001 - the fork server must survive; workers report it
         _unread.append(f"the fork server could not read the datasets to build ({path}: {type(exc).__name__}: {exc})")
         return
-    for entry in reversed(python_path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    apply_python_path(python_path)
     for spec in specs:
         try:
             _built[spec.name] = resolve(spec.factory)(*spec.args, **spec.kwargs)

@@ -408,7 +408,7 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
     torch.set_num_threads(1)
-    apply_python_path(spec.config)
+    apply_python_path(spec.config.python_path)
     parent = os.getppid()
     runtime = WorkerRuntime(spec)
     try:

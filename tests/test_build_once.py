@@ -128,8 +128,9 @@ def _marked_processes(mark: str) -> list[int]:
 def _serve_until_exit(short_tmp: Path, dataset: str, *extra: str) -> tuple[int, str, float, list[int]]:
     """Run a daemon whose only dataset is ``dataset`` with build: once; exit code, stderr, seconds, leftovers."""
     path = write_config(short_tmp, {"boom": {"dataset": dataset, "build": "once"}}, listen=[f"unix://{short_tmp}/never.sock"])
-    mark = f"LOADERD_TEST_MARK={uuid.uuid4().hex}"
-    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    token = uuid.uuid4().hex
+    mark = f"LOADERD_TEST_MARK={token}"  # as it reads in /proc/PID/environ
+    env = {**os.environ, "LOADERD_TEST_MARK": token}
     started = time.monotonic()
     proc = subprocess.run(serve_command(path, *extra), capture_output=True, text=True, timeout=90, env=env)
     took = time.monotonic() - started
