@@ -1,0 +1,320 @@
+"""Benchmark: what bounds loaderd's throughput on this machine, measured beside torch in one run.
+
+    python tests/bench/bench_limits.py [--rounds 3] [--seconds 3.0]
+
+Issue 12 asks for shared memory >= 4x torch and gRPC >= 0.8x torch on the large
+workload of ``bench_loaders.py`` (float32 3x64x64, batch 256: 12.6 MB a batch).
+This script measures the floors under both, on this machine, in one run:
+
+1. the copy every batch needs: gathering 256 items of an in-memory dataset into
+   one batch, into a reused pre-faulted buffer (loaderd's slot) and into a fresh
+   shared-memory segment (what torch's workers do), plus a plain contiguous copy
+   and the dataset's own 256 ``__getitem__`` calls;
+2. the wire: a raw TCP loopback socket, and gRPC Python streaming 12 MiB
+   ``bytes`` messages (no protobuf, no loaderd) over 1 and 2 concurrent streams;
+3. where the CPU goes: torch, loaderd over shared memory and over gRPC, rounds
+   interleaved, each process's CPU milliseconds per batch (trainer, daemon,
+   workers), and from that the batches/s that full use of every core would give.
+
+Prints markdown to stdout. Figures move +-30% between runs on a shared machine:
+compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import bench_loaders as bl  # noqa: E402
+from bench_datasets import InMemory  # noqa: E402
+
+SHAPE = (3, 64, 64)
+BATCH = 256
+ITEMS = bl.DATASETS["f32"]["n"]
+MESSAGE = 12 << 20
+
+
+def median_ms(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+# ---------------------------------------------------------------- 1. the copy
+
+
+def copy_costs(repeat: int = 30) -> dict[str, float]:
+    """Milliseconds per batch of the copies and calls a batch of the f32 workload needs (one core)."""
+    torch.set_num_threads(1)  # as in a worker
+    data = torch.ones((ITEMS, *SHAPE))
+    generator = torch.Generator().manual_seed(0)
+
+    def items() -> list[torch.Tensor]:
+        return [data[i] for i in torch.randperm(ITEMS, generator=generator)[:BATCH].tolist()]
+
+    slot = torch.zeros((BATCH, *SHAPE))  # reused and already faulted in, like a slot
+    batch = items()
+    nbytes = slot.numel() * slot.element_size()
+
+    def fresh_shared() -> None:
+        storage = torch.UntypedStorage._new_shared(nbytes)  # torch's default_collate in a worker
+        torch.stack(batch, 0, out=torch.empty(0).set_(storage).view(BATCH, *SHAPE))
+
+    indices = torch.randperm(ITEMS, generator=generator)[:BATCH].tolist()
+    costs = {
+        "getitem": median_ms(lambda: [data[i] for i in indices], repeat),
+        "gather_slot": median_ms(lambda: torch.stack(batch, 0, out=slot), repeat),
+        "gather_fresh_shm": median_ms(fresh_shared, repeat),
+        "contiguous": median_ms(lambda: slot.copy_(data[:BATCH]), repeat),
+    }
+    costs["batch_mb"] = nbytes / 1e6
+    return costs
+
+
+# ---------------------------------------------------------------- 2. the wire
+
+
+def raw_tcp_gb_s(seconds: float) -> float:
+    """One Python thread sending 12 MiB buffers over TCP 127.0.0.1 to another receiving them."""
+    payload = bytes(MESSAGE)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                conn.sendall(payload)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    buffer = memoryview(bytearray(MESSAGE))
+    total = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        start = time.perf_counter()
+        while n := conn.recv_into(buffer):
+            total += n
+        elapsed = time.perf_counter() - start
+    sender.join(10)
+    server.close()
+    return total / elapsed / 1e9
+
+
+def _grpc_server(ready: Any, stop: Any) -> None:
+    """A spawned process: gRPC Python streaming one 12 MiB ``bytes`` message after another."""
+    import grpc
+
+    payload = bytes(MESSAGE)
+
+    def stream(_request: bytes, context: Any) -> Any:
+        while context.is_active() and not stop.is_set():
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler("bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ready.send(port)
+    stop.wait(600)
+    server.stop(0)
+
+
+def raw_grpc_gb_s(port: int, streams: int, seconds: float) -> float:
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
+    call = channel.unary_stream("/bench.Raw/Stream")
+    received = [0] * streams
+
+    def read(i: int) -> None:
+        responses = call(b"", timeout=seconds + 30)
+        deadline = time.monotonic() + seconds
+        for message in responses:
+            received[i] += len(message)
+            if time.monotonic() > deadline:
+                responses.cancel()
+                break
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    elapsed = time.perf_counter() - start
+    channel.close()
+    return sum(received) / elapsed / 1e9
+
+
+# ---------------------------------------------------------------- 3. where the CPU goes
+
+
+def role_cpu(daemon_pid: int) -> dict[str, float]:
+    """CPU seconds so far of: this process, its torch workers, the daemon, and the daemon's pool."""
+    me = os.getpid()
+    pool = bl.descendants(daemon_pid)
+    torch_workers = [p for p in bl.descendants(me) if p != daemon_pid and p not in pool]
+
+    def own(pid: int) -> float:
+        return bl.cpu_seconds(pid) - sum(bl.cpu_seconds(c) for c in bl.children_by_parent().get(pid, []))
+
+    return {
+        "trainer": own(me),
+        "torch workers": sum(own(p) for p in torch_workers),
+        "daemon": own(daemon_pid),
+        "pool workers": sum(own(p) for p in pool),
+    }
+
+
+def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict[str, float]]:
+    """batches/s, and CPU ms per batch of each role while ``loader`` delivers batches for ``seconds``."""
+    it = iter(loader)
+    del_batch = next(it)
+    del del_batch
+    before = role_cpu(daemon_pid)
+    batches = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        if tuple(batch.shape) != (BATCH, *SHAPE):
+            raise bl.BenchError(f"batch has shape {tuple(batch.shape)}")
+        del batch
+        batches += 1
+    elapsed = time.perf_counter() - start
+    after = role_cpu(daemon_pid)
+    if hasattr(it, "close"):
+        it.close()
+    return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of torch / shm / grpc")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--workers", type=int, default=2, help="torch num_workers and the daemon's pool size")
+    args = parser.parse_args()
+    out = print
+
+    # Fork safety: torch's workers fork before this process makes any gRPC channel.
+    copies = copy_costs()
+    tcp = raw_tcp_gb_s(args.seconds)
+    torch_loader = DataLoader(
+        InMemory(list(SHAPE), n=ITEMS), batch_size=BATCH, shuffle=True, num_workers=args.workers, persistent_workers=True, prefetch_factor=2
+    )
+    next(iter(torch_loader))
+
+    spawn = multiprocessing.get_context("spawn")
+    ready_r, ready_w = spawn.Pipe(duplex=False)
+    stop = spawn.Event()
+    raw_server = spawn.Process(target=_grpc_server, args=(ready_w, stop), daemon=True)
+    raw_server.start()
+    daemon = bl.start_daemon(args.workers)
+    try:
+        if not ready_r.poll(120):
+            raise RuntimeError("the raw gRPC server did not start")
+        port = ready_r.recv()
+        grpc_rates = {n: [] for n in (1, 2)}  # type: dict[int, list[float]]
+        for _ in range(2):
+            for n in grpc_rates:
+                grpc_rates[n].append(raw_grpc_gb_s(port, n, args.seconds))
+        stop.set()
+        raw_server.join(30)
+
+        bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
+        from loaderd import RemoteDataLoader
+
+        loaders = {
+            "torch": torch_loader,
+            "shm": RemoteDataLoader("f32", batch_size=BATCH, shuffle=True, address=daemon.unix_address, transport="shm"),
+            "grpc": RemoteDataLoader("f32", batch_size=BATCH, shuffle=True, address=daemon.tcp_address, transport="grpc"),
+        }
+        rates: dict[str, list[float]] = {k: [] for k in loaders}
+        splits: dict[str, list[dict[str, float]]] = {k: [] for k in loaders}
+        for r in range(args.rounds):
+            for kind, loader in loaders.items():
+                rate, split = cpu_split(loader, daemon.process.pid, args.seconds)
+                rates[kind].append(rate)
+                splits[kind].append(split)
+            print(f"[bench] round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} b/s" for k, v in rates.items()), file=sys.stderr, flush=True)
+    finally:
+        stop.set()
+        code, problem = daemon.stop()
+        if problem:
+            print(f"[bench] {problem}", file=sys.stderr)
+
+    cores = os.cpu_count() or 1
+    mb = copies["batch_mb"]
+    torch_rate = statistics.median(rates["torch"])
+    out(f"## bench_limits: {cores} cores, {os.uname().machine}, torch {torch.__version__}, load before/after {os.getloadavg()[0]:.2f}\n")
+    out(f"### 1. The copy a batch of the f32 workload needs (one core, median of 30; a batch is {mb:.1f} MB)\n")
+    out("| what | ms per batch | GB/s |")
+    out("| --- | ---: | ---: |")
+    for key, label in (
+        ("getitem", f"the dataset's {BATCH} `__getitem__` calls (views, no copy)"),
+        ("gather_slot", f"gather {BATCH} items into a reused, pre-faulted buffer (loaderd's slot)"),
+        ("gather_fresh_shm", f"gather {BATCH} items into a fresh shared-memory segment (torch's workers)"),
+        ("contiguous", "one contiguous copy of the same bytes (memcpy)"),
+    ):
+        gb = "" if key == "getitem" else f"{mb / copies[key]:.2f}"
+        out(f"| {label} | {copies[key]:.2f} | {gb} |")
+    out("\n### 2. The wire (TCP 127.0.0.1, 12 MiB messages)\n")
+    out("| what | GB/s | vs torch's f32 GB/s in this run |")
+    out("| --- | ---: | ---: |")
+    torch_gb = torch_rate * mb / 1000
+    out(f"| raw TCP socket, one Python thread each side | {tcp:.2f} | {tcp / torch_gb:.2f}x |")
+    for n, values in grpc_rates.items():
+        best = max(values)
+        out(f"| gRPC Python, bytes messages, {n} stream(s) (best of {len(values)}) | {best:.2f} | {best / torch_gb:.2f}x |")
+    out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
+    roles = list(splits["torch"][0])
+    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy |")
+    out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |")
+    for kind in loaders:
+        med = {r: statistics.median(s[r] for s in splits[kind]) for r in roles}
+        total = sum(med.values())
+        rate = statistics.median(rates[kind])
+        ceiling = 1000 * cores / total
+        out(
+            f"| {kind} | {rate:.1f} | {rate / torch_rate:.2f}x | "
+            + " | ".join(f"{med[r]:.2f}" for r in roles)
+            + f" | {total:.2f} | {ceiling:.0f} ({ceiling / torch_rate:.2f}x torch) |"
+        )
+    intrinsic = copies["gather_slot"] + copies["getitem"]
+    out(
+        f"\nThe batch's own work (gather into a slot + `__getitem__`) is {intrinsic:.2f} ms: with nothing else, "
+        f"{cores} cores would make {1000 * cores / intrinsic:.0f} batches/s ({1000 * cores / intrinsic / torch_rate:.1f}x torch). "
+        f"4x torch ({4 * torch_rate:.0f} batches/s) needs at most {1000 * cores / (4 * torch_rate):.2f} CPU ms per batch in all. "
+        f"gRPC at 0.8x torch needs {0.8 * torch_gb:.2f} GB/s, against the raw gRPC figures above."
+    )
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
