@@ -1,5 +1,8 @@
 """Where a loader finds its daemons: the forms ``address=`` and ``$LOADERD_ADDRESS`` take.
 
+With neither, a loader (and ``loaderd status``) use ``DEFAULT_ADDRESS``, where
+``loaderd serve`` listens when its config has no ``listen:``.
+
 * one address: ``unix:///run/loaderd.sock``, ``unix:relative.sock``, ``host:port``,
   ``tcp://host:port``, ``[::1]:7070``;
 * several: a list of those, or one string with commas between them;
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from loaderd.errors import LoaderdError
 
 ADDRESS_ENV = "LOADERD_ADDRESS"
+# The daemon's listen address when its config names none, and a client's when given none.
+DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 
 
 @dataclass(frozen=True)
@@ -109,11 +114,10 @@ class Target:
 
 
 def parse_target(address: str | Sequence[str] | None) -> Target:
-    """``address`` (else ``$LOADERD_ADDRESS``) in any of the module docstring's forms; LoaderdError if empty or malformed."""
+    """``address`` (else ``$LOADERD_ADDRESS``, else ``DEFAULT_ADDRESS``) in any of the module docstring's forms;
+    LoaderdError if malformed."""
     if address is None or address == "":
-        address = os.environ.get(ADDRESS_ENV, "")
-        if not address:
-            raise LoaderdError(f"no daemon address: pass address=... or set ${ADDRESS_ENV}")
+        address = os.environ.get(ADDRESS_ENV, "") or DEFAULT_ADDRESS
     if isinstance(address, str):
         parts = address.split(",")
         text = address

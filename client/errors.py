@@ -208,6 +208,36 @@ def tls_failure(exc: grpc.RpcError, address: str) -> AuthenticationError | None:
     return AuthenticationError(f"cannot connect to the daemon at {address} over TLS: {reason} ({summary})")
 
 
+# What to check when no daemon answers: the end of every DaemonUnavailableError a loader raises.
+NO_DAEMON_HINT = (
+    "Is `loaderd serve --config ...` running? A loader must use one of the addresses in its config's "
+    "`listen:` (address=..., or $LOADERD_ADDRESS; both unset means unix:///tmp/loaderd.sock)"
+)
+
+# Substrings of gRPC's connect failures (from the OS's errno text), and what they mean for a user.
+_UNREACHABLE = (
+    ("No such file or directory", "no socket file at {path}"),
+    ("Connection refused", "nothing listens there (connection refused)"),
+    ("Permission denied", "no permission to connect to {path} (the daemon's unix sockets are 0600 unless its listen: entry sets socket_mode)"),
+    ("DNS resolution failed", "the host name does not resolve"),
+    ("Name or service not known", "the host name does not resolve"),
+    ("No route to host", "no route to that host"),
+    ("Network is unreachable", "no route to that host"),
+)
+
+
+def explain_unreachable(exc: grpc.RpcError, address: str) -> str:
+    """Why a daemon at ``address`` could not be reached, in a user's words (else the call's own summary)."""
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    path = address.removeprefix("unix://").removeprefix("unix:") if address.startswith("unix:") else address
+    for marker, reason in _UNREACHABLE:
+        if marker in details:
+            return reason.format(path=path)
+    if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time (a firewall dropping packets, a wrong host, or a daemon too busy to answer)"
+    return rpc_summary(exc)
+
+
 def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     """Map a failed gRPC call to the loaderd error a user can act on."""
     code = exc.code() if isinstance(exc, grpc.Call) else None

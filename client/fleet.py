@@ -34,7 +34,9 @@ from loaderd.errors import (
     DaemonUnavailableError,
     LoaderdError,
     TransportError,
+    NO_DAEMON_HINT,
     error_from_rpc,
+    explain_unreachable,
     is_transient,
     rpc_summary,
 )
@@ -251,7 +253,8 @@ class Fleet:
                 return False
             transient = is_transient(exc)
             # Not transient: it answered, and said no (no such dataset, ...).
-            self._probed(member, rpc_summary(exc), refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
+            reason = explain_unreachable(exc, member.address) if transient else rpc_summary(exc)
+            self._probed(member, reason, refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
             return False
         except AuthenticationError as exc:  # the session was refused
             self._probed(member, str(exc), refused=True, error=exc)
@@ -324,6 +327,7 @@ class Fleet:
         """
         deadline = time.monotonic() + timeout
         self.refresh(force=True)
+        warned = False
         while True:
             with self._lock:
                 pending = [m for m in self.members.values() if m.listed and not m.up]
@@ -345,7 +349,17 @@ class Fleet:
             if time.monotonic() >= deadline:
                 raise DaemonUnavailableError(
                     f"no loaderd serving {self.dataset!r} answered within {timeout:g}s (failover_timeout); "
-                    f"tried {self.report()}"
+                    f"tried {self.report()}. {NO_DAEMON_HINT}"
+                )
+            if not warned:
+                # Said at once: a newcomer must not sit through the whole window wondering.
+                warned = True
+                log.warning(
+                    "loaderd: no daemon serving %r answers yet (%s); retrying for up to %gs (failover_timeout). %s",
+                    self.dataset,
+                    self.report(),
+                    timeout,
+                    NO_DAEMON_HINT,
                 )
             time.sleep(PROBE_INTERVAL_S)
             self.refresh()

@@ -52,6 +52,7 @@ from loaderd.errors import (
     AuthenticationError,
     BatchTimeoutError,
     DaemonMismatchError,
+    NO_DAEMON_HINT,
     DaemonUnavailableError,
     exception_from_remote,
 )
@@ -435,7 +436,7 @@ class RemoteLoaderIter:
             if self._outage and self._outage_s_now() >= self._stream.failover_timeout:
                 raise DaemonUnavailableError(
                     f"no loaderd could serve {self._stream.dataset!r} for {self._stream.failover_timeout:g}s "
-                    f"(failover_timeout); tried {self._fleet.report()}"
+                    f"(failover_timeout); tried {self._fleet.report()}. {NO_DAEMON_HINT}"
                 )
             if self._timeout > 0 and waited >= self._timeout:
                 raise BatchTimeoutError(f"RemoteDataLoader timed out after {self._timeout} seconds")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from loaderd.errors import clip
@@ -36,7 +37,9 @@ class Catalog:
         meta = self.datasets.get(name)
         if meta is None:
             known = ", ".join(sorted(self.datasets)) or "none"
-            raise UnknownDatasetError(f"no dataset named {clip(name, 80)!r} in this daemon's config (it defines: {known})")
+            close = difflib.get_close_matches(name, list(self.datasets), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UnknownDatasetError(f"no dataset named {clip(name, 80)!r} in this daemon's config (it defines: {known}){hint}")
         return meta
 
     def describe(self, name: str) -> pb.DescribeDatasetResponse:

@@ -14,9 +14,9 @@ from types import FrameType
 
 import grpc
 
-from loaderd.addresses import ADDRESS_ENV, single_address
+from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
-from loaderd.errors import LoaderdError
+from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
 from loaderd.server.config import ConfigError, ListenSpec, MetricsConfig, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
 from loaderd.server.listeners import ListenError
@@ -118,9 +118,6 @@ def _tls_flags(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    if not (args.address or os.environ.get(ADDRESS_ENV)):
-        print(f"loaderd: no daemon address: pass --address or set ${ADDRESS_ENV}", file=sys.stderr)
-        return EXIT_UNREACHABLE
     try:
         address = single_address(args.address)
     except LoaderdError as exc:
@@ -139,6 +136,8 @@ def _status(args: argparse.Namespace) -> int:
         refused = refusal(exc, address, credentials)  # a TLS mismatch, which gRPC reports as a closed socket
         if refused is not None:
             detail = str(refused)
+        if refused is None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            detail = f"{explain_unreachable(exc, address)}. {NO_DAEMON_HINT}"
         print(f"loaderd: cannot get status from {address}: {exc.code().name}: {detail}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(json.dumps(status_dict(reply), indent=2) if args.json else format_status(reply))
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to build datasets")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     status = sub.add_parser("status", help="show a running daemon's pool, datasets, streams and shares")
-    status.add_argument("--address", help="the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS")
+    status.add_argument("--address", help=f"the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS, else {DEFAULT_ADDRESS}")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon's reply")
     status.add_argument("--tls-ca", help=f"CA of the daemon's TLS certificate (default: ${TLS_CA_ENV})")

@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from loaderd.addresses import is_loopback
+from loaderd.addresses import DEFAULT_ADDRESS, is_loopback
 from loaderd.wire.limits import MAX_CHUNK_BYTES
 
-DEFAULT_LISTEN = ("unix:///tmp/loaderd.sock",)
+DEFAULT_LISTEN = (DEFAULT_ADDRESS,)
 
 
 class ConfigError(Exception):

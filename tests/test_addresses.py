@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 
 from cluster import inject_dns
-from loaderd.addresses import ADDRESS_ENV, parse_target, single_address
+from loaderd.addresses import ADDRESS_ENV, DEFAULT_ADDRESS, parse_target, single_address
 from loaderd.errors import LoaderdError
 from loaderd.fleet import rendezvous
+from loaderd.server.config import DEFAULT_LISTEN
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,8 +34,8 @@ def test_environment_takes_the_same_forms(monkeypatch: pytest.MonkeyPatch) -> No
     target = parse_target(None)
     assert target.names == (("loaderd.ns.svc", 7070),) and target.fixed == ("10.0.0.9:7070",)
     monkeypatch.delenv(ADDRESS_ENV)
-    with pytest.raises(LoaderdError, match=ADDRESS_ENV):
-        parse_target(None)
+    # Neither: where `loaderd serve` listens when its config has no listen:.
+    assert parse_target(None).fixed == parse_target("").fixed == (DEFAULT_ADDRESS,) == DEFAULT_LISTEN
 
 
 @pytest.mark.parametrize("text", ["dns:///name", "dns:///name:0", "dns:///:7070", "dns:///name:http", ","])

@@ -8,6 +8,7 @@ per-batch random values are involved), each batch once, in order.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -277,16 +278,23 @@ def test_daemons_that_disagree_about_a_dataset_are_a_clear_error() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_no_daemon_at_all_is_a_clear_error_within_failover_timeout() -> None:
+def test_no_daemon_at_all_is_a_clear_error_within_failover_timeout(caplog: pytest.LogCaptureFixture) -> None:
     port = free_port(["127.0.0.1"])
     address = f"127.0.0.1:{port}"
-    started = time.monotonic()
-    with pytest.raises(DaemonUnavailableError) as caught:
-        RemoteDataLoader("squares", batch_size=4, address=[address, f"unix:///tmp/ld-nothing-{port}.sock"], failover_timeout=2)
+    socket_path = f"/tmp/ld-nothing-{port}.sock"
+    started, started_wall = time.monotonic(), time.time()  # log records carry wall-clock time
+    with caplog.at_level(logging.WARNING, logger="loaderd"), pytest.raises(DaemonUnavailableError) as caught:
+        RemoteDataLoader("squares", batch_size=4, address=[address, f"unix://{socket_path}"], failover_timeout=2)
     took = time.monotonic() - started
     assert 2 <= took < 6, took
+    # Each address with what is wrong there in a user's words, then what to check.
     message = str(caught.value)
-    assert address in message and f"ld-nothing-{port}.sock" in message and "UNAVAILABLE" in message
+    assert f"{address}: nothing listens there (connection refused)" in message, message
+    assert f"unix://{socket_path}: no socket file at {socket_path}" in message, message
+    assert "Is `loaderd serve --config ...` running?" in message and "listen:" in message, message
+    # Said at once, not only after the whole window.
+    early = [r for r in caplog.records if "answers yet" in r.getMessage()]
+    assert len(early) == 1 and early[0].created - started_wall < 1.0 and "Is `loaderd serve" in early[0].getMessage()
 
 
 @pytest.mark.timeout(60)

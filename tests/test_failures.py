@@ -346,6 +346,8 @@ def test_unknown_dataset_raises_dataset_not_found(daemon: RunningDaemon) -> None
     assert "no-such-dataset" in message, message
     for name in DATASETS:
         assert name in message, f"{name!r} not listed in: {message}"
+    with pytest.raises(loaderd.DatasetNotFoundError, match=r"did you mean 'squares'\?"):
+        RemoteDataLoader("sqaures", batch_size=4, address=daemon.address)
 
 
 def stream_call(address: str, requests: list[pb.StreamRequest]) -> list[pb.StreamResponse]:
