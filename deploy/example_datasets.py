@@ -1,10 +1,50 @@
-"""Example datasets for deploy/ds.yaml: synthetic, offline, deterministic."""
+"""Example datasets for deploy/ds.yaml.
+
+``Digits`` is real data that needs no download: scikit-learn's bundled
+handwritten digits (``pip install -e '.[examples]'``). ``SyntheticDigits`` and
+``CountingStream`` need nothing beyond torch; the container, systemd and
+Kubernetes configs serve those.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class Digits(Dataset):
+    """scikit-learn's handwritten digits: 1,797 8x8 grey images of 0-9 (from UCI), as (1x8x8 float, label).
+
+    A fixed, seeded split: ``val_fraction`` of the images (stratified by nothing,
+    just shuffled once with ``seed``) are ``split="val"``, the rest ``"train"``.
+    Pixels are scaled to [0, 1]. With ``noise`` > 0, ``__getitem__`` adds that much
+    Gaussian noise: a random augmentation, reproducible because loaderd seeds each
+    batch the way torch's DataLoader seeds its workers.
+    """
+
+    def __init__(self, split: str = "train", val_fraction: float = 0.2, seed: int = 0, noise: float = 0.0) -> None:
+        from sklearn.datasets import load_digits  # the examples extra; imported only where this dataset is used
+
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        bunch = load_digits()
+        images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8) in [0, 1]
+        labels = torch.from_numpy(bunch.target).long()
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+        n_val = int(len(labels) * val_fraction)
+        chosen = order[n_val:] if split == "train" else order[:n_val]
+        self.images, self.labels = images[chosen].contiguous(), labels[chosen].contiguous()
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        if self.noise:
+            image = image + self.noise * torch.randn(image.shape)
+        return image, int(self.labels[index])
 
 
 class SyntheticDigits(Dataset):

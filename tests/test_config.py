@@ -157,9 +157,9 @@ def test_deploy_config_loads() -> None:
     assert config.workers == 2
     assert config.python_path == (str((REPO / "deploy").resolve()),)
     assert set(config.datasets) == {"digits-train", "digits-val", "counting"}
-    assert config.datasets["digits-train"].factory == "example_datasets:SyntheticDigits"
-    assert config.datasets["digits-train"].kwargs == {"split": "train", "size": 60000}
-    assert config.datasets["digits-val"].kwargs == {"split": "val", "size": 10000, "jitter": 0.0}
+    assert config.datasets["digits-train"].factory == "example_datasets:Digits"
+    assert config.datasets["digits-train"].kwargs == {"split": "train", "noise": 0.05}
+    assert config.datasets["digits-val"].kwargs == {"split": "val"}
     assert config.datasets["counting"].kwargs == {"n": 1000}
 
 
