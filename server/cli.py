@@ -17,7 +17,8 @@ import grpc
 from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
 from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
-from loaderd.server.config import ConfigError, ListenSpec, MetricsConfig, check_listen, check_port, load_config
+from loaderd.server.check import check_config, format_report
+from loaderd.server.config import ConfigError, ListenSpec, MetricsConfig, check_imports, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
 from loaderd.server.listeners import ListenError
 from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
@@ -108,6 +109,34 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        check_imports(config)  # as serve does first: a typo is a config error (exit 2)
+    except ConfigError as exc:
+        print(f"loaderd: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.batch_size < 1:
+        print(f"loaderd: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not args.json:
+        listen = ", ".join(config.addresses)
+        print(f"{args.config}: valid; {len(config.datasets)} dataset(s), workers: {config.workers}, listen: {listen}\n", flush=True)
+    reports = []
+    for report in check_config(config, args.batch_size):
+        reports.append(report)
+        if not args.json:
+            print(format_report(report), flush=True)
+    failed = [r for r in reports if r.error]
+    if args.json:
+        print(json.dumps({"config": str(args.config), "datasets": [dataclasses.asdict(r) for r in reports]}, indent=2))
+    for report in failed:  # the lines `loaderd serve` would stop with, last, on stderr
+        print(f"loaderd: cannot start: {report.error}", file=sys.stderr)
+    if not args.json and not failed:
+        print(f"\nOK: every dataset builds, yields items and collates ({len(reports)})")
+    return EXIT_START if failed else 0
+
+
 def _tls_flags(args: argparse.Namespace) -> dict[str, str] | None:
     """The TLS files from --tls-* flags, each falling back to its variable; None (the variables alone) without flags."""
     flags = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
@@ -154,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to build datasets")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    check = sub.add_parser("check", help="validate a config and build, sample and collate each dataset here")
+    check.add_argument("--config", required=True, help="path to the YAML config")
+    check.add_argument("--batch-size", type=int, default=8, help="items per collated batch (default 8)")
+    check.add_argument("--json", action="store_true", help="print the reports as JSON")
     status = sub.add_parser("status", help="show a running daemon's pool, datasets, streams and shares")
     status.add_argument("--address", help=f"the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS, else {DEFAULT_ADDRESS}")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
@@ -167,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "check":
+        return _check(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

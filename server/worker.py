@@ -108,10 +108,10 @@ def _set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
     torch_worker._worker_info = info
 
 
-def _build_dataset(spec: DatasetSpec) -> _Dataset:
+def _build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> _Dataset:
     factory = resolve(spec.factory)
     # build: once -> the object the fork server built, inherited copy-on-write (server/prebuilt.py).
-    dataset = take(spec) if spec.build == "once" else factory(*spec.args, **spec.kwargs)
+    dataset = take(spec) if spec.build == "once" and prebuilt else factory(*spec.args, **spec.kwargs)
     if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
         raise TypeError(f"{spec.factory} returned a {type(dataset).__name__}, which is neither a map-style nor an IterableDataset")
     collate_fn = resolve(spec.collate_fn) if spec.collate_fn else None
@@ -123,6 +123,36 @@ def _build_dataset(spec: DatasetSpec) -> _Dataset:
         convert=collate_fn or default_convert,
         worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
     )
+
+
+def _pool_info(ds: _Dataset, worker_id: int, pool_size: int, seed: int) -> torch_worker.WorkerInfo:
+    return torch_worker.WorkerInfo(id=worker_id, num_workers=pool_size, seed=seed, dataset=ds.dataset)
+
+
+def build_for_worker(spec: DatasetSpec, worker_id: int, pool_size: int, prebuilt: bool = True) -> _Dataset:
+    """Build one dataset as pool worker ``worker_id`` does at its start (its worker_init_fn run for a
+    map-style dataset); RuntimeError with the one line ``loaderd serve`` stops with, naming the dataset.
+
+    ``prebuilt=False`` builds a ``build: once`` dataset here instead of taking the fork server's
+    (``loaderd check``, which has no fork server)."""
+    name = spec.name
+    try:
+        ds = _build_dataset(spec, prebuilt)
+    except BuildFailed as exc:
+        raise RuntimeError(f"dataset {name!r}: building {spec.factory} once, in the fork server, failed: {exc}") from None
+    except Exception as exc:
+        raise RuntimeError(f"dataset {name!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}") from exc
+    if ds.worker_init_fn is not None and not ds.iterable:
+        seed = derive_seed(worker_id, 0x1417)
+        seed_everything(seed)
+        _set_worker_info(_pool_info(ds, worker_id, pool_size, seed))
+        try:
+            ds.worker_init_fn(worker_id)
+        except Exception as exc:
+            raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _set_worker_info(None)
+    return ds
 
 
 class WorkerRuntime:
@@ -137,28 +167,10 @@ class WorkerRuntime:
     def build(self) -> None:
         """Build every dataset and run map-style worker_init_fns, as torch does at worker start."""
         for name, ds_spec in self.spec.config.datasets.items():
-            try:
-                ds = _build_dataset(ds_spec)
-            except BuildFailed as exc:
-                raise RuntimeError(f"dataset {name!r}: building {ds_spec.factory} once, in the fork server, failed: {exc}") from None
-            except Exception as exc:
-                raise RuntimeError(f"dataset {name!r}: building {ds_spec.factory} failed: {type(exc).__name__}: {exc}") from exc
-            self.datasets[name] = ds
-            if ds.worker_init_fn is not None and not ds.iterable:
-                seed = derive_seed(self.spec.worker_id, 0x1417)
-                seed_everything(seed)
-                _set_worker_info(self._pool_info(ds, seed))
-                try:
-                    ds.worker_init_fn(self.spec.worker_id)
-                except Exception as exc:
-                    raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {type(exc).__name__}: {exc}") from exc
-                finally:
-                    _set_worker_info(None)
+            self.datasets[name] = build_for_worker(ds_spec, self.spec.worker_id, self.spec.pool_size)
 
     def _pool_info(self, ds: _Dataset, seed: int) -> torch_worker.WorkerInfo:
-        return torch_worker.WorkerInfo(
-            id=self.spec.worker_id, num_workers=self.spec.pool_size, seed=seed, dataset=ds.dataset
-        )
+        return _pool_info(ds, self.spec.worker_id, self.spec.pool_size, seed)
 
     # ------------------------------------------------------------ results
 

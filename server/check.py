@@ -1,0 +1,147 @@
+"""``loaderd check``: a config validated and each dataset built once in this process, then described.
+
+For config CI and for debugging a dataset before starting a daemon: the config
+is loaded exactly as ``loaderd serve`` loads it, each dataset is built as a
+pool worker builds it (its ``worker_init_fn`` run; a ``build: once`` dataset
+built here, as there is no fork server), and one item, a collated batch and the
+time per item are reported. A dataset that fails gives the one line ``serve``
+would stop with (or, for an item or a batch, one naming the dataset and where).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaderd.errors import clip
+from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path
+from loaderd.server.worker import build_for_worker
+
+# Items timed per dataset: at most this many, and no more than about this long.
+TIMED_ITEMS = 64
+TIMED_BUDGET_S = 2.0
+
+
+@dataclass(frozen=True)
+class DatasetReport:
+    """What ``check`` found for one dataset; ``error`` is empty when all went well."""
+
+    name: str
+    kind: str = ""  # "map-style" or "iterable"
+    length: int | None = None
+    build_s: float = 0.0
+    item: str = ""
+    batch: str = ""
+    batch_size: int = 0
+    ms_per_item: float = 0.0
+    ms_per_batch: float = 0.0  # collation alone
+    items_timed: int = 0
+    error: str = ""
+
+
+def structure(value: Any, depth: int = 0) -> str:
+    """A one-line description of a sample or batch: its containers, and each leaf's type, dtype and shape."""
+    if depth > 4:
+        return "..."
+    if isinstance(value, torch.Tensor):
+        return f"Tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype} {list(value.shape)}"
+    if isinstance(value, (str, bytes, int, float, bool, np.number)) or value is None:
+        return type(value).__name__
+    if isinstance(value, Mapping):
+        parts = [f"{k!r}: {structure(v, depth + 1)}" for k, v in itertools.islice(value.items(), 8)]
+        return "{" + ", ".join(parts) + (", ..." if len(value) > 8 else "") + "}"
+    if isinstance(value, Sequence):
+        parts = [structure(v, depth + 1) for v in itertools.islice(value, 8)]
+        more = ", ..." if len(value) > 8 else ""
+        return ("(" + ", ".join(parts) + more + ")") if isinstance(value, tuple) else ("[" + ", ".join(parts) + more + "]")
+    return type(value).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback (the user's code, usually)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _failed(name: str, what: str, exc: BaseException) -> str:
+    return f"dataset {name!r}: {what} failed: {type(exc).__name__}: {clip(str(exc), 500)}{_where(exc)}"
+
+
+def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> DatasetReport:
+    """Build ``spec``'s dataset here and describe it; never raises (a failure is the report's ``error``)."""
+    name = spec.name
+    started = time.perf_counter()
+    try:
+        ds = build_for_worker(spec, worker_id=0, pool_size=pool_size, prebuilt=False)
+        length = ds.meta().length
+    except Exception as exc:  # noqa: BLE001 - the report carries it
+        return DatasetReport(name, error=str(exc) + _where(exc.__cause__ or exc))
+    build_s = time.perf_counter() - started
+    kind = "iterable" if ds.iterable else "map-style"
+    samples: list[Any] = []
+    what = "item 0"
+    try:
+        started = time.perf_counter()
+        if ds.iterable:
+            what = "iterating"
+            for sample in itertools.islice(iter(ds.dataset), max(TIMED_ITEMS, batch_size)):
+                samples.append(sample)
+                if len(samples) >= batch_size and time.perf_counter() - started > TIMED_BUDGET_S:
+                    break
+        else:
+            count = TIMED_ITEMS if length is None else min(TIMED_ITEMS, length)
+            for index in range(count):
+                what = f"item {index} (dataset[{index}])"
+                samples.append(ds.dataset[index])
+                if len(samples) >= batch_size and time.perf_counter() - started > TIMED_BUDGET_S:
+                    break
+        elapsed = time.perf_counter() - started
+        if not samples:
+            return DatasetReport(name, kind, length, build_s, error=f"dataset {name!r}: has no items")
+        what = f"collating {min(batch_size, len(samples))} items"
+        started = time.perf_counter()
+        batch = ds.collate(samples[:batch_size])
+        collate_s = time.perf_counter() - started
+    except Exception as exc:  # noqa: BLE001 - the report carries it
+        return DatasetReport(name, kind, length, build_s, error=_failed(name, what, exc))
+    return DatasetReport(
+        name,
+        kind,
+        length,
+        build_s,
+        item=structure(samples[0]),
+        batch=structure(batch),
+        batch_size=min(batch_size, len(samples)),
+        ms_per_item=1000 * elapsed / len(samples),
+        ms_per_batch=1000 * collate_s,
+        items_timed=len(samples),
+    )
+
+
+def check_config(config: LoaderConfig, batch_size: int) -> list[DatasetReport]:
+    """Every dataset of ``config``, built and described in turn (in this process)."""
+    apply_python_path(config.python_path)  # check_imports did too; harmless, and check_config stands alone
+    return [check_dataset(spec, config.workers, batch_size) for spec in config.datasets.values()]
+
+
+def format_report(report: DatasetReport) -> str:
+    """A dataset's report as the terminal shows it."""
+    if report.error:
+        return f"{report.name}: FAILED\n  {report.error}"
+    size = "no len()" if report.length is None else f"{report.length:,} items"
+    return (
+        f"{report.name}: {report.kind}, {size}, built in {report.build_s:.2f} s\n"
+        f"  item:           {report.item}\n"
+        f"  batch of {report.batch_size}:{' ' * max(1, 6 - len(str(report.batch_size)))}{report.batch}\n"
+        f"  time:           {report.ms_per_item:.3f} ms per item ({report.items_timed} items), "
+        f"collation {report.ms_per_batch:.3f} ms per batch"
+    )
