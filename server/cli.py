@@ -18,9 +18,10 @@ from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
 from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
 from loaderd.server.check import check_config, format_report
-from loaderd.server.config import ConfigError, ListenSpec, MetricsConfig, check_imports, check_listen, check_port, load_config
+from loaderd.server.config import ConfigError, ListenSpec, LoaderConfig, MetricsConfig, check_imports, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
 from loaderd.server.listeners import ListenError
+from loaderd.server.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.pool import PoolStartError
 from loaderd.server.status import format_status, status_dict
@@ -31,6 +32,14 @@ EXIT_CONFIG = 2
 EXIT_START = 1
 EXIT_FAILED = 1  # the daemon ran, then could no longer serve (see its log)
 EXIT_UNREACHABLE = 1  # `loaderd status`: no daemon answered
+
+
+def _fatal(config: LoaderConfig, line: str) -> None:
+    """The one line the daemon ends with: plain on stderr, or a JSON record where the log is JSON."""
+    if config.log_format == "json":
+        logging.getLogger("loaderd").critical(line.removeprefix("loaderd: "))
+    else:
+        print(line, file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -52,11 +61,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"loaderd: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
-    logging.basicConfig(
-        level=args.log_level or config.log_level,
-        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
-        stream=sys.stderr,
-    )
+    if args.log_format is not None:
+        config = dataclasses.replace(config, log_format=args.log_format)
+    configure_logging(args.log_level or config.log_level, config.log_format)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
     drain = threading.Event()
     stop = threading.Event()
@@ -83,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     except (PoolStartError, ListenError) as exc:
         daemon.shutdown()
-        print(f"loaderd: cannot start: {exc}", file=sys.stderr)
+        _fatal(config, f"loaderd: cannot start: {exc}")
         return EXIT_START
     notifier.ready(f"serving on {', '.join(daemon.bound)}")
     pings_done = threading.Event()
@@ -104,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         pings_done.set()
         notifier.close()
     if daemon.failed.is_set():
-        print(f"loaderd: stopped: {daemon.fatal}", file=sys.stderr)
+        _fatal(config, f"loaderd: stopped: {daemon.fatal}")
         return EXIT_FAILED
     return 0
 
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--listen", action="append", help="address to serve (repeatable); replaces the config's listen")
     serve.add_argument("--workers", type=int, help="pool size; replaces the config's workers")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-format", choices=list(LOG_FORMATS), help="replaces the config's log_format (text or json)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to build datasets")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     check = sub.add_parser("check", help="validate a config and build, sample and collate each dataset here")

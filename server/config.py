@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from loaderd.addresses import DEFAULT_ADDRESS, is_loopback
+from loaderd.server.log_format import LOG_FORMATS
 from loaderd.wire.limits import MAX_CHUNK_BYTES
 
 DEFAULT_LISTEN = (DEFAULT_ADDRESS,)
@@ -126,6 +127,7 @@ class LoaderConfig:
     # Shared memory each worker may fill with batches waiting to be sent; 0 sends payloads over pipes.
     shm_bytes_per_worker: int = 1 << 30
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one object per line (server/log_format.py)
     metrics: MetricsConfig | None = None  # None: no metrics endpoint
     limits: Limits = field(default_factory=Limits)
     # Recycling (0: off): a worker is replaced, between batches, after this many
@@ -151,6 +153,7 @@ _TOP_KEYS = {
     "share_buffer",
     "shm_bytes_per_worker",
     "log_level",
+    "log_format",
     "metrics",
     "limits",
     "max_tasks_per_worker",
@@ -369,6 +372,9 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
     log_level = _expect(raw.get("log_level", "INFO"), str, "log_level", "a logging level name").upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"log_level: {log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    log_format = raw.get("log_format", "text")
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"log_format: expected one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     check_listen(listen)  # after the rest: a config with no datasets says that first
     auth = _auth(raw.get("auth"), path.parent)
     metrics = _metrics(raw["metrics"]) if "metrics" in raw else None
@@ -385,6 +391,7 @@ def parse_config(raw: Any, path: Path) -> LoaderConfig:
         share_buffer=_int_at_least(raw, "share_buffer", 32, 0),
         shm_bytes_per_worker=_int_at_least(raw, "shm_bytes_per_worker", 1 << 30, 0),
         log_level=log_level,
+        log_format=log_format,
         metrics=metrics,
         limits=_limits(raw.get("limits")),
         max_tasks_per_worker=_int_at_least(raw, "max_tasks_per_worker", 0, 0),

@@ -30,6 +30,7 @@ from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.wire.limits import MAX_HEADER_BYTES
 from loaderd.server.arena import SlotWriter
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
+from loaderd.server.log_format import configure_logging
 from loaderd.server.prebuilt import BuildFailed, take
 from loaderd.server.seeding import derive_seed, seed_everything
 from loaderd.server.slot_collate import SlotArea, SlotFull, collate_into, estimate_bytes
@@ -420,6 +421,8 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
     torch.set_num_threads(1)
+    # The daemon's level and format (a dataset's own log lines included): workers share its stderr.
+    configure_logging(spec.config.log_level, spec.config.log_format)
     apply_python_path(spec.config.python_path)
     parent = os.getppid()
     runtime = WorkerRuntime(spec)

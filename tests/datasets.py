@@ -7,6 +7,7 @@ torch's DataLoader as the oracle.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import random
 import signal
@@ -338,3 +339,11 @@ def hang_on_build() -> Dataset:
 def exit_on_build() -> Dataset:
     """A constructor that ends its process without Python's cleanup (as the OOM killer would)."""
     os._exit(3)
+
+
+class Chatty(Squares):
+    """Squares that logs a warning from its constructor (in each pool worker): worker log lines in tests."""
+
+    def __init__(self, n: int = 100) -> None:
+        super().__init__(n)
+        logging.getLogger("chatty").warning("built %d squares in pid %d", n, os.getpid())

@@ -532,3 +532,10 @@ def test_bad_auth_names_the_culprit(top: dict[str, Any], expect: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(minimal(**top), Path("/etc/loaderd/ds.yaml"))
     assert expect in str(info.value), info.value
+
+
+def test_log_format(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "datasets: {a: {dataset: 'm:A'}}\n")).log_format == "text"
+    assert load_config(write(tmp_path, "log_format: json\ndatasets: {a: {dataset: 'm:A'}}\n")).log_format == "json"
+    message = config_error(tmp_path, "log_format: xml\ndatasets: {a: {dataset: 'm:A'}}\n")
+    assert "log_format" in message and "'xml'" in message and "text, json" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import pytest
 import torch
 import yaml
 from compare import assert_same_batches
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, serve_command, wait_serving, write_config
+from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, running_daemon, serve_command, wait_serving, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
@@ -454,3 +455,21 @@ def test_health_service_reports_serving(start_daemon: Callable[..., RunningDaemo
         first = next(iter(stream))
         stream.cancel()
     assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ------------------------------------------------------------------ logs
+
+
+@pytest.mark.timeout(120)
+def test_json_logs_are_one_object_per_line_from_daemon_and_workers() -> None:
+    datasets = {"chatty": {"dataset": "datasets:Chatty", "kwargs": {"n": 16}}}
+    with running_daemon(datasets, prefix="ld-json-", workers=2, log_format="json", expect_running=False) as daemon:
+        assert len(list(RemoteDataLoader("chatty", batch_size=4, address=daemon.address))) == 4
+        assert daemon.stop() == 0
+        lines = [line for line in daemon.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line: one JSON object
+    assert all({"time", "level", "logger", "message", "pid"} <= set(r) for r in records), records[:3]
+    assert any(r["logger"] == "loaderd" and "listening on unix://" in r["message"] for r in records), records
+    built = [r for r in records if r["logger"] == "chatty"]  # the dataset's own lines, from each worker
+    assert len({r["pid"] for r in built}) == 2 and all(r["level"] == "WARNING" for r in built), built
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", records[0]["time"]), records[0]
