@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 
 import grpc
@@ -24,7 +25,7 @@ from loaderd.server.listeners import ListenError
 from loaderd.server.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.pool import PoolStartError
-from loaderd.server.status import format_status, status_dict
+from loaderd.server.status import ClientKey, ClientRate, client_rates, format_status, status_json
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 
@@ -154,6 +155,9 @@ def _tls_flags(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if not args.interval > 0 or args.count < 0:
+        print(f"loaderd: --interval must be > 0 and --count >= 0 (got {args.interval:g}, {args.count})", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         address = single_address(args.address)
     except LoaderdError as exc:
@@ -164,20 +168,54 @@ def _status(args: argparse.Namespace) -> int:
     except LoaderdError as exc:
         print(f"loaderd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    try:
-        with open_channel(address, credentials, []) as channel:
-            reply = pb_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=args.timeout)
-    except grpc.RpcError as exc:
-        detail = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
-        refused = refusal(exc, address, credentials)  # a TLS mismatch, which gRPC reports as a closed socket
-        if refused is not None:
-            detail = str(refused)
-        if refused is None and exc.code() == grpc.StatusCode.UNAVAILABLE:
-            detail = f"{explain_unreachable(exc, address)}. {NO_DAEMON_HINT}"
-        print(f"loaderd: cannot get status from {address}: {exc.code().name}: {detail}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    print(json.dumps(status_dict(reply), indent=2) if args.json else format_status(reply))
-    return 0
+    with open_channel(address, credentials, []) as channel:
+        stub = pb_grpc.LoaderStub(channel)
+        previous: tuple[pb.StatusResponse, float] | None = None
+        shown = 0
+        try:
+            while True:
+                try:
+                    reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
+                except grpc.RpcError as exc:
+                    print(f"loaderd: cannot get status from {address}: {_status_failure(exc, address, credentials)}", file=sys.stderr)
+                    if not args.watch or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        return EXIT_UNREACHABLE
+                    previous = None  # a restarted daemon counts anew
+                    time.sleep(args.interval)
+                    continue
+                now = time.monotonic()
+                rates = client_rates(previous[0] if previous else None, reply, now - previous[1] if previous else 0.0)
+                _show_status(args, reply, rates)
+                shown += 1
+                if not args.watch or shown == args.count:
+                    return 0
+                previous = (reply, now)
+                time.sleep(args.interval)
+        except KeyboardInterrupt:  # the way out of --watch
+            return 0
+
+
+def _status_failure(exc: grpc.RpcError, address: str, credentials: Credentials) -> str:
+    """A failed Status call in one line, in a user's words."""
+    detail = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
+    refused = refusal(exc, address, credentials)  # a TLS mismatch, which gRPC reports as a closed socket
+    if refused is not None:
+        detail = str(refused)
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+        detail = f"{explain_unreachable(exc, address)}. {NO_DAEMON_HINT}"
+    return f"{exc.code().name}: {detail}"
+
+
+def _show_status(args: argparse.Namespace, reply: pb.StatusResponse, rates: dict[ClientKey, ClientRate]) -> None:
+    """One status snapshot: tables (``--watch`` on a terminal: redrawn in place), or JSON (one line per snapshot with ``--watch``)."""
+    if args.json:
+        print(json.dumps(status_json(reply, rates), indent=None if args.watch else 2), flush=True)
+        return
+    text = format_status(reply, rates)
+    if args.watch and sys.stdout.isatty():
+        # Home and clear, then the tables: a refreshing view without a terminal library.
+        text = f"\x1b[H\x1b[2J{time.strftime('%H:%M:%S')}  every {args.interval:g}s (rates over the last interval); Ctrl-C to stop\n\n{text}"
+    print(text + ("\n" if args.watch else ""), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
     status = sub.add_parser("status", help="show a running daemon's pool, datasets, streams and shares")
     status.add_argument("--address", help=f"the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS, else {DEFAULT_ADDRESS}")
-    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON (with --watch: one line per snapshot)")
+    status.add_argument("--watch", action="store_true", help="refresh every --interval seconds, rates over each interval")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between snapshots with --watch (default 2)")
+    status.add_argument("--count", type=int, default=0, help="with --watch: stop after this many snapshots (0: until Ctrl-C)")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon's reply")
     status.add_argument("--tls-ca", help=f"CA of the daemon's TLS certificate (default: ${TLS_CA_ENV})")
     status.add_argument("--tls-cert", help=f"client certificate for mTLS (default: ${TLS_CERT_ENV})")

@@ -67,6 +67,22 @@ class _StatusCollector(Collector):
             in_flight.add_metric(key, stream.in_flight)
         yield from (delivered, stalled, in_flight)
 
+        # Per training process and dataset, across its streams (epochs): what rate() and dashboards want.
+        labels = ["client", "identity", "dataset"]
+        taken = CounterMetricFamily("loaderd_client_batches", "Batches a client took, over all its streams", labels=labels)
+        waited = CounterMetricFamily(
+            "loaderd_client_waited_seconds", "Seconds a client reported waiting for batches, over all its streams", labels=labels
+        )
+        active = CounterMetricFamily(
+            "loaderd_client_active_seconds", "Seconds a client's streams were open, summed", labels=labels
+        )
+        for client in status.clients:
+            key = [client.client, client.identity, client.dataset]
+            taken.add_metric(key, client.batches)
+            waited.add_metric(key, client.waited_s)
+            active.add_metric(key, client.active_s)
+        yield from (taken, waited, active)
+
         workers = status.workers
         yield CounterMetricFamily(
             "loaderd_worker_restarts", "Pool workers replaced after dying", value=sum(w.restarts for w in workers)

@@ -26,6 +26,7 @@ import grpc
 
 from loaderd.errors import BatchTimeoutError, TransportError, WorkerCrashedError, capture_exception, clip
 from loaderd.server.catalog import Catalog
+from loaderd.server.client_tally import ClientTally
 from loaderd.server.config import LoaderConfig
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
@@ -165,6 +166,8 @@ class Scheduler:
         self._jobs: dict[tuple[str, int], SharedJob] = {}
         self._job_of: dict[int, SharedJob] = {}  # consumer stream id -> its job
         self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in catalog.datasets}
+        # Per (client, dataset), what its closed streams took and waited (``loaderd status``, metrics).
+        self.clients = ClientTally()
         self.worker_batches: dict[int, int] = {}
         self.started_at = time.monotonic()
         self._turn = 0
@@ -271,6 +274,8 @@ class Scheduler:
             self._streams.pop(stream.stream_id, None)
             self._producers.pop(stream.stream_id, None)
             self.counters[stream.dataset].delivered_closed += stream.delivered
+            now = time.monotonic()
+            self.clients.closed(stream.use(now), now)
             job = self._job_of.pop(stream.stream_id, None)
             if job is not None:
                 job.detach(stream)

@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
@@ -94,6 +95,8 @@ class StatusBoard:
                     share=spec.share or "",
                     shm=spec.shm,
                 )
+            now = time.monotonic()
+            reply.clients.extend(scheduler.clients.rows((s.use(now) for s in scheduler.streams()), now))
             for job in sorted(scheduler.jobs(), key=lambda j: (j.name, j.epoch)):
                 entry = datasets.get(job.dataset)
                 if entry is not None:
@@ -108,6 +111,38 @@ class StatusBoard:
                     buffered=len(job.buffer),
                 )
         return reply
+
+
+# ------------------------------------------------------------ rates (`loaderd status`, `--watch`)
+
+
+@dataclass(frozen=True)
+class ClientRate:
+    """A client's pace on a dataset: the batches it took per second, and how much of the time it waited."""
+
+    batches_s: float
+    # The share of the time the client spent blocked in next() waiting for a batch (it reports this
+    # itself): near 1, the trainer is input-bound (starved); near 0, the data keeps up.
+    waiting: float
+
+
+ClientKey = tuple[str, str]  # (client, dataset)
+
+
+def client_rates(previous: pb.StatusResponse | None, current: pb.StatusResponse, elapsed_s: float) -> dict[ClientKey, ClientRate]:
+    """Each of ``current``'s clients' rate since ``previous`` (taken ``elapsed_s`` earlier), or over the time
+    its streams were open where it is new or there is no ``previous``."""
+    before = {(c.client, c.dataset): c for c in previous.clients} if previous is not None else {}
+    rates: dict[ClientKey, ClientRate] = {}
+    for client in current.clients:
+        old = before.get((client.client, client.dataset))
+        if old is None or elapsed_s <= 0:
+            span, taken, waited = client.active_s, client.batches, client.waited_s
+        else:  # streams that opened and closed within the interval count too
+            span, taken, waited = elapsed_s, client.batches - old.batches, client.waited_s - old.waited_s
+        span = max(span, 1e-6)
+        rates[(client.client, client.dataset)] = ClientRate(max(0.0, taken / span), min(1.0, max(0.0, waited / span)))
+    return rates
 
 
 # ------------------------------------------------------------ showing it (`loaderd status`)
@@ -151,8 +186,19 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def format_status(status: pb.StatusResponse) -> str:
-    """The human-readable tables `loaderd status` prints."""
+def status_json(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate]) -> dict[str, Any]:
+    """``status`` as JSON-ready values, each client with its ``batches_s`` and ``waiting`` from ``rates``."""
+    out = status_dict(status)
+    for client in out["clients"]:
+        rate = rates.get((client["client"], client["dataset"]))
+        if rate is not None:
+            client.update(batches_s=round(rate.batches_s, 3), waiting=round(rate.waiting, 4))
+    return out
+
+
+def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] | None = None) -> str:
+    """The human-readable tables `loaderd status` prints; clients' rates over their streams' open time unless ``rates`` is given."""
+    rates = client_rates(None, status, 0.0) if rates is None else rates
     sessions = f"{status.sessions} shared-memory session{'s' * (status.sessions != 1)}"
     parts = [f"loaderd {status.version}, up {_duration(status.uptime_s)}, {sessions}"]
     parts.append(
@@ -180,6 +226,22 @@ def format_status(status: pb.StatusResponse) -> str:
             ],
         )
     )
+    if status.clients:
+        no_rate = ClientRate(0.0, 0.0)
+        parts.append(
+            _table(
+                ["CLIENT", "IDENTITY", "DATASET", "STREAMS", "BATCHES", "BATCH/S", "WAITING"],
+                [
+                    [
+                        c.client or "-", c.identity or "-", c.dataset, c.open_streams, c.batches,
+                        round(rates.get((c.client, c.dataset), no_rate).batches_s, 1),
+                        f"{rates.get((c.client, c.dataset), no_rate).waiting:.0%}",
+                    ]
+                    for c in status.clients
+                ],
+            )
+            + "\nWAITING: the share of its time the client waited for batches (high: that trainer is input-bound)"
+        )
     if status.streams:
         headers = ["STREAM", "CLIENT", "IDENTITY", "PEER", "DATASET", "WINDOW", "DELIVERED", "CONSUMED", "IN-FLIGHT", "STALL"]
         parts.append(

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loaderd.server.client_tally import StreamUse
 from loaderd.server.ledger import FinishedBatch
 from loaderd.server.producer import END, Backlog, Delivery, StreamFailed, Upstream
 from loaderd.server.seeding import derive_seed
@@ -266,6 +267,18 @@ class BatchStream:
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:
             self.release(delivery.batch)
+
+    def use(self, now: float) -> StreamUse:
+        """This stream's part in its client's figures (``loaderd status``): taken beyond its start, waited, open."""
+        spec = self.spec
+        return StreamUse(
+            client=spec.client,
+            identity=spec.identity,
+            dataset=spec.dataset,
+            batches=max(0, self.consumed - spec.start),
+            waited_s=self.stalled_us / 1e6,
+            active_s=max(0.0, now - self.opened_at),
+        )
 
     def fail(self, failure: StreamFailed) -> None:
         if self.failure is None:

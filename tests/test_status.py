@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,6 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loaderd import RemoteDataLoader
 from loaderd.lane import client_name
+from loaderd.server.client_tally import KEEP_S, ClientTally, StreamUse
+from loaderd.server.status import ClientRate, client_rates
 from loaderd.v1 import loaderd_pb2 as pb
 
 N = 100
@@ -76,10 +80,14 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def client_series(samples: Samples) -> dict[str, dict[str, str]]:
-    """This process's per-client series: metric name -> labels."""
+def client_series(samples: Samples, per_stream: bool = True) -> dict[str, dict[str, str]]:
+    """This process's per-stream series (or, ``per_stream=False``, its per-client ones): metric name -> labels."""
     series = {name: dict(labels) for name, labels in samples if name.startswith("loaderd_client_")}
-    return {name: labels for name, labels in series.items() if labels.get("client") == client_name()}
+    return {
+        name: labels
+        for name, labels in series.items()
+        if labels.get("client") == client_name() and ("stream" in labels) == per_stream
+    }
 
 
 def is_descendant(pid: int, ancestor: int) -> bool:
@@ -122,13 +130,78 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     table = loaderd_cli("status", "--address", daemon.address)
     assert table.returncode == 0, table.stderr
     assert table.stdout.startswith("loaderd ") and "WORKER" in table.stdout and "DATASET" in table.stdout
-    (row,) = [line.split() for line in table.stdout.splitlines() if client_name() in line]
+    (row,) = [line.split() for line in table.stdout.splitlines() if client_name() in line and line.split()[0].isdigit()]
+    (client_row,) = [line.split() for line in table.stdout.splitlines() if line.startswith(client_name())]
+    assert client_row[:4] == [client_name(), "-", "squares", "1"], client_row  # CLIENT IDENTITY DATASET STREAMS
     assert row[0] == str(stream["stream_id"]) and "squares" in row and str(stream["window"]) in row
 
     rest = list(it)
     assert len(first) + len(rest) == EPOCH
     assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(repr(client_name()))} ", daemon.log())
     wait_for(lambda: not daemon_status(daemon.address).streams, 20.0, "the finished stream to leave the status")
+
+
+def test_client_rates_over_an_interval_or_over_the_time_its_streams_were_open() -> None:
+    def snapshot(*clients: tuple[str, int, int, float, float]) -> pb.StatusResponse:
+        return pb.StatusResponse(
+            clients=[pb.ClientStatus(client=c, dataset="d", open_streams=o, batches=b, waited_s=w, active_s=a) for c, o, b, w, a in clients]
+        )
+
+    first = snapshot(("a", 1, 10, 1.0, 2.0))
+    assert client_rates(None, first, 0.0) == {("a", "d"): ClientRate(batches_s=5.0, waiting=0.5)}  # over its open time
+    second = snapshot(("a", 1, 40, 1.5, 4.0), ("b", 0, 3, 0.0, 1.0))
+    assert client_rates(first, second, 2.0) == {("a", "d"): ClientRate(15.0, 0.25), ("b", "d"): ClientRate(3.0, 0.0)}  # b is new
+    idle = snapshot(("a", 0, 40, 1.5, 4.0), ("b", 0, 3, 0.0, 1.0))
+    assert client_rates(idle, idle, 2.0)[("a", "d")] == ClientRate(0.0, 0.0)  # no stream open in the interval
+    assert client_rates(second, snapshot(("a", 1, 40, 9.0, 5.0)), 1.0)[("a", "d")].waiting == 1.0  # clamped
+
+
+def test_client_tally_spans_streams_and_forgets_old_clients() -> None:
+    tally = ClientTally()
+    tally.closed(StreamUse("vm:1", "", "d", batches=10, waited_s=1.0, active_s=2.0), now=100.0)
+    tally.closed(StreamUse("vm:1", "", "d", batches=5, waited_s=0.5, active_s=1.0), now=101.0)
+    (row,) = tally.rows([StreamUse("vm:1", "", "d", batches=2, waited_s=0.0, active_s=0.5)], now=102.0)
+    assert (row.client, row.open_streams, row.batches, row.waited_s, row.active_s) == ("vm:1", 1, 17, 1.5, 3.5)
+    assert tally.rows([], now=101.0 + KEEP_S) == []  # forgotten KEEP_S after its last stream closed
+
+
+@pytest.mark.timeout(120)
+def test_watch_tells_a_starved_trainer_from_one_the_data_keeps_up_with(start_daemon: Callable[..., RunningDaemon]) -> None:
+    # "starved": items take 0.1 s and the trainer takes each batch at once, so it mostly waits.
+    # "keeps up": instant items, a trainer that spends 0.1 s per batch (it needs 10 batches/s; the pool
+    # makes ~20/s for it beside the slow stream), so it hardly waits.
+    daemon = start_daemon(
+        {
+            "slow": {"dataset": "datasets:Slow", "kwargs": {"n": 5000, "delay": 0.1}},
+            "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 5000}},
+        }
+    )
+    stop = threading.Event()
+
+    def train(name: str, step_s: float) -> None:
+        it = iter(RemoteDataLoader(name, batch_size=1, address=daemon.address))
+        while not stop.is_set():
+            next(it)
+            time.sleep(step_s)
+        it.close()
+
+    trainers = [threading.Thread(target=train, args=a, daemon=True) for a in (("slow", 0.0), ("squares", 0.1))]
+    for t in trainers:
+        t.start()
+    try:
+        result = loaderd_cli("status", "--address", daemon.address, "--watch", "--json", "--interval", "2", "--count", "3")
+    finally:
+        stop.set()
+        for t in trainers:
+            t.join(30)
+    assert result.returncode == 0, result.stderr
+    snapshots = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(snapshots) == 3, result.stdout
+    mine = [c for c in snapshots[-1]["clients"] if c["client"] == client_name()]
+    last = {c["dataset"]: c for c in mine}  # rates over the last 2 s
+    assert last["slow"]["waiting"] > 0.6 and 5 <= last["slow"]["batches_s"] <= 25, last["slow"]
+    # ~10 batches/s; the client reports what it took with its next plan message, so 2 s windows jitter.
+    assert last["squares"]["waiting"] < 0.35 and 5 <= last["squares"]["batches_s"] <= 15, last["squares"]
 
 
 @pytest.mark.timeout(120)
@@ -172,7 +245,8 @@ def test_metrics_count_an_epoch(daemon: RunningDaemon) -> None:
 def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDaemon) -> None:
     url = metrics_url(daemon.log())
     it = iter(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))
-    next(it)
+    for _ in range(3):  # the client reports what it took with its next plans: some of it has arrived by now
+        next(it)
     (stream,) = [s for s in daemon_status(daemon.address).streams if s.client == client_name()]
     samples = scrape(url)
     labels = {"client": client_name(), "identity": "", "stream": str(stream.stream_id), "dataset": "squares"}
@@ -183,11 +257,20 @@ def test_metrics_have_per_client_series_while_a_stream_is_open(daemon: RunningDa
     }
     assert sample(samples, "loaderd_client_batches_delivered_total", **labels) >= 1
     assert sample(samples, "loaderd_open_streams", dataset="squares") == 1
+    # The client's own series span its streams (epochs): no stream label.
+    mine = {"client": client_name(), "identity": "", "dataset": "squares"}
+    assert client_series(samples, per_stream=False) == {
+        "loaderd_client_batches_total": mine,
+        "loaderd_client_waited_seconds_total": mine,
+        "loaderd_client_active_seconds_total": mine,
+    }
 
-    del it  # stopping early cancels the stream: its series go with it
+    del it  # stopping early cancels the stream: its series go with it, the client's stay
     gc.collect()
     wait_for(lambda: not client_series(scrape(url)), 20.0, "the closed stream's series to disappear")
-    assert sample(scrape(url), "loaderd_open_streams", dataset="squares") == 0
+    after = scrape(url)
+    assert sample(after, "loaderd_open_streams", dataset="squares") == 0
+    assert sample(after, "loaderd_client_batches_total", **mine) >= 1 and sample(after, "loaderd_client_active_seconds_total", **mine) > 0
 
 
 @pytest.mark.timeout(120)
@@ -267,3 +350,17 @@ def test_reflection_lists_services_and_resolves_methods(daemon: RunningDaemon) -
     assert methods["Status"] == ("loaderd.v1.StatusRequest", "loaderd.v1.StatusResponse")
     assert set(methods) == {"ListDatasets", "DescribeDataset", "StreamBatches", "Session", "Status"}
     assert service.methods_by_name["StreamBatches"].client_streaming
+
+
+@pytest.mark.timeout(120)
+def test_grafana_dashboard_queries_only_metrics_the_daemon_exports(daemon: RunningDaemon) -> None:
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "loaderd.json").read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels) and all(p["targets"] for p in panels)
+    used = {name for p in panels for t in p["targets"] for name in re.findall(r"\bloaderd_\w+", t["expr"])}
+    assert "loaderd_client_waited_seconds_total" in used and "loaderd_batch_latency_seconds_bucket" in used
+    it = iter(RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address))
+    next(it)  # an open stream and a finished batch: every family has samples
+    exported = {name for name, _ in scrape(metrics_url(daemon.log()))}
+    it.close()
+    assert used <= exported, f"the dashboard queries metrics the daemon does not export: {sorted(used - exported)}"

@@ -431,8 +431,26 @@ class ShareStatus(_message.Message):
     buffered: int
     def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., dataset: _Optional[str] = ..., consumers: _Optional[int] = ..., produced: _Optional[int] = ..., recomputed: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
 
+class ClientStatus(_message.Message):
+    __slots__ = ("client", "identity", "dataset", "open_streams", "batches", "waited_s", "active_s")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_S_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    identity: str
+    dataset: str
+    open_streams: int
+    batches: int
+    waited_s: float
+    active_s: float
+    def __init__(self, client: _Optional[str] = ..., identity: _Optional[str] = ..., dataset: _Optional[str] = ..., open_streams: _Optional[int] = ..., batches: _Optional[int] = ..., waited_s: _Optional[float] = ..., active_s: _Optional[float] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions")
+    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +458,7 @@ class StatusResponse(_message.Message):
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -447,4 +466,5 @@ class StatusResponse(_message.Message):
     streams: _containers.RepeatedCompositeFieldContainer[StreamStatus]
     shares: _containers.RepeatedCompositeFieldContainer[ShareStatus]
     sessions: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...
