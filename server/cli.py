@@ -18,6 +18,7 @@ import grpc
 from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
 from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
+from loaderd.server.bench import BenchError, BenchOptions, run_bench
 from loaderd.server.check import check_config, format_report
 from loaderd.server.config import ConfigError, ListenSpec, LoaderConfig, MetricsConfig, check_imports, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
@@ -145,6 +146,36 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_START if failed else 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        check_imports(config)
+    except ConfigError as exc:
+        print(f"loaderd: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if min(args.batch_size, args.epochs) < 1 or args.num_workers < 0 or args.max_batches < 0:
+        print("loaderd: --batch-size and --epochs must be >= 1, --num-workers and --max-batches >= 0", file=sys.stderr)
+        return EXIT_CONFIG
+    options = BenchOptions(
+        config=config,
+        dataset=args.dataset,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        epochs=args.epochs,
+        max_batches=args.max_batches,
+        shuffle=not args.no_shuffle,
+        address=args.address or "",
+    )
+    try:
+        run_bench(options, sys.stdout, sys.stderr)
+    except BenchError as exc:
+        print(f"loaderd: {exc}", file=sys.stderr)
+        return EXIT_START
+    except KeyboardInterrupt:
+        return EXIT_START
+    return 0
+
+
 def _tls_flags(args: argparse.Namespace) -> dict[str, str] | None:
     """The TLS files from --tls-* flags, each falling back to its variable; None (the variables alone) without flags."""
     flags = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
@@ -233,6 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--config", required=True, help="path to the YAML config")
     check.add_argument("--batch-size", type=int, default=8, help="items per collated batch (default 8)")
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
+    bench = sub.add_parser("bench", help="compare torch's DataLoader and RemoteDataLoader on a dataset of a config")
+    bench.add_argument("--config", required=True, help="the YAML config that defines the dataset")
+    bench.add_argument("--dataset", required=True, help="the dataset's name in the config")
+    bench.add_argument("--batch-size", type=int, default=32)
+    bench.add_argument("--num-workers", type=int, default=2, help="torch's num_workers, and the private daemon's pool size")
+    bench.add_argument("--epochs", type=int, default=3, help="rounds: one epoch of each loader per round, interleaved")
+    bench.add_argument("--max-batches", type=int, default=0, help="stop each epoch after this many batches (0: whole epochs)")
+    bench.add_argument("--no-shuffle", action="store_true", help="sequential order (default: shuffle map-style datasets)")
+    bench.add_argument("--address", help="a running daemon that serves the dataset (default: start a private one)")
     status = sub.add_parser("status", help="show a running daemon's pool, datasets, streams and shares")
     status.add_argument("--address", help=f"the daemon (unix:///path or host:port); default: $LOADERD_ADDRESS, else {DEFAULT_ADDRESS}")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON (with --watch: one line per snapshot)")
@@ -251,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args)
     if args.command == "check":
         return _check(args)
+    if args.command == "bench":
+        return _bench(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

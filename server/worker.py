@@ -109,7 +109,9 @@ def _set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
     torch_worker._worker_info = info
 
 
-def _build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> _Dataset:
+def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> _Dataset:
+    """``spec``'s dataset with its collation and worker_init_fn resolved (``prebuilt``: a ``build: once``
+    dataset is the fork server's; else it is built here)."""
     factory = resolve(spec.factory)
     # build: once -> the object the fork server built, inherited copy-on-write (server/prebuilt.py).
     dataset = take(spec) if spec.build == "once" and prebuilt else factory(*spec.args, **spec.kwargs)
@@ -138,7 +140,7 @@ def build_for_worker(spec: DatasetSpec, worker_id: int, pool_size: int, prebuilt
     (``loaderd check``, which has no fork server)."""
     name = spec.name
     try:
-        ds = _build_dataset(spec, prebuilt)
+        ds = build_dataset(spec, prebuilt)
     except BuildFailed as exc:
         raise RuntimeError(f"dataset {name!r}: building {spec.factory} once, in the fork server, failed: {exc}") from None
     except Exception as exc:
