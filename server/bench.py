@@ -147,18 +147,18 @@ def first_batch_ms(make: Callable[[], Any]) -> float:
 
 @contextmanager
 def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, str]]:
-    """``loaderd serve`` on the config with K workers, a temp unix socket and 127.0.0.1:0: (unix, tcp) addresses."""
+    """``loaderd serve`` on the config with K workers (at least 1), a temp unix socket and 127.0.0.1:0: (unix, tcp) addresses."""
     tmp = Path(tempfile.mkdtemp(prefix="loaderd-bench-"))
     socket_address = f"unix://{tmp}/d.sock"
     log_path = tmp / "daemon.log"
     command = [
         sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(options.config.path),
-        "--listen", socket_address, "--listen", "127.0.0.1:0", "--workers", str(options.num_workers), "--log-format", "text",
+        "--listen", socket_address, "--listen", "127.0.0.1:0", "--workers", str(max(1, options.num_workers)), "--log-format", "text",
     ]  # fmt: skip
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        log.write(f"starting a daemon with {options.num_workers} workers (log: {log_path})\n")
+        log.write(f"starting a daemon with {max(1, options.num_workers)} workers (log: {log_path})\n")
         _wait_serving(socket_address, process, log_path)
         match = re.search(r"listening on (127\.0\.0\.1:\d+)", log_path.read_text())
         if match is None:
