@@ -137,6 +137,8 @@ def parse_target(address: str | Sequence[str] | None) -> Target:
             if dns not in names:
                 names.append(dns)
             continue
+        if part.startswith(("/", "./")) or (part.endswith(".sock") and not part.startswith("unix:")):
+            raise LoaderdError(f"address {part!r} looks like a socket path: write unix://{part} (unix:///abs/path or unix:rel/path)")
         plain = part.removeprefix("tcp://")
         if plain not in fixed:
             fixed.append(plain)

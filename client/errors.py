@@ -223,6 +223,11 @@ _UNREACHABLE = (
     ("Name or service not known", "the host name does not resolve"),
     ("No route to host", "no route to that host"),
     ("Network is unreachable", "no route to that host"),
+    ("Socket closed", "the connection was closed at once (something other than a loaderd daemon listens there?)"),
+    ("Connection reset by peer", "the connection was closed at once (something other than a loaderd daemon listens there?)"),
+    ("Received http2 header with status", "something other than a loaderd daemon answers there (an HTTP server?)"),
+    ("http1.x server", "an HTTP/1 server answers there, not a loaderd daemon"),
+    ("Failed parsing HTTP/2", "something other than a gRPC server answers there (an HTTP/1 server?)"),
 )
 
 
@@ -245,6 +250,10 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     tls = tls_failure(exc, address)
     if tls is not None:
         return tls
+    if "Received http2 header with status" in details or code == grpc.StatusCode.UNIMPLEMENTED:
+        # An HTTP server, or a gRPC server without loaderd's service: a wrong address, not a loaderd error.
+        summary = " ".join(details.split())[:200]
+        return DaemonUnavailableError(f"{address} is not a loaderd daemon (it answered: {summary}). {NO_DAEMON_HINT}")
     cls = _STATUS_ERRORS.get(code, LoaderdError) if code is not None else LoaderdError
     if cls is DaemonUnavailableError:
         return cls(f"loaderd at {address} is unavailable: {details}")

@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,9 +67,13 @@ def structure(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
+_SERVER_DIR = str(Path(__file__).resolve().parent) + "/"  # loaderd.server's own files
+
+
 def _where(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc``'s traceback (the user's code, usually)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    """`` (at file:line)`` of the innermost frame of ``exc``'s traceback outside loaderd (the user's code);
+    "" where there is none (a constructor called with arguments it does not take fails in loaderd's call)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_SERVER_DIR)]
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 

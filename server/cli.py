@@ -153,14 +153,15 @@ def _bench(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"loaderd: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if min(args.batch_size, args.epochs) < 1 or args.num_workers < 0 or args.max_batches < 0:
+    num_workers = config.workers if args.num_workers is None else args.num_workers
+    if min(args.batch_size, args.epochs) < 1 or num_workers < 0 or args.max_batches < 0:
         print("loaderd: --batch-size and --epochs must be >= 1, --num-workers and --max-batches >= 0", file=sys.stderr)
         return EXIT_CONFIG
     options = BenchOptions(
         config=config,
         dataset=args.dataset,
         batch_size=args.batch_size,
-        num_workers=args.num_workers,
+        num_workers=num_workers,
         epochs=args.epochs,
         max_batches=args.max_batches,
         shuffle=not args.no_shuffle,
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--config", required=True, help="the YAML config that defines the dataset")
     bench.add_argument("--dataset", required=True, help="the dataset's name in the config")
     bench.add_argument("--batch-size", type=int, default=32)
-    bench.add_argument("--num-workers", type=int, default=2, help="torch's num_workers, and the private daemon's pool size")
+    bench.add_argument(
+        "--num-workers", type=int, help="torch's num_workers, and the private daemon's pool size (default: the config's workers)"
+    )
     bench.add_argument("--epochs", type=int, default=3, help="rounds: one epoch of each loader per round, interleaved")
     bench.add_argument("--max-batches", type=int, default=0, help="stop each epoch after this many batches (0: whole epochs)")
     bench.add_argument("--no-shuffle", action="store_true", help="sequential order (default: shuffle map-style datasets)")

@@ -271,11 +271,14 @@ class BatchStream:
     def use(self, now: float) -> StreamUse:
         """This stream's part in its client's figures (``loaderd status``): taken beyond its start, waited, open."""
         spec = self.spec
+        # The client reports what it took with its next request, so the last batches of an epoch go
+        # unreported: a stream that delivered its end had them all taken (a loop that breaks cancels).
+        taken = self.delivered if self.finished else self.consumed - spec.start
         return StreamUse(
             client=spec.client,
             identity=spec.identity,
             dataset=spec.dataset,
-            batches=max(0, self.consumed - spec.start),
+            batches=max(0, taken),
             waited_s=self.stalled_us / 1e6,
             active_s=max(0.0, now - self.opened_at),
         )

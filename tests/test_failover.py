@@ -8,7 +8,9 @@ per-batch random values are involved), each batch once, in order.
 
 from __future__ import annotations
 
+import http.server
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,7 +24,7 @@ from cluster import Cluster, cluster, free_port, inject_dns
 from compare import assert_same_batches
 from conftest import daemon_status, oracle_loader
 from datasets import Slow, Squares
-from loaderd import DaemonMismatchError, DaemonUnavailableError, RemoteDataLoader
+from loaderd import DaemonMismatchError, DaemonUnavailableError, LoaderdError, RemoteDataLoader
 
 DATASETS = {
     "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 240}},
@@ -295,6 +297,35 @@ def test_no_daemon_at_all_is_a_clear_error_within_failover_timeout(caplog: pytes
     # Said at once, not only after the whole window.
     early = [r for r in caplog.records if "answers yet" in r.getMessage()]
     assert len(early) == 1 and early[0].created - started_wall < 1.0 and "Is `loaderd serve" in early[0].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_something_else_at_the_address_is_named() -> None:
+    # A listener that closes every connection, and an HTTP/1 server: not loaderd, each said in plain words.
+    closer = socket.create_server(("127.0.0.1", 0))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    web.RequestHandlerClass.log_message = lambda *args: None  # type: ignore[method-assign]
+
+    def close_each() -> None:
+        while True:
+            try:
+                conn, _ = closer.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        for port, words in ((closer.getsockname()[1], "closed at once"), (web.server_port, "than a gRPC server")):
+            with pytest.raises(DaemonUnavailableError, match=words):
+                RemoteDataLoader("squares", batch_size=4, address=f"127.0.0.1:{port}", failover_timeout=1)
+    finally:
+        closer.close()
+        web.shutdown()
+        web.server_close()
+    with pytest.raises(LoaderdError, match=r"looks like a socket path: write unix:///tmp/x\.sock"):
+        RemoteDataLoader("squares", batch_size=4, address="/tmp/x.sock")
 
 
 @pytest.mark.timeout(60)
