@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loaderd.errors import LoaderdError
+from loaderd.wire.limits import DEFAULT_ADDRESS
+
+__all__ = ["ADDRESS_ENV", "DEFAULT_ADDRESS", "Resolved", "Target", "is_loopback", "lookup", "parse_target", "single_address"]
 
 ADDRESS_ENV = "LOADERD_ADDRESS"
-# The daemon's listen address when its config names none, and a client's when given none.
-DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import grpc
 
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import DEFAULT_ADDRESS
 from loaderd.wire.names import find_loaded
 
 
@@ -211,7 +212,7 @@ def tls_failure(exc: grpc.RpcError, address: str) -> AuthenticationError | None:
 # What to check when no daemon answers: the end of every DaemonUnavailableError a loader raises.
 NO_DAEMON_HINT = (
     "Is `loaderd serve --config ...` running? A loader must use one of the addresses in its config's "
-    "`listen:` (address=..., or $LOADERD_ADDRESS; both unset means unix:///tmp/loaderd.sock)"
+    f"`listen:` (address=..., or $LOADERD_ADDRESS; both unset means {DEFAULT_ADDRESS})"
 )
 
 # Substrings of gRPC's connect failures (from the OS's errno text), and what they mean for a user.
@@ -234,8 +235,10 @@ _UNREACHABLE = (
 def explain_unreachable(exc: grpc.RpcError, address: str) -> str:
     """Why a daemon at ``address`` could not be reached, in a user's words (else the call's own summary)."""
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    code = exc.code() if isinstance(exc, grpc.Call) else None
     path = address.removeprefix("unix://").removeprefix("unix:") if address.startswith("unix:") else address
-    for marker, reason in _UNREACHABLE:
+    # Only connection failures: a daemon's own error text (UNKNOWN, INTERNAL) is quoted as it is.
+    for marker, reason in _UNREACHABLE if code in (None, grpc.StatusCode.UNAVAILABLE) else ():
         if marker in details:
             return reason.format(path=path)
     if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.utils.data import DataLoader
 
+from loaderd.errors import clip
 from loaderd.server.config import LoaderConfig, apply_python_path
 from loaderd.server.worker import build_dataset
 
@@ -110,7 +112,10 @@ class Progress:
 
 def run_epoch(loader: Any, max_batches: int, tick: Callable[[int, int], None]) -> tuple[int, int, float]:
     """One epoch (or its first ``max_batches``): batches, payload bytes, seconds (from before ``iter``)."""
-    epoch_len = len(loader) if hasattr(loader, "__len__") else 0
+    try:
+        epoch_len = len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        epoch_len = 0
     if max_batches:
         epoch_len = min(epoch_len, max_batches) if epoch_len else max_batches
     batches = nbytes = 0
@@ -131,6 +136,16 @@ def run_epoch(loader: Any, max_batches: int, tick: Callable[[int, int], None]) -
     return batches, nbytes, time.perf_counter() - started
 
 
+def _stop_workers(loader: DataLoader) -> None:
+    """Shut a persistent DataLoader's workers down now, not whenever the collector gets to it.
+
+    torch has no public call for this; ``_shutdown_workers`` is what its iterator's ``__del__`` runs."""
+    iterator = loader._iterator  # noqa: SLF001 - see above
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def first_batch_ms(make: Callable[[], Any]) -> float:
     """Milliseconds from building a loader to holding its first batch."""
     started = time.perf_counter()
@@ -138,7 +153,7 @@ def first_batch_ms(make: Callable[[], Any]) -> float:
     it = iter(loader)
     next(it)
     took = 1000 * (time.perf_counter() - started)
-    close = getattr(it, "close", None)
+    close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)  # ours, or torch's (its workers)
     if close is not None:
         close()
     del it, loader
@@ -153,8 +168,11 @@ def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, st
     log_path = tmp / "daemon.log"
     command = [
         sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(options.config.path),
-        "--listen", socket_address, "--listen", "127.0.0.1:0", "--workers", str(max(1, options.num_workers)), "--log-format", "text",
+        "--listen", socket_address, "--listen", "127.0.0.1:0", "--workers", str(max(1, options.num_workers)),
+        "--log-format", "text", "--log-level", "INFO",  # the TCP port is read from its "listening on" line
     ]  # fmt: skip
+    if options.config.metrics is not None:
+        command += ["--metrics-port", "0"]  # not the port of the user's own daemon
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -166,7 +184,7 @@ def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, st
         yield socket_address, match.group(1)
     finally:
         if process.poll() is None:
-            process.terminate()  # drains: the loaders are closed by now
+            process.send_signal(signal.SIGINT)  # stop at once: every loader is closed by now (SIGTERM would drain)
             try:
                 process.wait(60)
             except subprocess.TimeoutExpired:
@@ -197,7 +215,10 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
     if spec is None:
         raise BenchError(f"no dataset named {options.dataset!r} in {options.config.path} (it defines: {', '.join(options.config.datasets)})")
     apply_python_path(options.config.python_path)
-    local = build_dataset(spec, prebuilt=False)
+    try:
+        local = build_dataset(spec, prebuilt=False)
+    except Exception as exc:
+        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}") from None
     kind = "iterable" if local.iterable else "map-style"
     shuffle = options.shuffle and not local.iterable
 
@@ -211,10 +232,13 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
     trials = 3
     progress = Progress(err, options.epochs * len(LOADERS))
     # 1. torch's first batches and warm-up fork its workers: before this process makes a gRPC channel.
-    for _ in range(trials):
-        results["torch"].first_batch_ms.append(first_batch_ms(lambda: torch_loader(persistent=False)))
-    warm_torch = torch_loader(persistent=True)
-    next(iter(warm_torch))
+    try:
+        for _ in range(trials):
+            results["torch"].first_batch_ms.append(first_batch_ms(lambda: torch_loader(persistent=False)))
+        warm_torch = torch_loader(persistent=True)
+        next(iter(warm_torch))
+    except Exception as exc:  # the dataset fails under torch too: that is the answer
+        raise BenchError(f"dataset {options.dataset!r} fails in torch's own DataLoader: {type(exc).__name__}: {exc}") from None
 
     with _addresses(options, err) as (shm_address, grpc_address):
         from loaderd import RemoteDataLoader  # its channels come after the forks above
@@ -239,11 +263,18 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
                 if name not in loaders:
                     continue
                 label = f"round {round_no}/{options.epochs} {name}"
-                batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, lambda i, n: progress.update(label, i, n))
+                try:
+                    batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, lambda i, n: progress.update(label, i, n))
+                except Exception as exc:  # reported in its row; the other loaders go on
+                    results[name].error = f"{type(exc).__name__}: {clip(str(exc), 300)}"
+                    del loaders[name]
+                    progress.finished(f"{label}: failed: {results[name].error}")
+                    continue
                 results[name].batches_s.append(batches / seconds)
                 results[name].mb_s.append(nbytes / seconds / 1e6)
                 progress.finished(f"{label}: {batches} batches in {seconds:.2f} s ({batches / seconds:.1f} batches/s)")
         loaders.clear()
+    _stop_workers(warm_torch)
     _report(options, kind, local, results, out)
     return results
 

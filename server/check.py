@@ -1,30 +1,39 @@
-"""``loaderd check``: a config validated and each dataset built once in this process, then described.
+"""``loaderd check``: a config validated and each dataset built once, in a process of its own, then described.
 
 For config CI and for debugging a dataset before starting a daemon: the config
 is loaded exactly as ``loaderd serve`` loads it, each dataset is built as a
 pool worker builds it (its ``worker_init_fn`` run; a ``build: once`` dataset
-built here, as there is no fork server), and one item, a collated batch and the
-time per item are reported. A dataset that fails gives the one line ``serve``
-would stop with (or, for an item or a batch, one naming the dataset and where).
+built there, as there is no fork server), and one item, a collated batch (also
+laid out for the wire, as the daemon would send it) and the time per item are
+reported. Each dataset is checked in a child process (``check_config``), so one
+that crashes, exits or hangs (cut at the time limit) is reported as such and the
+others still are. A dataset that fails gives the one line ``serve`` would stop
+with (or, for an item or a batch, one naming the dataset and where).
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import signal
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from loaderd.errors import clip
+from loaderd.errors import TransportError, clip
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path
 from loaderd.server.worker import build_for_worker
+from loaderd.wire.codec import encode_batch
 
+# How long a check process may take to start (the fork server imports torch first).
+STARTUP_S = 120.0
 # Items timed per dataset: at most this many, and no more than about this long.
 TIMED_ITEMS = 64
 TIMED_BUDGET_S = 2.0
@@ -116,6 +125,9 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
         started = time.perf_counter()
         batch = ds.collate(samples[:batch_size])
         collate_s = time.perf_counter() - started
+        encode_batch(batch)  # what the daemon does before sending it: TransportError names what it cannot carry
+    except TransportError as exc:
+        return DatasetReport(name, kind, length, build_s, error=f"dataset {name!r}: a collated batch cannot be sent: {exc}")
     except Exception as exc:  # noqa: BLE001 - the report carries it
         return DatasetReport(name, kind, length, build_s, error=_failed(name, what, exc))
     return DatasetReport(
@@ -132,10 +144,72 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
     )
 
 
-def check_config(config: LoaderConfig, batch_size: int) -> list[DatasetReport]:
-    """Every dataset of ``config``, built and described in turn (in this process)."""
-    apply_python_path(config.python_path)  # check_imports did too; harmless, and check_config stands alone
-    return [check_dataset(spec, config.workers, batch_size) for spec in config.datasets.values()]
+@dataclass(frozen=True)
+class CheckJob:
+    """What a check process needs: one dataset, how to import it, and where to send its report."""
+
+    spec: DatasetSpec
+    python_path: tuple[str, ...]
+    pool_size: int
+    batch_size: int
+    results: Connection
+
+
+def run_check(job: CheckJob) -> None:
+    """A check process's entry point: check one dataset and send the report."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    job.results.send(None)  # started: the dataset's time limit runs from here, not from the fork server's imports
+    apply_python_path(job.python_path)
+    job.results.send(check_dataset(job.spec, job.pool_size, job.batch_size))
+
+
+def check_config(config: LoaderConfig, batch_size: int, timeout_s: float) -> Iterator[DatasetReport]:
+    """Every dataset of ``config``, each checked in a child process of its own, as they finish.
+
+    A child that dies (crash, exit) or runs past ``timeout_s`` (killed) gives a report saying so."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["loaderd.server.check"])  # torch and loaderd imported once, not per dataset
+    for spec in config.datasets.values():
+        receive, send = context.Pipe(duplex=False)
+        job = CheckJob(spec, config.python_path, config.workers, batch_size, send)
+        process = context.Process(target=run_check, args=(job,), name=f"loaderd-check-{spec.name}", daemon=True)
+        process.start()
+        send.close()
+        report: DatasetReport | None = None
+        # The first child waits for the fork server to import torch and loaderd: a separate, longer limit.
+        deadline = time.monotonic() + max(STARTUP_S, timeout_s)
+        started = False
+        try:
+            # Polled in steps, watching the process too: a child that died may leave the pipe's EOF unseen.
+            while time.monotonic() < deadline:
+                if receive.poll(0.2):
+                    message = receive.recv()
+                    if message is not None:
+                        report = message
+                        break
+                    if not started:
+                        started, deadline = True, time.monotonic() + timeout_s
+                    continue
+                if not process.is_alive():
+                    report = receive.recv() if receive.poll(0) else None
+                    break
+        except EOFError:  # it died before sending
+            pass
+        finally:
+            receive.close()
+        if report is None:
+            process.join(max(0.0, min(10.0, deadline - time.monotonic())))  # it closed the pipe: let it finish dying
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+                report = DatasetReport(spec.name, error=f"dataset {spec.name!r}: not done after {timeout_s:g}s (killed): a hang?")
+            else:
+                process.join(10)
+                code = process.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                report = DatasetReport(spec.name, error=f"dataset {spec.name!r}: its check process ended with {how}")
+        process.join(10)
+        yield report
 
 
 def format_report(report: DatasetReport) -> str:

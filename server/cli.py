@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import grpc
 
@@ -63,9 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"loaderd: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
-    if args.log_format is not None:
-        config = dataclasses.replace(config, log_format=args.log_format)
-    configure_logging(args.log_level or config.log_level, config.log_format)
+    # The flags replace the config's values, so the pool's processes (which read the config) log alike.
+    config = dataclasses.replace(config, log_level=args.log_level or config.log_level, log_format=args.log_format or config.log_format)
+    configure_logging(config.log_level, config.log_format)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
     drain = threading.Event()
     stop = threading.Event()
@@ -88,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         daemon.start()
     except ConfigError as exc:
         daemon.shutdown()
-        print(f"loaderd: config error: {exc}", file=sys.stderr)
+        _fatal(config, f"loaderd: config error: {exc}")
         return EXIT_CONFIG
     except (PoolStartError, ListenError) as exc:
         daemon.shutdown()
@@ -132,7 +133,7 @@ def _check(args: argparse.Namespace) -> int:
         listen = ", ".join(config.addresses)
         print(f"{args.config}: valid; {len(config.datasets)} dataset(s), workers: {config.workers}, listen: {listen}\n", flush=True)
     reports = []
-    for report in check_config(config, args.batch_size):
+    for report in check_config(config, args.batch_size, args.timeout):
         reports.append(report)
         if not args.json:
             print(format_report(report), flush=True)
@@ -200,7 +201,11 @@ def _status(args: argparse.Namespace) -> int:
     except LoaderdError as exc:
         print(f"loaderd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    with open_channel(address, credentials, []) as channel:
+    # --watch: gRPC's reconnect backoff (up to 2 minutes) would hide a restarted daemon; retry each interval.
+    backoff_ms = max(100, int(args.interval * 1000))
+    backoff = ("grpc.initial_reconnect_backoff_ms", "grpc.min_reconnect_backoff_ms", "grpc.max_reconnect_backoff_ms")
+    options: list[tuple[str, Any]] = [(name, backoff_ms) for name in backoff] if args.watch else []
+    with open_channel(address, credentials, options) as channel:
         stub = pb_grpc.LoaderStub(channel)
         previous: tuple[pb.StatusResponse, float] | None = None
         shown = 0
@@ -210,7 +215,7 @@ def _status(args: argparse.Namespace) -> int:
                     reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
                 except grpc.RpcError as exc:
                     print(f"loaderd: cannot get status from {address}: {_status_failure(exc, address, credentials)}", file=sys.stderr)
-                    if not args.watch or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    if not args.watch or exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         return EXIT_UNREACHABLE
                     previous = None  # a restarted daemon counts anew
                     time.sleep(args.interval)
@@ -265,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--config", required=True, help="path to the YAML config")
     check.add_argument("--batch-size", type=int, default=8, help="items per collated batch (default 8)")
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
+    check.add_argument("--timeout", type=float, default=300.0, help="seconds each dataset may take (default 300)")
     bench = sub.add_parser("bench", help="compare torch's DataLoader and RemoteDataLoader on a dataset of a config")
     bench.add_argument("--config", required=True, help="the YAML config that defines the dataset")
     bench.add_argument("--dataset", required=True, help="the dataset's name in the config")

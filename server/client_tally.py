@@ -4,14 +4,15 @@ A stream lives for one epoch, so a training process opens one after another;
 ``loaderd status`` and the metrics show a client's pace over all of them. The
 scheduler tells ``ClientTally.closed`` of every stream it closes, and the status
 board adds the open streams' running figures (``ClientTally.rows``). A client's
-entry is forgotten ``KEEP_S`` after its last stream closed; at most
-``MAX_CLIENTS`` are kept (the oldest go first), so a stream of short-lived
-clients cannot grow the daemon.
+entry is forgotten ``KEEP_S`` after its last stream closed, unless it has one
+open again (its figures must not go backwards: they are Prometheus counters);
+at most ``MAX_CLIENTS`` idle entries are kept (the oldest go first), so a
+stream of short-lived clients cannot grow the daemon.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from loaderd.v1 import loaderd_pb2 as pb
@@ -22,7 +23,7 @@ MAX_CLIENTS = 4096
 
 @dataclass(frozen=True)
 class StreamUse:
-    """One stream's share of its client's figures: what it took (beyond a resumed start) and waited."""
+    """One stream's share of its client's figures: the batches sent to it, the time its client waited, the time it was open."""
 
     client: str
     identity: str
@@ -47,8 +48,8 @@ class ClientTally:
     def __init__(self) -> None:
         self._totals: dict[tuple[str, str], _Totals] = {}
 
-    def closed(self, use: StreamUse, now: float) -> None:
-        """Add a closed stream's figures to its client's."""
+    def closed(self, use: StreamUse, now: float, open_keys: Collection[tuple[str, str]]) -> None:
+        """Add a closed stream's figures to its client's; ``open_keys``: the (client, dataset) of every open stream."""
         key = (use.client, use.dataset)
         totals = self._totals.pop(key, None) or _Totals(use.identity)
         totals.batches += use.batches
@@ -56,18 +57,22 @@ class ClientTally:
         totals.active_s += use.active_s
         totals.closed_at = now
         self._totals[key] = totals  # re-inserted: the dict stays ordered oldest-closed first
-        self._forget(now)
+        self._forget(now, open_keys)
 
-    def _forget(self, now: float) -> None:
-        while self._totals:
-            key, oldest = next(iter(self._totals.items()))
-            if len(self._totals) <= MAX_CLIENTS and now - oldest.closed_at < KEEP_S:
+    def _forget(self, now: float, open_keys: Collection[tuple[str, str]]) -> None:
+        """Drop idle entries past ``KEEP_S``, then the oldest idle ones beyond ``MAX_CLIENTS``."""
+        idle = [key for key in self._totals if key not in open_keys]  # oldest-closed first
+        excess = len(self._totals) - MAX_CLIENTS
+        for key in idle:
+            if excess <= 0 and now - self._totals[key].closed_at < KEEP_S:
                 break
             del self._totals[key]
+            excess -= 1
 
     def rows(self, open_streams: Iterable[StreamUse], now: float) -> list[pb.ClientStatus]:
         """Every client's figures: its closed streams' totals plus its open streams' running ones."""
-        self._forget(now)
+        open_streams = list(open_streams)
+        self._forget(now, {(use.client, use.dataset) for use in open_streams})
         rows: dict[tuple[str, str], pb.ClientStatus] = {}
         for (client, dataset), totals in self._totals.items():
             rows[(client, dataset)] = pb.ClientStatus(

@@ -69,7 +69,7 @@ class _StatusCollector(Collector):
 
         # Per training process and dataset, across its streams (epochs): what rate() and dashboards want.
         labels = ["client", "identity", "dataset"]
-        taken = CounterMetricFamily("loaderd_client_batches", "Batches a client took, over all its streams", labels=labels)
+        taken = CounterMetricFamily("loaderd_client_batches", "Batches sent to a client, over all its streams", labels=labels)
         waited = CounterMetricFamily(
             "loaderd_client_waited_seconds", "Seconds a client reported waiting for batches, over all its streams", labels=labels
         )

@@ -244,7 +244,7 @@ class WorkerPool:
 
         # The variable names the payload only while the fork server starts (it reads the file
         # before it forks); neither outlives this call.
-        path = prebuilt.write_payload(self._build_once, self.config.python_path)
+        path = prebuilt.write_payload(self._build_once, self.config.python_path, (self.config.log_level, self.config.log_format))
         os.environ[prebuilt.ENV] = path
         try:
             thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)

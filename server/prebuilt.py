@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loaderd.server.config import DatasetSpec, apply_python_path, resolve
+from loaderd.server.log_format import configure_logging
 
 ENV = "LOADERD_BUILD_ONCE"
 
@@ -48,15 +49,16 @@ class BuildFailed(Exception):
     """A ``build: once`` dataset could not be built in the fork server; the message says why."""
 
 
-def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str]) -> str:
-    """Write these specs, and where to import them from, to a new private file; its path (for ``ENV``).
+def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str], log: tuple[str, str] = ("INFO", "text")) -> str:
+    """Write these specs, where to import them from and how to log (level, format), to a new private file;
+    its path (for ``ENV``).
 
     A file, not the variable's value: a config's kwargs can pass the kernel's limit on one
     environment string (128 KiB), and a variable's initial value stays readable in /proc.
     """
     fd, path = tempfile.mkstemp(prefix="loaderd-build-once-", suffix=".pickle")  # mode 0600
     with os.fdopen(fd, "wb") as f:
-        pickle.dump((tuple(specs), tuple(python_path)), f)
+        pickle.dump((tuple(specs), tuple(python_path), tuple(log)), f)
     return path
 
 
@@ -79,10 +81,11 @@ def build_from_environment() -> None:
     specs: tuple[DatasetSpec, ...]
     try:
         with open(path, "rb") as f:
-            specs, python_path = pickle.load(f)
+            specs, python_path, (log_level, log_format) = pickle.load(f)
     except Exception as exc:  # noqa: BLE001 - the fork server must survive; workers report it
         _unread.append(f"the fork server could not read the datasets to build ({path}: {type(exc).__name__}: {exc})")
         return
+    configure_logging(log_level, log_format)  # a constructor's log lines look like the daemon's
     apply_python_path(python_path)
     for spec in specs:
         try:

@@ -275,7 +275,7 @@ class Scheduler:
             self._producers.pop(stream.stream_id, None)
             self.counters[stream.dataset].delivered_closed += stream.delivered
             now = time.monotonic()
-            self.clients.closed(stream.use(now), now)
+            self.clients.closed(stream.use(now), now, {(s.spec.client, s.spec.dataset) for s in self._streams.values()})
             job = self._job_of.pop(stream.stream_id, None)
             if job is not None:
                 job.detach(stream)

@@ -269,16 +269,15 @@ class BatchStream:
             self.release(delivery.batch)
 
     def use(self, now: float) -> StreamUse:
-        """This stream's part in its client's figures (``loaderd status``): taken beyond its start, waited, open."""
+        """This stream's part in its client's figures (``loaderd status``): batches sent, time waited, time open."""
         spec = self.spec
-        # The client reports what it took with its next request, so the last batches of an epoch go
-        # unreported: a stream that delivered its end had them all taken (a loop that breaks cancels).
-        taken = self.delivered if self.finished else self.consumed - spec.start
+        # Batches sent, not taken: a client reports what it took with its next request, and the
+        # last ones of an epoch are followed by none (a loop that breaks early took fewer).
         return StreamUse(
             client=spec.client,
             identity=spec.identity,
             dataset=spec.dataset,
-            batches=max(0, taken),
+            batches=self.delivered,
             waited_s=self.stalled_us / 1e6,
             active_s=max(0.0, now - self.opened_at),
         )

@@ -71,3 +71,21 @@ def test_json_report(short_tmp: Path) -> None:
     assert report["name"] == "squares" and report["kind"] == "map-style" and report["length"] == 5
     assert report["batch_size"] == 2 and report["items_timed"] == 5 and report["error"] == ""
     assert report["ms_per_item"] > 0
+
+
+def test_a_dataset_that_exits_or_hangs_is_reported_and_the_others_still_are(short_tmp: Path) -> None:
+    path = write_config(
+        short_tmp,
+        {
+            "a-exits": {"dataset": "datasets:exit_on_build"},
+            "b-hangs": {"dataset": "datasets:hang_on_build"},
+            "c-ok": {"dataset": "datasets:Squares", "kwargs": {"n": 10}},
+        },
+    )
+    result = loaderd_cli("check", "--config", str(path), "--timeout", "5")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "c-ok: map-style, 10 items" in result.stdout, result.stdout
+    assert result.stderr.strip().splitlines() == [
+        "loaderd: cannot start: dataset 'a-exits': its check process ended with exit code 3",
+        "loaderd: cannot start: dataset 'b-hangs': not done after 5s (killed): a hang?",
+    ], result.stderr

@@ -10,7 +10,10 @@ from conftest import loaderd_cli, running_daemon, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
-DATASETS = {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": 200}}}
+DATASETS = {
+    "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 200}},
+    "stream": {"dataset": "datasets:Stream", "kwargs": {"n": 64}},  # iterable, no len()
+}
 ROW = re.compile(r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|\s+(\d+) ms \|$", re.M)
 
 
@@ -43,6 +46,17 @@ def test_bench_against_a_running_daemon_and_a_wrong_name(short_tmp: Path) -> Non
         assert result.returncode == 0, result.stderr
         assert set(rows(result.stdout)) == {"torch DataLoader", "loaderd, shared memory", "loaderd, gRPC"}, result.stdout
         assert f"first 10 batches of each loader, interleaved; loaderd: {daemon.address}" in result.stdout
+        stream = loaderd_cli(
+            "bench", "--config", str(daemon.config_path), "--dataset", "stream", "--address", daemon.address,
+            "--batch-size", "8", "--epochs", "1", timeout=170,
+        )  # fmt: skip
+        assert stream.returncode == 0, stream.stderr
+        assert "(iterable, no len())" in stream.stdout and len(rows(stream.stdout)) == 3, stream.stdout
 
     wrong = loaderd_cli("bench", "--config", str(write_config(short_tmp, DATASETS)), "--dataset", "sqaures")
     assert wrong.returncode == 1 and wrong.stderr.startswith("loaderd: no dataset named 'sqaures'"), wrong.stderr
+    broken = write_config(short_tmp, {"boom": {"dataset": "datasets:broken_factory"}})
+    failed = loaderd_cli("bench", "--config", str(broken), "--dataset", "boom")
+    assert failed.returncode == 1 and failed.stderr.strip().splitlines() == [
+        "loaderd: dataset 'boom': building datasets:broken_factory failed: RuntimeError: factory exploded on purpose"
+    ], failed.stderr

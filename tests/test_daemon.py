@@ -462,7 +462,10 @@ def test_health_service_reports_serving(start_daemon: Callable[..., RunningDaemo
 
 @pytest.mark.timeout(120)
 def test_json_logs_are_one_object_per_line_from_daemon_and_workers() -> None:
-    datasets = {"chatty": {"dataset": "datasets:Chatty", "kwargs": {"n": 16}}}
+    datasets = {
+        "chatty": {"dataset": "datasets:Chatty", "kwargs": {"n": 16}},
+        "chatty-once": {"dataset": "datasets:Chatty", "kwargs": {"n": 8}, "build": "once"},  # logs in the fork server
+    }
     with running_daemon(datasets, prefix="ld-json-", workers=2, log_format="json", expect_running=False) as daemon:
         assert len(list(RemoteDataLoader("chatty", batch_size=4, address=daemon.address))) == 4
         assert daemon.stop() == 0
@@ -470,6 +473,7 @@ def test_json_logs_are_one_object_per_line_from_daemon_and_workers() -> None:
     records = [json.loads(line) for line in lines]  # every line: one JSON object
     assert all({"time", "level", "logger", "message", "pid"} <= set(r) for r in records), records[:3]
     assert any(r["logger"] == "loaderd" and "listening on unix://" in r["message"] for r in records), records
-    built = [r for r in records if r["logger"] == "chatty"]  # the dataset's own lines, from each worker
+    built = [r for r in records if r["logger"] == "chatty" and "built 16 squares" in r["message"]]  # in each worker
     assert len({r["pid"] for r in built}) == 2 and all(r["level"] == "WARNING" for r in built), built
+    assert len([r for r in records if r["logger"] == "chatty" and "built 8 squares" in r["message"]]) == 1, records
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", records[0]["time"]), records[0]

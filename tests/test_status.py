@@ -107,7 +107,13 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 
 
 @pytest.mark.timeout(120)
+def my_batches(address: str) -> int:
+    """The batches the daemon sent this process from 'squares' (the CLIENT table), over all its streams."""
+    return sum(c.batches for c in daemon_status(address).clients if c.client == client_name() and c.dataset == "squares")
+
+
 def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
+    before = my_batches(daemon.address)
     loader = RemoteDataLoader("squares", batch_size=BATCH, address=daemon.address)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
@@ -139,6 +145,7 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     assert len(first) + len(rest) == EPOCH
     assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(repr(client_name()))} ", daemon.log())
     wait_for(lambda: not daemon_status(daemon.address).streams, 20.0, "the finished stream to leave the status")
+    assert my_batches(daemon.address) - before == EPOCH  # batches sent to it, the epoch's last ones included
 
 
 def test_client_rates_over_an_interval_or_over_the_time_its_streams_were_open() -> None:
@@ -158,11 +165,17 @@ def test_client_rates_over_an_interval_or_over_the_time_its_streams_were_open() 
 
 def test_client_tally_spans_streams_and_forgets_old_clients() -> None:
     tally = ClientTally()
-    tally.closed(StreamUse("vm:1", "", "d", batches=10, waited_s=1.0, active_s=2.0), now=100.0)
-    tally.closed(StreamUse("vm:1", "", "d", batches=5, waited_s=0.5, active_s=1.0), now=101.0)
-    (row,) = tally.rows([StreamUse("vm:1", "", "d", batches=2, waited_s=0.0, active_s=0.5)], now=102.0)
+    tally.closed(StreamUse("vm:1", "", "d", batches=10, waited_s=1.0, active_s=2.0), now=100.0, open_keys=())
+    tally.closed(StreamUse("vm:1", "", "d", batches=5, waited_s=0.5, active_s=1.0), now=101.0, open_keys=())
+    running = StreamUse("vm:1", "", "d", batches=2, waited_s=0.0, active_s=0.5)
+    (row,) = tally.rows([running], now=102.0)
     assert (row.client, row.open_streams, row.batches, row.waited_s, row.active_s) == ("vm:1", 1, 17, 1.5, 3.5)
-    assert tally.rows([], now=101.0 + KEEP_S) == []  # forgotten KEEP_S after its last stream closed
+    # A long epoch: its client is not forgotten while the stream is open (its counters never go back).
+    (row,) = tally.rows([running], now=101.0 + 2 * KEEP_S)
+    assert row.batches == 17
+    tally.closed(StreamUse("vm:2", "", "d", batches=1, waited_s=0.0, active_s=1.0), now=101.0 + 2 * KEEP_S, open_keys=[("vm:1", "d")])
+    assert {r.client for r in tally.rows([running], now=101.0 + 2 * KEEP_S)} == {"vm:1", "vm:2"}
+    assert [r.client for r in tally.rows([], now=102.0 + 3 * KEEP_S)] == []  # idle KEEP_S after their last close
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,8 @@ from __future__ import annotations
 # The largest gRPC message either side accepts. Data chunks are far smaller
 # (``chunk_bytes``, 4 MiB by default); this bounds headers and plans.
 MAX_MESSAGE_BYTES = 64 << 20
+# Where `loaderd serve` listens when its config has no listen:, and where a loader looks when given no address.
+DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # DescribeDatasetResponse.protocol_revision this code speaks; a client refuses daemons below
 # MIN_PROTOCOL_REVISION (an older daemon would ignore a batch's position and seed it wrongly).
 PROTOCOL_REVISION = 2
