@@ -31,10 +31,10 @@ from loaderd.credentials import Credentials, refusal
 from loaderd.errors import (
     AuthenticationError,
     DaemonMismatchError,
+    NO_DAEMON_HINT,
     DaemonUnavailableError,
     LoaderdError,
     TransportError,
-    NO_DAEMON_HINT,
     error_from_rpc,
     explain_unreachable,
     is_transient,

@@ -119,12 +119,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> int:
+def _load_imported(path: str) -> LoaderConfig | None:
+    """The config at ``path`` with every callable it names imported, as serve checks first; None (said in
+    serve's one line) if it cannot be used."""
     try:
-        config = load_config(args.config)
-        check_imports(config)  # as serve does first: a typo is a config error (exit 2)
+        config = load_config(path)
+        check_imports(config)
     except ConfigError as exc:
         print(f"loaderd: config error: {exc}", file=sys.stderr)
+        return None
+    return config
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = _load_imported(args.config)
+    if config is None:
         return EXIT_CONFIG
     if args.batch_size < 1:
         print(f"loaderd: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
@@ -148,11 +157,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-        check_imports(config)
-    except ConfigError as exc:
-        print(f"loaderd: config error: {exc}", file=sys.stderr)
+    config = _load_imported(args.config)
+    if config is None:
         return EXIT_CONFIG
     num_workers = config.workers if args.num_workers is None else args.num_workers
     if min(args.batch_size, args.epochs) < 1 or num_workers < 0 or args.max_batches < 0:

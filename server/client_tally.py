@@ -60,14 +60,19 @@ class ClientTally:
         self._forget(now, open_keys)
 
     def _forget(self, now: float, open_keys: Collection[tuple[str, str]]) -> None:
-        """Drop idle entries past ``KEEP_S``, then the oldest idle ones beyond ``MAX_CLIENTS``."""
-        idle = [key for key in self._totals if key not in open_keys]  # oldest-closed first
+        """Drop idle entries past ``KEEP_S``, then the oldest idle ones beyond ``MAX_CLIENTS``.
+
+        Entries are in the order their last stream closed, so the walk stops at the first young
+        one once no excess is left (it runs under the scheduler's lock: no scan of every entry)."""
         excess = len(self._totals) - MAX_CLIENTS
-        for key in idle:
-            if excess <= 0 and now - self._totals[key].closed_at < KEEP_S:
+        doomed: list[tuple[str, str]] = []
+        for key, totals in self._totals.items():
+            if excess <= len(doomed) and now - totals.closed_at < KEEP_S:
                 break
+            if key not in open_keys:
+                doomed.append(key)
+        for key in doomed:
             del self._totals[key]
-            excess -= 1
 
     def rows(self, open_streams: Iterable[StreamUse], now: float) -> list[pb.ClientStatus]:
         """Every client's figures: its closed streams' totals plus its open streams' running ones."""

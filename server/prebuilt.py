@@ -49,7 +49,7 @@ class BuildFailed(Exception):
     """A ``build: once`` dataset could not be built in the fork server; the message says why."""
 
 
-def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str], log: tuple[str, str] = ("INFO", "text")) -> str:
+def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str], log: tuple[str, str]) -> str:
     """Write these specs, where to import them from and how to log (level, format), to a new private file;
     its path (for ``ENV``).
 

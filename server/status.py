@@ -227,19 +227,12 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
         )
     )
     if status.clients:
-        no_rate = ClientRate(0.0, 0.0)
+        rows = []
+        for c in status.clients:
+            rate = rates.get((c.client, c.dataset), ClientRate(0.0, 0.0))
+            rows.append([c.client or "-", c.identity or "-", c.dataset, c.open_streams, c.batches, round(rate.batches_s, 1), f"{rate.waiting:.0%}"])
         parts.append(
-            _table(
-                ["CLIENT", "IDENTITY", "DATASET", "STREAMS", "BATCHES", "BATCH/S", "WAITING"],
-                [
-                    [
-                        c.client or "-", c.identity or "-", c.dataset, c.open_streams, c.batches,
-                        round(rates.get((c.client, c.dataset), no_rate).batches_s, 1),
-                        f"{rates.get((c.client, c.dataset), no_rate).waiting:.0%}",
-                    ]
-                    for c in status.clients
-                ],
-            )
+            _table(["CLIENT", "IDENTITY", "DATASET", "STREAMS", "BATCHES", "BATCH/S", "WAITING"], rows)
             + "\nWAITING: the share of its time the client waited for batches (high: that trainer is input-bound)"
         )
     if status.streams:
