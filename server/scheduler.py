@@ -73,7 +73,7 @@ class Pool(Protocol):
     def is_ready(self, worker_id: int) -> bool: ...
 
     def submit(self, worker_id: int, task: Task) -> None:
-        """Queue ``task`` to the worker; ValueError or OSError if its queue is closed (it died)."""
+        """Send ``task`` to the worker (never blocks); ValueError or OSError if its pipe is closed (it died)."""
         ...
 
     def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
@@ -85,7 +85,7 @@ class Pool(Protocol):
         ...
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
-        """End a live worker (SIGKILL, or after its queue with ``kill=False``); returns its generation.
+        """End a live worker (SIGKILL, or after its queued tasks with ``kill=False``); returns its generation.
 
         Its death then comes through ``poll`` like any other.
         """
@@ -370,7 +370,7 @@ class Scheduler:
     def _submit(self, worker_id: int, task: Task) -> None:
         try:
             self._pool.submit(worker_id, task)
-        except (ValueError, OSError):  # the worker's queue was closed: it died; its death event re-runs work
+        except (ValueError, OSError):  # the worker's pipe was closed: it died; its death event re-runs work
             pass
 
     def _dispatch(self) -> None:

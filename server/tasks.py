@@ -74,7 +74,7 @@ class ReleaseSlot:
     name: str
 
 
-# Work for a batch position (what producers hand out), and everything a worker's queue carries.
+# Work for a batch position (what producers hand out), and everything a worker's task pipe carries.
 BatchTask = FetchTask | IterTask
 Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot
 

@@ -1,8 +1,8 @@
 """A pool worker process: builds the config's datasets once, then serves tasks.
 
 The entry point is :func:`run_worker`, a top-level function taking one frozen
-:class:`WorkerSpec`. A worker never talks to clients: it reads tasks from its
-queue and writes results to its pipe, and exits when it reads ``None``, when
+:class:`WorkerSpec`. A worker never talks to clients: it reads tasks from one
+pipe and writes results to another, and exits when it reads ``None``, when
 its pipe breaks, or when its parent (the daemon's fork server) goes away.
 """
 
@@ -12,7 +12,7 @@ import copy
 import itertools
 import logging
 import os
-import queue
+import pickle
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +51,7 @@ from loaderd.server.tasks import (
 
 log = logging.getLogger("loaderd.worker")
 
-# How often a worker idle on its queue checks that its parent is still alive.
+# How often a worker idle on its task pipe checks that its parent is still alive.
 _PARENT_CHECK_S = 0.5
 # A worker idle this long gives its idle shared-memory segments back to the system.
 _TRIM_IDLE_S = 10.0
@@ -64,7 +64,7 @@ class WorkerSpec:
     worker_id: int
     pool_size: int
     config: LoaderConfig
-    tasks: Any  # multiprocessing.Queue of Task | None
+    tasks: Connection  # read end: Task | None (server/task_pipe.py writes it)
     results: Connection
     # Name prefix of this worker's shared-memory segments; None sends payloads over the pipe.
     shm_prefix: str | None
@@ -102,6 +102,14 @@ class _Replica:
     iterator: Iterator[Any]
     info: torch_worker.WorkerInfo | None
     next_batch: int = 0
+
+
+def send_result(conn: Connection, result: Any) -> None:
+    """Send one result to the daemon (read there with ``Connection.recv``).
+
+    Plain pickle: results are loaderd's own dataclasses, and ``Connection.send``
+    builds a ``ForkingPickler`` per message (copying torch's reducer table)."""
+    conn.send_bytes(pickle.dumps(result, pickle.HIGHEST_PROTOCOL))
 
 
 def _set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
@@ -250,7 +258,7 @@ class WorkerRuntime:
 
     def _send_error(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
         err = capture_exception(exc, where, seq)
-        self.spec.results.send(BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
+        send_result(self.spec.results, BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
 
     # ------------------------------------------------------------ map-style
 
@@ -287,7 +295,7 @@ class WorkerRuntime:
             self._send_error(stream_id, seq, exc, where)
             return
         conn = self.spec.results
-        conn.send(done)
+        send_result(conn, done)
         for buf in buffers:
             conn.send_bytes(buf)
 
@@ -350,7 +358,7 @@ class WorkerRuntime:
             self._send_error(task.stream_id, task.seq, exc, where)
             return
         if samples is None:
-            self.spec.results.send(ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
+            send_result(self.spec.results, ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
             return
         try:
             batch, placed = self._collate(ds, samples, task.inline) if task.batch_size else (ds.convert(samples), None)
@@ -366,7 +374,7 @@ class WorkerRuntime:
         self.slots.trim()
         retired = self._take_retired()
         if retired:
-            self.spec.results.send(SlotsRetired(retired))
+            send_result(self.spec.results, SlotsRetired(retired))
 
     def release(self, stream_id: int) -> None:
         for key in [k for k in self.replicas if k[0] == stream_id]:
@@ -433,19 +441,18 @@ def run_worker(spec: WorkerSpec) -> None:
             runtime.build()
             ready = WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in runtime.datasets.items()})
         except Exception as exc:
-            spec.results.send(WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
+            send_result(spec.results, WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
             return
-        spec.results.send(ready)
+        send_result(spec.results, ready)
         busy_at = time.monotonic()
         while True:
-            try:
-                task = spec.tasks.get(timeout=_PARENT_CHECK_S)
-            except queue.Empty:
+            if not spec.tasks.poll(_PARENT_CHECK_S):
                 if os.getppid() != parent:  # the daemon (and its fork server) went away
                     return
                 if time.monotonic() - busy_at > _TRIM_IDLE_S:
                     runtime.trim()
                 continue
+            task = spec.tasks.recv()  # EOFError: the daemon closed our task pipe
             if task is None:
                 return
             runtime.handle(task)
