@@ -39,9 +39,6 @@ from loaderd.server.worker import WorkerSpec, run_worker
 log = logging.getLogger("loaderd.pool")
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-# Results taken from one worker per poll before the others get a look (the scheduler
-# dispatches between polls): fewer rounds under load, no starvation.
-_DRAIN = 8
 # How long poll waits at most while tasks wait for room in a worker's pipe (or deferred news).
 _FLUSH_S = 0.02
 # Deferred news (a slot the worker may reuse) goes with the worker's next task; a worker
@@ -434,11 +431,9 @@ class WorkerPool:
                 continue
             if obj is worker.results:
                 try:
+                    # One message a round: the selector is level-triggered, so more come next round
+                    # (``Connection.poll`` would build a selector of its own per call).
                     events.append(self._receive(worker))
-                    for _ in range(_DRAIN - 1):
-                        if not worker.results.poll(0):
-                            break
-                        events.append(self._receive(worker))
                 except (EOFError, OSError):
                     died.append(worker)
             else:

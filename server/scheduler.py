@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import deque
@@ -184,6 +185,8 @@ class Scheduler:
         self._failures: deque[float] = deque()
         # A pipe rather than an Event: the scheduler thread waits on it together with the workers' pipes.
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._wake_fd = self._wake_r.fileno()
+        os.set_blocking(self._wake_fd, False)
         self._woken = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loaderd-scheduler", daemon=True)
@@ -338,9 +341,7 @@ class Scheduler:
         with self.lock:
             self._dispatch()
         events = self._pool.poll(timeout, extra=[self._wake_r])
-        if self._wake_r.poll(0):
-            while self._wake_r.poll(0):
-                self._wake_r.recv_bytes()
+        if self._drain_wake():
             with self.lock:
                 self._woken = False
         for event in events:
@@ -356,6 +357,20 @@ class Scheduler:
                     self._fail_producer(getattr(event.result, "stream_id", None), exc)
         self._check_timeouts()
         self._start_due_workers()
+
+    def _drain_wake(self) -> bool:
+        """Empty the wake-up pipe; True if anything was in it.
+
+        Raw non-blocking reads (the bytes mean nothing): ``Connection.poll`` would
+        build a selector per call, twice a round."""
+        woken = False
+        while True:
+            try:
+                if not os.read(self._wake_fd, 4096):
+                    return woken
+            except BlockingIOError:
+                return woken
+            woken = True
 
     def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:
         """The daemon could not handle a result for ``producer_id``: end its streams with INTERNAL, not silence."""

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -445,8 +446,11 @@ def run_worker(spec: WorkerSpec) -> None:
             return
         send_result(spec.results, ready)
         busy_at = time.monotonic()
+        # One poll object for the worker's life (``Connection.poll`` builds a selector per call).
+        incoming = select.poll()
+        incoming.register(spec.tasks.fileno(), select.POLLIN)
         while True:
-            if not spec.tasks.poll(_PARENT_CHECK_S):
+            if not incoming.poll(_PARENT_CHECK_S * 1000):
                 if os.getppid() != parent:  # the daemon (and its fork server) went away
                     return
                 if time.monotonic() - busy_at > _TRIM_IDLE_S:
