@@ -14,7 +14,10 @@ This script measures the floors under both, on this machine, in one run:
    ``bytes`` messages (no protobuf, no loaderd) over 1 and 2 concurrent streams;
 3. where the CPU goes: torch, loaderd over shared memory and over gRPC, rounds
    interleaved, each process's CPU milliseconds per batch (trainer, daemon,
-   workers), and from that the batches/s that full use of every core would give.
+   workers), and from that the batches/s that full use of every core would give;
+4. the unit costs a per-batch control path is made of: a small gRPC message each
+   way, a pickled message and its answer over a pipe, a hand-off between threads
+   (CPU of every process involved).
 
 Prints markdown to stdout. Figures move +-30% between runs on a shared machine:
 compare within one run.
@@ -47,6 +50,8 @@ SHAPE = (3, 64, 64)
 BATCH = 256
 ITEMS = bl.DATASETS["f32"]["n"]
 MESSAGE = 12 << 20
+SMALL_BYTES = 120  # about a slot handle message
+SMALL_COUNT = 20000
 
 
 def median_ms(fn: Callable[[], Any], repeat: int) -> float:
@@ -129,12 +134,27 @@ def _grpc_server(ready: Any, stop: Any) -> None:
         while context.is_active() and not stop.is_set():
             yield payload
 
-    handler = grpc.method_handlers_generic_handler("bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    def small(_request: bytes, context: Any) -> Any:  # a slot handle's size, SMALL_COUNT times
+        message = bytes(SMALL_BYTES)
+        for _ in range(SMALL_COUNT):
+            yield message
+
+    def acks(requests: Any, context: Any) -> bytes:  # the releases coming back
+        return b"%d" % sum(1 for _ in requests)
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Small": grpc.unary_stream_rpc_method_handler(small),
+            "Acks": grpc.stream_unary_rpc_method_handler(acks),
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    ready.send(port)
+    ready.send((port, os.getpid()))
     stop.wait(600)
     server.stop(0)
 
@@ -164,6 +184,82 @@ def raw_grpc_gb_s(port: int, streams: int, seconds: float) -> float:
     elapsed = time.perf_counter() - start
     channel.close()
     return sum(received) / elapsed / 1e9
+
+
+def grpc_message_cpu_ms(port: int, server_pid: int) -> dict[str, float]:
+    """CPU ms (both processes) per small gRPC message, streamed down (a batch handle) and up (a release)."""
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    down = channel.unary_stream("/bench.Raw/Small")
+    up = channel.stream_unary("/bench.Raw/Acks")
+    costs: dict[str, float] = {}
+    for name in ("down", "up"):
+        best = float("inf")
+        for _ in range(2):
+            mine, theirs = time.process_time(), bl.cpu_seconds(server_pid)
+            if name == "down":
+                count = sum(1 for _ in down(b"", timeout=120))
+            else:
+                count = int(up(iter([bytes(40)] * SMALL_COUNT), timeout=120))
+            spent = time.process_time() - mine + bl.cpu_seconds(server_pid) - theirs
+            best = min(best, 1000 * spent / count)
+        costs[name] = best
+    channel.close()
+    return costs
+
+
+def _echo(conn: Any) -> None:
+    """A spawned process: answers each pickled message with one (a worker's task and result)."""
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        conn.send(message)
+
+
+def pipe_round_trip_cpu_ms(count: int = 5000) -> float:
+    """CPU ms (both processes) per message and answer over a multiprocessing pipe, two in flight."""
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    child = spawn.Process(target=_echo, args=(theirs,), daemon=True)
+    child.start()
+    message = {"indices": tuple(range(256)), "seq": 0}
+    ours.send(message)
+    ours.recv()  # started
+    mine, child_cpu = time.process_time(), bl.cpu_seconds(child.pid or 0)
+    ours.send(message)
+    for _ in range(count - 1):
+        ours.send(message)
+        ours.recv()
+    ours.recv()
+    spent = time.process_time() - mine + bl.cpu_seconds(child.pid or 0) - child_cpu
+    ours.send(None)
+    child.join(10)
+    return 1000 * spent / count
+
+
+def thread_handoff_cpu_ms(count: int = 20000) -> float:
+    """CPU ms of one hand-off between two threads of a process (queue put, the other thread wakes and takes it)."""
+    import queue
+
+    there: queue.Queue[int | None] = queue.Queue()
+    back: queue.Queue[int] = queue.Queue()
+
+    def echo() -> None:
+        while (item := there.get()) is not None:
+            back.put(item)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    start = time.process_time()
+    for i in range(count):
+        there.put(i)
+        back.get()
+    spent = time.process_time() - start
+    there.put(None)
+    thread.join(10)
+    return 1000 * spent / (2 * count)
 
 
 # ---------------------------------------------------------------- 3. where the CPU goes
@@ -239,11 +335,14 @@ def main() -> int:
     try:
         if not ready_r.poll(120):
             raise RuntimeError("the raw gRPC server did not start")
-        port = ready_r.recv()
+        port, server_pid = ready_r.recv()
         grpc_rates = {n: [] for n in (1, 2)}  # type: dict[int, list[float]]
         for _ in range(2):
             for n in grpc_rates:
                 grpc_rates[n].append(raw_grpc_gb_s(port, n, args.seconds))
+        units = grpc_message_cpu_ms(port, server_pid)
+        units["pipe"] = pipe_round_trip_cpu_ms()
+        units["thread"] = thread_handoff_cpu_ms()
         stop.set()
         raw_server.join(30)
 
@@ -306,6 +405,13 @@ def main() -> int:
             + " | ".join(f"{med[r]:.2f}" for r in roles)
             + f" | {total:.2f} | {ceiling:.0f} ({ceiling / torch_rate:.2f}x torch) |"
         )
+    out("\n### 4. Unit costs of a control path (CPU ms of every process involved, on this machine)\n")
+    out("| one ... | CPU ms |")
+    out("| --- | ---: |")
+    out(f"| gRPC Python message of {SMALL_BYTES} bytes, server to client, streamed (a batch's slot handle) | {units['down']:.3f} |")
+    out(f"| gRPC Python message of 40 bytes, client to server, streamed (a release, a plan) | {units['up']:.3f} |")
+    out(f"| pickled message and its answer over a pipe between two processes (a task and its result) | {units['pipe']:.3f} |")
+    out(f"| hand-off between two threads of one process (a queue put that wakes the other) | {units['thread']:.3f} |")
     intrinsic = copies["gather_slot"] + copies["getitem"]
     out(
         f"\nThe batch's own work (gather into a slot + `__getitem__`) is {intrinsic:.2f} ms: with nothing else, "
