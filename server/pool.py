@@ -327,7 +327,7 @@ class WorkerPool:
         for obj in (worker.results, worker.process.sentinel):
             try:
                 self._selector.unregister(obj)
-            except (KeyError, ValueError):  # not registered (any more), or already closed
+            except (KeyError, ValueError, OSError):  # not registered (any more), or already closed
                 pass
 
     def _close(self, worker: _Worker) -> None:
@@ -359,9 +359,8 @@ class WorkerPool:
         for w in self._workers.values():
             if w.alive:
                 self._close(w)
-        for obj in self._extra.values():
-            self._selector.unregister(obj)
         self._extra.clear()
+        self._selector.close()  # its epoll descriptor; a closed selector closes again quietly
         _stop_fork_server(timeout)
 
     # ------------------------------------------------------------ messaging
