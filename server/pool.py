@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -39,11 +39,11 @@ from loaderd.server.worker import WorkerSpec, run_worker
 log = logging.getLogger("loaderd.pool")
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-# How long poll waits at most while tasks wait for room in a worker's pipe (or deferred news).
-_FLUSH_S = 0.02
-# Deferred news (a slot the worker may reuse) goes with the worker's next task; a worker
-# that gets none within this many seconds is sent it on its own (its idle trim needs it).
+# Deferred news (a slot the worker may reuse) goes with the worker's next task; once this
+# many seconds old it goes on its own at the pool's next poll (the worker's idle trim needs it).
 _DEFER_S = 0.05
+# What a selector key of the pool is for (its data is (worker, one of these)).
+_RESULTS, _DIED, _ROOM = "results", "died", "room"
 
 
 def _stop_fork_server(timeout: float) -> None:
@@ -129,8 +129,10 @@ class _Worker:
     results: Connection
     generation: int
     shm_prefix: str | None
+    fds: tuple[int, int]  # what the selector watches: its results pipe and its process sentinel
     ready: bool = False
     alive: bool = True
+    waiting_room: bool = False  # its task pipe's descriptor is watched for room
 
 
 class WorkerPool:
@@ -198,10 +200,17 @@ class WorkerPool:
             results=recv_end,
             generation=generation,
             shm_prefix=prefix,
+            fds=(recv_end.fileno(), process.sentinel),
         )
+        try:
+            self._selector.register(worker.fds[0], selectors.EVENT_READ, (worker, _RESULTS))
+            self._selector.register(worker.fds[1], selectors.EVENT_READ, (worker, _DIED))
+        except BaseException:
+            self._unwatch(worker)
+            process.kill()  # never seen by poll: nobody would reap it
+            process.join(1.0)
+            raise  # _spawn closes the pipes
         self._workers[worker_id] = worker
-        self._selector.register(recv_end, selectors.EVENT_READ, (worker, recv_end))
-        self._selector.register(process.sentinel, selectors.EVENT_READ, (worker, process.sentinel))
         return worker
 
     def start(self, timeout: float) -> dict[str, DatasetMeta]:
@@ -323,12 +332,27 @@ class WorkerPool:
         ]
 
     def _unwatch(self, worker: _Worker) -> None:
-        """Stop polling a dead worker's pipe and sentinel (both stay readable for ever). Idempotent."""
-        for obj in (worker.results, worker.process.sentinel):
-            try:
-                self._selector.unregister(obj)
-            except (KeyError, ValueError, OSError):  # not registered (any more), or already closed
-                pass
+        """Stop polling a dead worker's descriptors (its pipe and sentinel stay readable for ever). Idempotent.
+
+        By number, and only keys that are this worker's: a descriptor closed meanwhile may
+        have been reused by another worker's."""
+        keys = self._selector.get_map()
+        if keys is None:  # closed at shutdown
+            return
+        for fd in (*worker.fds, worker.tasks.fileno()):
+            key = keys.get(fd)
+            if key is not None and key.data is not None and key.data[0] is worker:
+                self._selector.unregister(fd)
+        worker.waiting_room = False
+
+    def _watch_room(self, worker: _Worker) -> None:
+        """Watch the worker's task pipe for room exactly while bytes wait for it."""
+        want = worker.tasks.unsent
+        if want and not worker.waiting_room:
+            self._selector.register(worker.tasks.fileno(), selectors.EVENT_WRITE, (worker, _ROOM))
+        elif worker.waiting_room and not want:
+            self._selector.unregister(worker.tasks.fileno())
+        worker.waiting_room = want
 
     def _close(self, worker: _Worker) -> None:
         self._unwatch(worker)
@@ -346,8 +370,21 @@ class WorkerPool:
             except (ValueError, OSError):  # pipe already closed
                 pass
         deadline = time.monotonic() + timeout
-        for w in live:
-            w.process.join(max(0.0, deadline - time.monotonic()))
+        while (running := [w for w in live if w.process.is_alive()]) and time.monotonic() < deadline:
+            # A worker exits once it has read everything, None last: write what waits, and
+            # take (and drop) its results, or one writing a large batch would block on its pipe.
+            for w in running:
+                try:
+                    w.tasks.flush()
+                except OSError:
+                    pass
+            results = {w.results: w for w in running}
+            for ready in wait([*results, *(w.process.sentinel for w in running)], min(0.05, max(0.0, deadline - time.monotonic()))):
+                if ready in results:
+                    try:
+                        ready.recv_bytes()
+                    except (EOFError, OSError):
+                        pass
         for w in live:
             if w.process.is_alive():
                 w.process.terminate()
@@ -356,9 +393,8 @@ class WorkerPool:
                 w.process.kill()
                 w.process.join(1.0)
             self._close(w)
-        for w in self._workers.values():
-            if w.alive:
-                self._close(w)
+        for w in self._workers.values():  # dead ones too (given up, waiting to restart): idempotent
+            self._close(w)
         self._extra.clear()
         self._selector.close()  # its epoll descriptor; a closed selector closes again quietly
         _stop_fork_server(timeout)
@@ -403,32 +439,37 @@ class WorkerPool:
             self._selector.register(wanted[key], selectors.EVENT_READ, None)
             self._extra[key] = wanted[key]
 
-    def _flush(self, live: list[_Worker]) -> bool:
-        """Write the tasks that wait for room in workers' pipes; True if some still wait."""
-        waiting = False
-        for w in live:
-            if w.tasks.pending:
-                try:
-                    waiting = w.tasks.flush(_DEFER_S) or waiting
-                except OSError:  # the worker is gone: its death comes through the sentinel
-                    pass
-        return waiting
+    def _flush(self, worker: _Worker) -> None:
+        """Write what waits for room in the worker's pipe, and deferred news once old enough."""
+        try:
+            worker.tasks.flush(_DEFER_S)
+        except OSError:  # the worker is gone: its death comes through its sentinel
+            pass
 
     def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
-        """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready)."""
+        """Wait up to ``timeout`` for results or deaths (or for any of ``extra`` to be ready).
+
+        Tasks that did not fit in a worker's pipe go as soon as it has room; deferred
+        news waits at most ``_DEFER_S`` past its age limit."""
         live = [w for w in self._workers.values() if w.alive]
-        if self._flush(live):
-            timeout = min(timeout, _FLUSH_S)
+        for w in live:
+            if w.tasks.pending:
+                self._flush(w)
+            if w.tasks.deferred:
+                timeout = min(timeout, _DEFER_S)
+            self._watch_room(w)
         self._watch_extra(extra)
         events: list[PoolEvent] = []
         died: list[_Worker] = []
         for key, _ in self._selector.select(timeout):
             if key.data is None:  # one of ``extra``: the caller looks at it
                 continue
-            worker, obj = key.data
+            worker, kind = key.data
             if not worker.alive or worker in died:
                 continue
-            if obj is worker.results:
+            if kind is _ROOM:
+                self._flush(worker)
+            elif kind is _RESULTS:
                 try:
                     # One message a round: the selector is level-triggered, so more come next round
                     # (``Connection.poll`` would build a selector of its own per call).

@@ -4,7 +4,7 @@ The scheduler thread must never wait on a worker: a worker stuck in a dataset's
 ``__getitem__`` stops reading its tasks, and a blocking write would then stop
 every other stream. So the write end is non-blocking: what the pipe cannot take
 now waits in an outbox, in order, and goes out with the next ``send`` or
-``flush`` (the scheduler flushes every round while anything waits). What a
+``flush`` (the pool waits for the pipe to have room again, and flushes). What a
 worker needs only before its next task (a slot it may reuse) is ``defer``red:
 it rides with that task's write instead of a write and a wake-up of its own.
 
@@ -16,8 +16,9 @@ loaderd's own plain dataclasses, so plain ``pickle`` does.
 
 Messages are framed as ``multiprocessing.connection`` frames them (a 4-byte
 big-endian length, then the bytes), so the worker reads them with
-``Connection.recv`` on the other end. Thread-safe: the scheduler, servicer
-threads (slot releases, closed streams) and the slot ledger all send.
+``Connection.recv`` on the other end. Thread-safe: the scheduler sends tasks,
+servicer threads and the slot ledger send (closed streams) and defer (slot
+releases).
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ class TaskPipe:
                 self._deferred_at = time.monotonic()
             self._deferred += _HEADER.pack(len(data))
             self._deferred += data
+
+    def fileno(self) -> int:
+        """The write end's descriptor (to wait until the pipe has room again)."""
+        return self._fd
+
+    @property
+    def unsent(self) -> bool:
+        """Whether bytes wait for room in the pipe (read without the lock: a hint)."""
+        return bool(self._outbox)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether deferred messages wait for a send or a flush (read without the lock: a hint)."""
+        return bool(self._deferred)
 
     def flush(self, deferred_after: float = 0.0) -> bool:
         """Write what waits for room in the pipe, and deferred messages once the oldest is

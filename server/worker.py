@@ -456,7 +456,10 @@ def run_worker(spec: WorkerSpec) -> None:
                 if time.monotonic() - busy_at > _TRIM_IDLE_S:
                     runtime.trim()
                 continue
-            task = spec.tasks.recv()  # EOFError: the daemon closed our task pipe
+            try:
+                task = spec.tasks.recv()  # EOFError: the daemon closed our task pipe
+            except OSError:  # closed in the middle of a message: the daemon is gone
+                return
             if task is None:
                 return
             runtime.handle(task)
