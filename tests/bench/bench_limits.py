@@ -159,7 +159,8 @@ def _grpc_server(ready: Any, stop: Any) -> None:
     server.stop(0)
 
 
-def raw_grpc_gb_s(port: int, streams: int, seconds: float) -> float:
+def raw_grpc_gb_s(port: int, server_pid: int, streams: int, seconds: float) -> tuple[float, float]:
+    """GB/s of ``streams`` concurrent streams of 12 MiB messages, and the CPU ms (both processes) per GB."""
     import grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
@@ -177,13 +178,16 @@ def raw_grpc_gb_s(port: int, streams: int, seconds: float) -> float:
 
     threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(streams)]
     start = time.perf_counter()
+    cpu = time.process_time() + bl.cpu_seconds(server_pid)
     for t in threads:
         t.start()
     for t in threads:
         t.join(seconds + 60)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() + bl.cpu_seconds(server_pid) - cpu
     channel.close()
-    return sum(received) / elapsed / 1e9
+    gb = sum(received) / 1e9
+    return gb / elapsed, 1000 * cpu / gb
 
 
 def grpc_message_cpu_ms(port: int, server_pid: int) -> dict[str, float]:
@@ -336,10 +340,10 @@ def main() -> int:
         if not ready_r.poll(120):
             raise RuntimeError("the raw gRPC server did not start")
         port, server_pid = ready_r.recv()
-        grpc_rates = {n: [] for n in (1, 2)}  # type: dict[int, list[float]]
+        grpc_rates = {n: [] for n in (1, 2)}  # type: dict[int, list[tuple[float, float]]]
         for _ in range(2):
             for n in grpc_rates:
-                grpc_rates[n].append(raw_grpc_gb_s(port, n, args.seconds))
+                grpc_rates[n].append(raw_grpc_gb_s(port, server_pid, n, args.seconds))
         units = grpc_message_cpu_ms(port, server_pid)
         units["pipe"] = pipe_round_trip_cpu_ms()
         units["thread"] = thread_handoff_cpu_ms()
@@ -384,13 +388,18 @@ def main() -> int:
         gb = "" if key == "getitem" else f"{mb / copies[key]:.2f}"
         out(f"| {label} | {copies[key]:.2f} | {gb} |")
     out("\n### 2. The wire (TCP 127.0.0.1, 12 MiB messages)\n")
-    out("| what | GB/s | vs torch's f32 GB/s in this run |")
-    out("| --- | ---: | ---: |")
+    out("| what | GB/s | vs torch's f32 GB/s in this run | CPU ms per f32 batch's bytes (both processes) |")
+    out("| --- | ---: | ---: | ---: |")
     torch_gb = torch_rate * mb / 1000
-    out(f"| raw TCP socket, one Python thread each side | {tcp:.2f} | {tcp / torch_gb:.2f}x |")
+    out(f"| raw TCP socket, one Python thread each side | {tcp:.2f} | {tcp / torch_gb:.2f}x | |")
+    grpc_ms = float("inf")  # the cheapest gRPC CPU per batch's bytes seen
     for n, values in grpc_rates.items():
-        best = max(values)
-        out(f"| gRPC Python, bytes messages, {n} stream(s) (best of {len(values)}) | {best:.2f} | {best / torch_gb:.2f}x |")
+        best_gb, best_cpu = max(values)
+        grpc_ms = min(grpc_ms, best_cpu * mb / 1000)
+        out(
+            f"| gRPC Python, bytes messages, {n} stream(s) (best of {len(values)}) | {best_gb:.2f} | {best_gb / torch_gb:.2f}x | "
+            f"{best_cpu * mb / 1000:.1f} |"
+        )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
     out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy |")
@@ -417,7 +426,11 @@ def main() -> int:
         f"\nThe batch's own work (gather into a slot + `__getitem__`) is {intrinsic:.2f} ms: with nothing else, "
         f"{cores} cores would make {1000 * cores / intrinsic:.0f} batches/s ({1000 * cores / intrinsic / torch_rate:.1f}x torch). "
         f"4x torch ({4 * torch_rate:.0f} batches/s) needs at most {1000 * cores / (4 * torch_rate):.2f} CPU ms per batch in all. "
-        f"gRPC at 0.8x torch needs {0.8 * torch_gb:.2f} GB/s, against the raw gRPC figures above."
+        f"gRPC at 0.8x torch needs {0.8 * torch_gb:.2f} GB/s, against the raw gRPC figures above; with the pool "
+        f"workers' CPU per batch (section 3) beside raw gRPC's own ({grpc_ms:.1f} ms), {cores} cores could carry at most "
+        f"{1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])):.0f} batches/s over gRPC "
+        f"({1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])) / torch_rate:.2f}x torch) "
+        "even if loaderd added nothing else."
     )
     return 0 if code == 0 else 1
 
