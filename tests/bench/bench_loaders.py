@@ -84,12 +84,9 @@ ok = isinstance(batch, torch.Tensor) and tuple(batch.shape) == (32, 8) and batch
 desc = repr(type(batch)) if not isinstance(batch, torch.Tensor) else f"{batch.dtype} {tuple(batch.shape)}"
 del batch
 it.close()
-# What the sampler alone takes for its first batch of indices (torch's DataLoader pays it too):
-# RandomSampler draws and lists a permutation of all 65,536 indices before the first one.
-from torch.utils.data import BatchSampler, RandomSampler
-t3 = time.perf_counter()
-next(iter(BatchSampler(RandomSampler(range(len(loader.dataset))), 32, False)))
-sampler_s = time.perf_counter() - t3
+sys.path.insert(0, sys.argv[2])
+from bench_loaders import sampler_first_batch_s
+sampler_s = sampler_first_batch_s(len(loader.dataset))
 print(json.dumps({"construct_s": t1 - t0, "total_s": t2 - t0, "sampler_s": sampler_s, "ok": ok, "desc": desc}), flush=True)
 """ % BATCH_TIMEOUT_S
 
@@ -336,7 +333,7 @@ def remote_first_batch_subprocess_trial(address: str) -> tuple[float, float, flo
     """New RemoteDataLoader("tiny") in a fresh interpreter (torch + loaderd imported before the clock):
     (construct_s, total_s, sampler_s)."""
     proc = subprocess.run(
-        [sys.executable, "-c", SUBPROCESS_CLIENT, address],
+        [sys.executable, "-c", SUBPROCESS_CLIENT, address, str(BENCH_DIR)],
         capture_output=True,
         text=True,
         timeout=BATCH_TIMEOUT_S + 60,
