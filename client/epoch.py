@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from loaderd.index_batches import index_batches
 from loaderd.state import LoaderState, decode_rng, encode_rng
 
 
@@ -176,7 +177,7 @@ def begin_epoch(
             sampler_epochs=[sampler_epoch(obj) for obj in aware],
         )
         # torch's order: the sampler's iterator first, then the base seed.
-        sampler_iter = None if iterable else iter(plan._index_sampler)
+        sampler_iter = None if iterable else index_batches(plan._index_sampler)
         progress.base_seed = draw_base_seed(rng)
         start = 0
         if resume is not None and resume.mid_epoch:

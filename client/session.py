@@ -119,6 +119,7 @@ class ShmSession:
         self.address = address
         self._requests: queue.Queue[pb.SessionRequest | int | None] = queue.Queue()
         self._stop = threading.Event()
+        self._early = False  # True: the session went on before the daemon's `ready`
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
         cut = threading.Timer(handshake_timeout, self._call.cancel)
@@ -127,9 +128,19 @@ class ShmSession:
         try:
             response = next(self._call)
             if response.WhichOneof("kind") == "challenge":
-                token, problem = _read_probe(response.challenge.path)
+                challenge = response.challenge
+                token, problem = _read_probe(challenge.path)
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
-                response = next(self._call)
+                if challenge.session_id:
+                    # The id is usable at once (a stream naming it waits in the daemon for the
+                    # verdict), and the verdict is what this process just read: the file's name
+                    # carries the daemon's random token. `ready` follows; the watcher reads it.
+                    response = pb.SessionResponse(
+                        ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem)
+                    )
+                    self._early = True
+                else:  # a daemon before protocol revision 3: its id comes with `ready`
+                    response = next(self._call)
         except StopIteration:  # the daemon ended the call without a reply
             self._end_call()
             raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
@@ -147,7 +158,8 @@ class ShmSession:
         # Leases this process turned into batches and has not released: lease -> stream token.
         self._claimed: dict[int, int] = {}
         self._claimed_lock = threading.Lock()
-        # The daemon sends nothing more; this thread notices when the session ends.
+        # This thread reads what the daemon sends later (`ready` when the session went on
+        # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
         self._watcher.start()
 
@@ -158,8 +170,16 @@ class ShmSession:
     def _watch(self) -> None:
         try:
             for response in self._call:
-                if response.WhichOneof("kind") == "retired":
+                kind = response.WhichOneof("kind")
+                if kind == "retired":
                     self.maps.forget(response.retired.names, response.retired.prefixes)
+                elif kind == "ready" and self._early:
+                    self._early = False
+                    if response.ready.shm != self.shm:
+                        # The daemon disagrees (it read other bytes back): its streams send bytes over gRPC.
+                        verdict = "usable" if response.ready.shm else "not usable"
+                        log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
+                        self.shm, self.reason = response.ready.shm, response.ready.reason
         except grpc.RpcError:
             pass
         self._stop.set()

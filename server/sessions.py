@@ -5,9 +5,15 @@ A client process opens one ``Session`` call per daemon. The handshake
 
   1. client: ``hello`` (its pid);
   2. daemon: ``challenge``, the path of a fresh 0600 file of random bytes in
-     its /dev/shm (no challenge if the daemon serves no shared memory);
+     its /dev/shm (no challenge if the daemon serves no shared memory), and
+     the session id;
   3. client: ``proof``, the bytes it read there (or why it could not);
   4. daemon: ``ready`` with the session id and whether shared memory is usable.
+
+The client need not wait for ``ready``: it may name the session in streams
+as soon as its proof is sent (one round trip less before a new process's
+first batch). A stream that arrives first waits for the verdict
+(``ClientSession.decided``), at most the proof's timeout.
 
 Only a client that read the token shares the daemon's /dev/shm, so nothing is
 guessed from the address. Session ids are random (63 bits) and bound to the
@@ -55,6 +61,8 @@ class ClientSession:
     identity: Identity = ANONYMOUS
     shm: bool = False
     closed: bool = False
+    # Set once ``shm`` is final: the proof was checked (or none was asked for), or the session ended.
+    decided: threading.Event = field(default_factory=threading.Event)
     # Messages for the client (segments it should unmap), sent by the session's handler.
     outbox: queue.Queue[pb.SessionResponse] = field(default_factory=queue.Queue)
 
@@ -83,16 +91,21 @@ class SessionRegistry:
         with self._lock:
             return len(self._sessions)
 
-    def shm_session(self, session_id: int, identity: Identity) -> ClientSession | None:
+    def shm_session(self, session_id: int, identity: Identity, verdict_timeout: float) -> ClientSession | None:
         """The open session ``session_id`` if it proved shared memory, else None; SessionForeignError
-        if ``identity`` is not the one that opened it."""
+        if ``identity`` is not the one that opened it.
+
+        A session whose proof is still on its way (its client named it right after
+        sending the proof) is waited for, at most ``verdict_timeout`` seconds.
+        """
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None or not session.shm or session.closed:
+            if session is None or session.closed:
                 return None
             if session.identity != identity:
                 raise SessionForeignError(f"session {session_id} was opened by {session.identity}, not {identity}")
-            return session
+        session.decided.wait(verdict_timeout)
+        return session if session.shm and not session.closed else None
 
     def close(self, session: ClientSession) -> bool:
         """Forget ``session``; False if it was closed already."""
@@ -101,7 +114,8 @@ class SessionRegistry:
                 return False
             session.closed = True
             self._sessions.pop(session.session_id, None)
-            return True
+        session.decided.set()  # a stream waiting for its verdict finds it closed
+        return True
 
     def announce_retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
         """Tell every shared-memory client which segments are gone, so it unmaps them."""
@@ -158,7 +172,7 @@ class SessionHost:
                 path, token = probe
                 alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
                 try:
-                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path))
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=session.session_id))
                     proof = next(requests, None)
                 except (grpc.RpcError, BadRequestError):
                     return  # cut (no proof in time), gone, or garbage: the session ends
@@ -169,6 +183,7 @@ class SessionHost:
                     return
                 session.shm = proof.proof.token == token
                 reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
+            session.decided.set()
             verdict = "yes" if session.shm else f"no ({reason})"
             log.info(
                 "session %d from %s (pid %d): shared memory %s; identity: %s",

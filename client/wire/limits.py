@@ -9,7 +9,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # DescribeDatasetResponse.protocol_revision this code speaks; a client refuses daemons below
 # MIN_PROTOCOL_REVISION (an older daemon would ignore a batch's position and seed it wrongly).
-PROTOCOL_REVISION = 2
+# Revision 3: a session's challenge carries its id, usable before `ready` (clients of either
+# revision work with daemons of either: a challenge without an id means "wait for ready").
+PROTOCOL_REVISION = 3
 MIN_PROTOCOL_REVISION = 2
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)

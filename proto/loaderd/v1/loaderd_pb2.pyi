@@ -290,10 +290,12 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., proof: _Optional[_Union[SessionProof, _Mapping]] = ..., release: _Optional[_Union[SlotRelease, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStream, _Mapping]] = ...) -> None: ...
 
 class SessionChallenge(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "session_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    session_id: int
+    def __init__(self, path: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class SessionReady(_message.Message):
     __slots__ = ("session_id", "shm", "reason")

@@ -1,0 +1,116 @@
+"""index_batches: torch's default shuffle listed a batch at a time, against torch's own BatchSampler.
+
+Every case compares the batches and what the draws leave behind (the sampler's
+generator, or torch's global RNG) with ``iter(BatchSampler(RandomSampler(...)))``
+run from the same RNG states, after the whole epoch and after stopping early.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+from loaderd.index_batches import _CHUNK, index_batches
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _sampler(n: int, batch_size: int, drop_last: bool, num_samples: int | None, seeded: bool) -> BatchSampler:
+    generator = torch.Generator().manual_seed(7) if seeded else None
+    return BatchSampler(RandomSampler(range(n), num_samples=num_samples, generator=generator), batch_size, drop_last)
+
+
+def _rng_after(sampler: BatchSampler, seeded: bool) -> torch.Tensor:
+    generator = sampler.sampler.generator if seeded else torch.default_generator
+    return generator.get_state()
+
+
+def _run(make: Any, sampler: BatchSampler, take: int | None) -> list[list[int]]:
+    iterator: Iterator[list[int]] = make(sampler)
+    return list(iterator if take is None else itertools.islice(iterator, take))
+
+
+CASES = [
+    # n, batch_size, drop_last, num_samples
+    (10, 3, False, None),
+    (10, 3, True, None),
+    (10, 5, False, None),  # the permutation ends on a batch boundary
+    (10, 5, True, None),
+    (10, 4, False, 7),  # fewer samples than items: one cut permutation
+    (10, 4, False, 25),  # more: two whole permutations, batches across their seams, and a cut one
+    (10, 5, True, 20),  # exactly two permutations
+    (10, 32, False, None),  # one short batch
+    (10, 32, True, None),  # nothing at all, but the draws are made
+    (1, 1, False, None),
+    (2 * _CHUNK + 37, 256, False, None),  # several chunks, a batch across chunk seams
+    (3 * _CHUNK, 100, True, 5 * _CHUNK + 3),
+]
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "global-rng"])
+@pytest.mark.parametrize(("n", "batch_size", "drop_last", "num_samples"), CASES)
+@pytest.mark.parametrize("take", [None, 0, 1, 2, 3], ids=lambda t: "all" if t is None else f"take{t}")
+def test_same_batches_and_draws_as_torch(
+    n: int, batch_size: int, drop_last: bool, num_samples: int | None, seeded: bool, take: int | None
+) -> None:
+    torch.manual_seed(1234)
+    expected_sampler = _sampler(n, batch_size, drop_last, num_samples, seeded)
+    expected = _run(iter, expected_sampler, take)
+    expected_rng = _rng_after(expected_sampler, seeded)
+
+    torch.manual_seed(1234)
+    sampler = _sampler(n, batch_size, drop_last, num_samples, seeded)
+    got = _run(index_batches, sampler, take)
+    assert got == expected
+    assert torch.equal(_rng_after(sampler, seeded), expected_rng)
+    if take is None:
+        assert all(type(i) is int for batch in got for i in batch)
+
+
+def test_a_second_epoch_follows_on_from_the_first() -> None:
+    """The generator is shared across epochs: the second epoch's shuffle depends on every draw of the first."""
+    generator = torch.Generator().manual_seed(3)
+    expected = BatchSampler(RandomSampler(range(50), generator=generator), 8, False)
+    expected_epochs = [list(expected), list(expected)]
+    generator.manual_seed(3)
+    sampler = BatchSampler(RandomSampler(range(50), generator=generator), 8, False)
+    assert [list(index_batches(sampler)), list(index_batches(sampler))] == expected_epochs
+
+
+def test_nothing_is_drawn_before_the_first_batch() -> None:
+    """torch draws the sampler's seed at the first next(), after the DataLoader's base seed."""
+    torch.manual_seed(5)
+    before = torch.default_generator.get_state()
+    iterator = index_batches(_sampler(100, 10, False, None, seeded=False))
+    assert torch.equal(torch.default_generator.get_state(), before)
+    next(iterator)
+    assert not torch.equal(torch.default_generator.get_state(), before)
+
+
+class _MySampler(RandomSampler):
+    def __iter__(self) -> Iterator[int]:
+        yield from reversed(range(len(self.data_source)))
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        BatchSampler(SequentialSampler(range(10)), 3, False),
+        BatchSampler(RandomSampler(range(10), replacement=True, generator=torch.Generator().manual_seed(1)), 3, False),
+        BatchSampler(_MySampler(range(10)), 3, False),
+        RandomSampler(range(10), generator=torch.Generator().manual_seed(1)),
+    ],
+    ids=["sequential", "replacement", "subclass", "no-batching"],
+)
+def test_other_samplers_run_as_torch_runs_them(sampler: Any) -> None:
+    generator = getattr(getattr(sampler, "sampler", sampler), "generator", None)
+    state = generator.get_state() if generator is not None else None
+    expected = list(iter(sampler))
+    if generator is not None:
+        generator.set_state(state)
+    assert list(index_batches(sampler)) == expected

@@ -1,0 +1,160 @@
+"""Sessions: a stream may name its session before the daemon's ``ready`` (protocol revision 3).
+
+The registry's side against its own objects; the client's side (``ShmSession``)
+against a scripted ``Session`` servicer in a real gRPC server on a unix socket,
+which answers as a revision-3 daemon (the id comes with the challenge) or an
+older one (the id comes with ``ready``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loaderd.server.auth import ANONYMOUS, Identity
+from loaderd.server.sessions import SessionForeignError, SessionRegistry
+from loaderd.session import ShmSession
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
+
+from conftest import wait_for
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def test_a_stream_waits_for_the_verdict_of_a_session_named_early() -> None:
+    registry = SessionRegistry()
+    session = registry.open("peer")
+    found: queue.Queue[object] = queue.Queue()
+    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS, 10.0)))
+    waiter.start()
+    time.sleep(0.1)  # the waiter must still be waiting: no verdict yet
+    assert found.empty()
+    session.shm = True
+    session.decided.set()
+    waiter.join(5)
+    assert found.get_nowait() is session
+
+
+def test_a_session_that_ends_before_its_verdict_wakes_the_stream_waiting_for_it() -> None:
+    registry = SessionRegistry()
+    session = registry.open("peer")
+    found: queue.Queue[object] = queue.Queue()
+    started = time.monotonic()
+    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS, 10.0)))
+    waiter.start()
+    assert registry.close(session)
+    waiter.join(5)
+    assert found.get_nowait() is None
+    assert time.monotonic() - started < 5
+
+
+def test_the_wait_is_bounded_and_foreign_or_unknown_sessions_are_not_waited_for() -> None:
+    registry = SessionRegistry()
+    session = registry.open("peer", Identity("alice"))
+    started = time.monotonic()
+    assert registry.shm_session(session.session_id, Identity("alice"), 0.2) is None  # no proof came
+    assert 0.15 < time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(SessionForeignError):
+        registry.shm_session(session.session_id, Identity("mallory"), 10.0)
+    assert registry.shm_session(session.session_id + 1, Identity("alice"), 10.0) is None
+    assert time.monotonic() - started < 1
+
+
+# ------------------------------------------------------------------ the client
+
+
+class _ScriptedDaemon(pb_grpc.LoaderServicer):
+    """Session only: a challenge (with or without the id), then ``ready`` once ``release`` is set."""
+
+    def __init__(self, probe: Path, with_id: bool, shm_verdict: bool) -> None:
+        self.probe = probe
+        self.with_id = with_id
+        self.shm_verdict = shm_verdict
+        self.release = threading.Event()
+        self.proofs: queue.Queue[pb.SessionProof] = queue.Queue()
+
+    def Session(self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
+        next(request_iterator)  # hello
+        yield pb.SessionResponse(challenge=pb.SessionChallenge(path=str(self.probe), session_id=42 if self.with_id else 0))
+        self.proofs.put(next(request_iterator).proof)
+        self.release.wait(10)
+        reason = "" if self.shm_verdict else "the client read other bytes"
+        yield pb.SessionResponse(ready=pb.SessionReady(session_id=42, shm=self.shm_verdict, reason=reason))
+        for _ in request_iterator:  # the client's releases, until it goes
+            pass
+
+
+@pytest.fixture
+def scripted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[_ScriptedDaemon, pb_grpc.LoaderStub]]:
+    with_id, shm_verdict = request.param
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 32)
+    daemon = _ScriptedDaemon(probe, with_id, shm_verdict)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_LoaderServicer_to_server(daemon, server)
+    address = f"unix://{tmp_path / 's.sock'}"
+    server.add_insecure_port(address)
+    server.start()
+    channel = grpc.insecure_channel(address)
+    try:
+        yield daemon, pb_grpc.LoaderStub(channel)
+    finally:
+        daemon.release.set()
+        channel.close()
+        server.stop(0).wait(5)
+
+
+@pytest.mark.parametrize("scripted", [(True, True)], indirect=True)
+def test_a_revision_3_session_is_usable_before_ready(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
+    daemon, stub = scripted
+    session = ShmSession(stub, "scripted", handshake_timeout=10.0)  # returns although `ready` is withheld
+    try:
+        assert (session.session_id, session.shm, session.reason) == (42, True, "")
+        assert daemon.proofs.get(timeout=5).token == b"x" * 32
+        daemon.release.set()
+        assert session.alive and session.shm
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("scripted", [(True, False)], indirect=True)
+def test_a_daemon_that_disagrees_later_turns_the_session_off(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
+    daemon, stub = scripted
+    session = ShmSession(stub, "scripted", handshake_timeout=10.0)
+    try:
+        assert session.shm
+        daemon.release.set()
+        wait_for(lambda: not session.shm, 5, "the daemon's verdict to reach the session")
+        assert session.reason == "the client read other bytes"
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("scripted", [(False, True)], indirect=True)
+def test_an_older_daemon_s_session_waits_for_ready(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
+    daemon, stub = scripted
+    opened: queue.Queue[ShmSession] = queue.Queue()
+    opener = threading.Thread(target=lambda: opened.put(ShmSession(stub, "scripted", handshake_timeout=10.0)))
+    opener.start()
+    daemon.proofs.get(timeout=5)
+    time.sleep(0.1)
+    assert opened.empty()  # no id yet: it waits for `ready`
+    daemon.release.set()
+    opener.join(5)
+    session = opened.get_nowait()
+    try:
+        assert (session.session_id, session.shm) == (42, True)
+    finally:
+        session.close()
