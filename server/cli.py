@@ -19,8 +19,6 @@ import grpc
 from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
 from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
-from loaderd.server.bench import BenchError, BenchOptions, run_bench
-from loaderd.server.check import check_config, format_report
 from loaderd.server.config import ConfigError, ListenSpec, LoaderConfig, MetricsConfig, check_imports, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
 from loaderd.server.listeners import ListenError
@@ -132,6 +130,8 @@ def _load_imported(path: str) -> LoaderConfig | None:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from loaderd.server.check import check_config, format_report  # torch: not for the other commands (serve)
+
     config = _load_imported(args.config)
     if config is None:
         return EXIT_CONFIG
@@ -157,6 +157,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from loaderd.server.bench import BenchError, BenchOptions, run_bench  # torch: not for the other commands (serve)
+
     config = _load_imported(args.config)
     if config is None:
         return EXIT_CONFIG

@@ -48,12 +48,13 @@ from loaderd.server.admission import handler_threads
 from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
 from loaderd.server.auth import Authenticator, TokenFile, TokenFileError, TokenInterceptor
 from loaderd.server.catalog import Catalog
-from loaderd.server.config import ConfigError, LoaderConfig, check_imports
+from loaderd.server.config import ConfigError, LoaderConfig
 from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import WorkerPool
 from loaderd.server.executor import ElasticExecutor
+from loaderd.server.import_check import check_imports_apart
 from loaderd.server.listeners import Listener, ListenError, bind, log_listening, prepare, secure_sockets
 from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
 from loaderd.server.scheduler import Scheduler, SchedulerPolicy
@@ -149,7 +150,7 @@ class Daemon:
         Every part gets what it depends on at construction; this is the whole wiring.
         """
         config = self.config
-        check_imports(config)
+        check_imports_apart(config, self.startup_timeout)  # the daemon itself imports no dataset (nor torch)
         # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
         self._listeners = prepare(config.listen)
         try:

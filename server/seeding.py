@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
-import torch
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -33,6 +30,10 @@ def derive_seed(base_seed: int, *position: int) -> int:
 
 def seed_everything(seed: int) -> None:
     """Seed torch's CPU generator, random and numpy's global generator, as torch's workers do."""
+    # Imported here: the daemon derives seeds but never imports torch (only its workers seed).
+    import numpy as np
+    import torch
+
     # Not torch.manual_seed: it also queues a lazy CUDA seeding that records a
     # formatted stack each call (~0.2 ms), and pool workers do not use CUDA.
     torch.default_generator.manual_seed(seed)

@@ -9,6 +9,7 @@ its pipe breaks, or when its parent (the daemon's fork server) goes away.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import logging
 import os
@@ -29,8 +30,9 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from loaderd.wire.codec import encode_batch
 from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.wire.limits import MAX_HEADER_BYTES
-from loaderd.server.arena import SlotWriter
-from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path, resolve
+from loaderd.server.slot_writer import SlotWriter
+from loaderd.server.config import DatasetSpec, apply_python_path, resolve
+from loaderd.server.worker_entry import WorkerSpec
 from loaderd.server.log_format import configure_logging
 from loaderd.server.prebuilt import BuildFailed, take
 from loaderd.server.seeding import derive_seed, seed_everything
@@ -56,20 +58,6 @@ log = logging.getLogger("loaderd.worker")
 _PARENT_CHECK_S = 0.5
 # A worker idle this long gives its idle shared-memory segments back to the system.
 _TRIM_IDLE_S = 10.0
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs, fixed at spawn time."""
-
-    worker_id: int
-    pool_size: int
-    config: LoaderConfig
-    tasks: Connection  # read end: Task | None (server/task_pipe.py writes it)
-    results: Connection
-    # Name prefix of this worker's shared-memory segments; None sends payloads over the pipe.
-    shm_prefix: str | None
-    shm_cap_bytes: int
 
 
 @dataclass
@@ -426,8 +414,11 @@ def _drop_fork_server_handle() -> None:
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    """Worker process entry point."""
+    """A worker process's life (started through ``loaderd.server.worker_entry.worker_main``)."""
     _drop_fork_server_handle()
+    # What the fork server imported and built is shared copy-on-write: out of the collector's
+    # way, or the first full collection writes to (copies) every page holding those objects.
+    gc.freeze()
     # The daemon owns shutdown; a terminal's Ctrl-C must not kill workers mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.

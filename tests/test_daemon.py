@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 from compare import assert_same_batches
-from conftest import STARTUP_TIMEOUT_S, RunningDaemon, popen_serve, running_daemon, serve_command, wait_serving, write_config
+from conftest import STARTUP_TIMEOUT_S, RunningDaemon, oracle_loader, popen_serve, running_daemon, serve_command, wait_serving, write_config
+from datasets import Squares
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
@@ -191,6 +192,42 @@ def test_attribute_that_does_not_exist_exits_2_with_one_line(short_tmp: Path) ->
     assert_config_error(path, "config error", "datasets.sq.dataset", "'Squarez'")
 
 
+def _module_config(short_tmp: Path, source: str) -> Path:
+    """A config whose one dataset lives in a module (in ``short_tmp``) with ``source`` as its code."""
+    (short_tmp / "odd_module.py").write_text(source)
+    return write_config(
+        short_tmp, {"odd": {"dataset": "odd_module:Odd"}}, python_path=[str(short_tmp)], listen=[f"unix://{short_tmp}/never.sock"]
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_module_that_ends_the_process_when_imported_exits_2_with_one_line(short_tmp: Path) -> None:
+    """The daemon imports the config's modules in a child (server/import_check.py): its death is a verdict."""
+    path = _module_config(short_tmp, "import os\nos._exit(7)\n")
+    assert_config_error(path, "config error", "ended the process (exit code 7)")
+    assert not (short_tmp / "never.sock").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_module_that_never_finishes_importing_is_cut_at_the_startup_timeout(short_tmp: Path) -> None:
+    path = _module_config(short_tmp, "import time\ntime.sleep(600)\n")
+    assert_config_error(path, "config error", "longer than 2s", args=("--startup-timeout", "2"))
+    # The child (forked: the daemon's command line) was killed with the daemon's exit, not left importing.
+    assert not [pid for pid in _pids() if str(path) in _cmdline(pid)]
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 @pytest.mark.timeout(60)
 def test_missing_config_file_exits_2(short_tmp: Path) -> None:
     assert_config_error(short_tmp / "absent.yaml", "absent.yaml")
@@ -251,6 +288,17 @@ def test_sigterm_shuts_down_cleanly(start_daemon: Callable[..., RunningDaemon]) 
     # Serve something first so the pool has done real work.
     assert len(first_batches(RemoteDataLoader("sq", batch_size=10, address=daemon.address))) == 5
     _stop_and_check(daemon, signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_process_never_loads_torch(start_daemon: Callable[..., RunningDaemon], transport: str) -> None:
+    """Its pool runs the datasets; the daemon (~0.15 GB less without torch) only schedules and serves."""
+    daemon = start_daemon(SQUARES, workers=2)
+    loader = RemoteDataLoader("sq", batch_size=10, address=daemon.address, transport=transport)
+    assert_same_batches(first_batches(loader), list(oracle_loader(Squares(50), batch_size=10)))
+    with open(f"/proc/{daemon.process.pid}/maps") as f:
+        mapped = f.read()
+    assert "libtorch" not in mapped and "_multiarray_umath" not in mapped
 
 
 @pytest.mark.timeout(120)
