@@ -5,7 +5,6 @@
 daemon never imports torch (see server/import_check.py).
 """
 
-import gc
 from typing import TYPE_CHECKING, Any
 
 from loaderd.errors import (
@@ -44,20 +43,17 @@ __all__ = [
     "WorkerCrashedError",
 ]
 
+if not TYPE_CHECKING:  # type checkers see the import above, and attribute typos stay errors
+
+    def __getattr__(name: str) -> Any:
+        """``loaderd.RemoteDataLoader``, imported (with torch) the first time it is asked for."""
+        if name != "RemoteDataLoader":
+            raise AttributeError(f"module 'loaderd' has no attribute {name!r}")
+        from loaderd.loader import RemoteDataLoader
+
+        globals()["RemoteDataLoader"] = RemoteDataLoader  # asked for once
+        return RemoteDataLoader
 
 
-def __getattr__(name: str) -> Any:
-    """``loaderd.RemoteDataLoader``, imported (with torch) the first time it is asked for."""
-    if name != "RemoteDataLoader":
-        raise AttributeError(f"module 'loaderd' has no attribute {name!r}")
-    from loaderd.loader import RemoteDataLoader
-
-    globals()["RemoteDataLoader"] = RemoteDataLoader  # asked for once
-    # Everything imported so far (torch, numpy, grpc, loaderd) lives as long as the
-    # process: move it to the collector's permanent generation. Otherwise the first
-    # full collection rescans torch's whole import heap (~90 ms on the development
-    # machine) at a moment chosen by allocation counts, typically inside a fresh
-    # process's first RemoteDataLoader or its first batch (tests/bench/bench_loaders.py
-    # "fresh client process"). Objects made later are collected as usual.
-    gc.freeze()
-    return RemoteDataLoader
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

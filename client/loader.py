@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -325,3 +326,13 @@ class RemoteDataLoader:
             epoch=epoch,
             fingerprint=self._identity.fingerprint(),
         )
+
+
+# Everything imported by now (torch, numpy, grpc, loaderd) lives as long as the process:
+# move it to the collector's permanent generation. Otherwise the first full collection
+# rescans torch's whole import heap (~90 ms on the development machine) at a moment
+# chosen by allocation counts, typically inside a fresh process's first RemoteDataLoader
+# or its first batch (tests/bench/bench_loaders.py "fresh client process"). Objects made
+# later are collected as usual. Here, at the end of this module, so that any way of
+# loading RemoteDataLoader (``from loaderd import``, unpickling) does it once.
+gc.freeze()

@@ -36,11 +36,18 @@ _MAX_MAPPINGS = 1024
 
 
 def _read_probe(path: str) -> tuple[bytes, str]:
+    """The challenge file's first bytes, or why not. Only a daemon's own file in SHM_DIR is read (no
+    link followed): what is read goes back to the daemon, which must not pick a file of ours to read."""
+    if os.path.dirname(path) != SHM_DIR or not is_segment_name(os.path.basename(path)):
+        return b"", f"the daemon's challenge names {path!r}, not a loaderd file in {SHM_DIR}"
     try:
-        with open(path, "rb") as f:
-            return f.read(64), ""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})"
+    try:
+        return os.read(fd, 64), ""
+    finally:
+        os.close(fd)
 
 
 class SegmentMaps:
@@ -179,7 +186,8 @@ class ShmSession:
                         # The daemon disagrees (it read other bytes back): its streams send bytes over gRPC.
                         verdict = "usable" if response.ready.shm else "not usable"
                         log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
-                        self.shm, self.reason = response.ready.shm, response.ready.reason
+                        # The reason first: a reader that sees shm off finds why.
+                        self.reason, self.shm = response.ready.reason, response.ready.shm
         except grpc.RpcError:
             pass
         self._stop.set()

@@ -15,6 +15,7 @@ the timeout, and reaped either way.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from multiprocessing.connection import Connection
 
 from loaderd.server.config import ConfigError, LoaderConfig, apply_python_path, check_imports
@@ -25,6 +26,9 @@ _REAP_S = 5.0
 
 def _check_in_child(config: LoaderConfig, answer: Connection) -> None:
     """The child: the ConfigError's message, or "" if everything imports."""
+    # Not the daemon's handlers (they set its drain and stop flags): Ctrl-C or SIGTERM ends the check.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         check_imports(config)
         problem = ""
@@ -52,10 +56,11 @@ def check_imports_apart(config: LoaderConfig, timeout: float) -> None:
         except EOFError:
             child.join(_REAP_S)
             raise ConfigError(f"importing the config's datasets ended the process (exit code {child.exitcode})") from None
+        child.join(_REAP_S)  # it answered: let it exit on its own (its modules' exit handlers run)
     finally:
         send.close()
         receive.close()
-        if child.is_alive():
+        if child.is_alive():  # no answer in time, or stuck on its way out
             child.kill()
         if child.pid is not None:
             child.join(_REAP_S)

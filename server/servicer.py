@@ -168,7 +168,7 @@ class LoaderServicer:
         session = None
         if opening.session_id:
             try:
-                session = self._sessions.shm_session(opening.session_id, identity, self._limits.handshake_timeout)
+                session = self._sessions.shm_session(opening.session_id, identity)
             except SessionForeignError as exc:
                 self._throttle.log(logging.WARNING, "foreign", "stream from %s named another client's session: %s", who, exc)
                 session = None  # answered as an unknown session: the reply says nothing of whose it is

@@ -13,7 +13,7 @@ A client process opens one ``Session`` call per daemon. The handshake
 The client need not wait for ``ready``: it may name the session in streams
 as soon as its proof is sent (one round trip less before a new process's
 first batch). A stream that arrives first waits for the verdict
-(``ClientSession.decided``), at most the proof's timeout.
+(``ClientSession.decided``), no longer than the proof's own deadline.
 
 Only a client that read the token shares the daemon's /dev/shm, so nothing is
 guessed from the address. Session ids are random (63 bits) and bound to the
@@ -34,6 +34,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class ClientSession:
     closed: bool = False
     # Set once ``shm`` is final: the proof was checked (or none was asked for), or the session ended.
     decided: threading.Event = field(default_factory=threading.Event)
+    # time.monotonic() by which the proof must arrive (the session is cut then): a stream waits no longer.
+    verdict_by: float = 0.0
     # Messages for the client (segments it should unmap), sent by the session's handler.
     outbox: queue.Queue[pb.SessionResponse] = field(default_factory=queue.Queue)
 
@@ -91,12 +94,12 @@ class SessionRegistry:
         with self._lock:
             return len(self._sessions)
 
-    def shm_session(self, session_id: int, identity: Identity, verdict_timeout: float) -> ClientSession | None:
+    def shm_session(self, session_id: int, identity: Identity) -> ClientSession | None:
         """The open session ``session_id`` if it proved shared memory, else None; SessionForeignError
         if ``identity`` is not the one that opened it.
 
         A session whose proof is still on its way (its client named it right after
-        sending the proof) is waited for, at most ``verdict_timeout`` seconds.
+        sending the proof) is waited for, until the proof's own deadline at most.
         """
         with self._lock:
             session = self._sessions.get(session_id)
@@ -104,7 +107,7 @@ class SessionRegistry:
                 return None
             if session.identity != identity:
                 raise SessionForeignError(f"session {session_id} was opened by {session.identity}, not {identity}")
-        session.decided.wait(verdict_timeout)
+        session.decided.wait(max(0.0, session.verdict_by - time.monotonic()))
         return session if session.shm and not session.closed else None
 
     def close(self, session: ClientSession) -> bool:
@@ -170,6 +173,7 @@ class SessionHost:
                 reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
             else:
                 path, token = probe
+                session.verdict_by = time.monotonic() + self._proof_timeout
                 alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
                 try:
                     yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=session.session_id))

@@ -8,7 +8,9 @@ older one (the id comes with ``ready``).
 
 from __future__ import annotations
 
+import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -19,10 +21,11 @@ import grpc
 import pytest
 
 from loaderd.server.auth import ANONYMOUS, Identity
-from loaderd.server.sessions import SessionForeignError, SessionRegistry
+from loaderd.server.sessions import ClientSession, SessionForeignError, SessionRegistry
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
+from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
 
 from conftest import wait_for
 
@@ -32,11 +35,18 @@ pytestmark = pytest.mark.timeout(30)
 # ------------------------------------------------------------------ the registry
 
 
+def _opened(registry: SessionRegistry, identity: Identity = ANONYMOUS, proof_within: float = 10.0) -> ClientSession:
+    """A session whose challenge went out just now (as SessionHost.serve sets it)."""
+    session = registry.open("peer", identity)
+    session.verdict_by = time.monotonic() + proof_within
+    return session
+
+
 def test_a_stream_waits_for_the_verdict_of_a_session_named_early() -> None:
     registry = SessionRegistry()
-    session = registry.open("peer")
+    session = _opened(registry)
     found: queue.Queue[object] = queue.Queue()
-    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS, 10.0)))
+    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS)))
     waiter.start()
     time.sleep(0.1)  # the waiter must still be waiting: no verdict yet
     assert found.empty()
@@ -48,10 +58,10 @@ def test_a_stream_waits_for_the_verdict_of_a_session_named_early() -> None:
 
 def test_a_session_that_ends_before_its_verdict_wakes_the_stream_waiting_for_it() -> None:
     registry = SessionRegistry()
-    session = registry.open("peer")
+    session = _opened(registry)
     found: queue.Queue[object] = queue.Queue()
     started = time.monotonic()
-    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS, 10.0)))
+    waiter = threading.Thread(target=lambda: found.put(registry.shm_session(session.session_id, ANONYMOUS)))
     waiter.start()
     assert registry.close(session)
     waiter.join(5)
@@ -59,16 +69,18 @@ def test_a_session_that_ends_before_its_verdict_wakes_the_stream_waiting_for_it(
     assert time.monotonic() - started < 5
 
 
-def test_the_wait_is_bounded_and_foreign_or_unknown_sessions_are_not_waited_for() -> None:
+def test_the_wait_ends_at_the_proof_s_deadline_and_foreign_or_unknown_sessions_are_not_waited_for() -> None:
     registry = SessionRegistry()
-    session = registry.open("peer", Identity("alice"))
+    session = _opened(registry, Identity("alice"), proof_within=0.3)
     started = time.monotonic()
-    assert registry.shm_session(session.session_id, Identity("alice"), 0.2) is None  # no proof came
-    assert 0.15 < time.monotonic() - started < 5
+    assert registry.shm_session(session.session_id, Identity("alice")) is None  # no proof came
+    assert 0.2 < time.monotonic() - started < 5
+    assert registry.shm_session(session.session_id, Identity("alice")) is None  # past the deadline: no wait at all
+    later = _opened(registry, Identity("alice"))
     started = time.monotonic()
     with pytest.raises(SessionForeignError):
-        registry.shm_session(session.session_id, Identity("mallory"), 10.0)
-    assert registry.shm_session(session.session_id + 1, Identity("alice"), 10.0) is None
+        registry.shm_session(later.session_id, Identity("mallory"))
+    assert registry.shm_session(later.session_id + 1, Identity("alice")) is None
     assert time.monotonic() - started < 1
 
 
@@ -78,7 +90,7 @@ def test_the_wait_is_bounded_and_foreign_or_unknown_sessions_are_not_waited_for(
 class _ScriptedDaemon(pb_grpc.LoaderServicer):
     """Session only: a challenge (with or without the id), then ``ready`` once ``release`` is set."""
 
-    def __init__(self, probe: Path, with_id: bool, shm_verdict: bool) -> None:
+    def __init__(self, probe: str, with_id: bool, shm_verdict: bool) -> None:
         self.probe = probe
         self.with_id = with_id
         self.shm_verdict = shm_verdict
@@ -87,7 +99,7 @@ class _ScriptedDaemon(pb_grpc.LoaderServicer):
 
     def Session(self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
         next(request_iterator)  # hello
-        yield pb.SessionResponse(challenge=pb.SessionChallenge(path=str(self.probe), session_id=42 if self.with_id else 0))
+        yield pb.SessionResponse(challenge=pb.SessionChallenge(path=self.probe, session_id=42 if self.with_id else 0))
         self.proofs.put(next(request_iterator).proof)
         self.release.wait(10)
         reason = "" if self.shm_verdict else "the client read other bytes"
@@ -98,9 +110,12 @@ class _ScriptedDaemon(pb_grpc.LoaderServicer):
 
 @pytest.fixture
 def scripted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[_ScriptedDaemon, pb_grpc.LoaderStub]]:
-    with_id, shm_verdict = request.param
-    probe = tmp_path / "probe"
-    probe.write_bytes(b"x" * 32)
+    with_id, shm_verdict, probe = (*request.param, None)[:3]
+    if probe is None:  # a real daemon's kind of file: a loaderd name in /dev/shm
+        probe = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}test-{os.getpid()}-{secrets.token_hex(4)}-probe-0")
+        with open(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
+            f.write(b"x" * 32)
+        request.addfinalizer(lambda: os.unlink(probe))
     daemon = _ScriptedDaemon(probe, with_id, shm_verdict)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_LoaderServicer_to_server(daemon, server)
@@ -156,5 +171,20 @@ def test_an_older_daemon_s_session_waits_for_ready(scripted: tuple[_ScriptedDaem
     session = opened.get_nowait()
     try:
         assert (session.session_id, session.shm) == (42, True)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("scripted", [(True, True, "/etc/hostname"), (True, True, f"{SHM_DIR}/../etc/hostname")], indirect=True)
+def test_a_challenge_naming_a_file_outside_the_daemon_s_shared_memory_is_not_read(
+    scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub],
+) -> None:
+    """What the client reads goes back to the daemon: a daemon must not make it read one of its files."""
+    daemon, stub = scripted
+    session = ShmSession(stub, "scripted", handshake_timeout=10.0)
+    try:
+        proof = daemon.proofs.get(timeout=5)
+        assert proof.token == b"" and "not a loaderd file" in proof.problem
+        assert not session.shm and "not a loaderd file" in session.reason
     finally:
         session.close()
