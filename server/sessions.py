@@ -16,10 +16,12 @@ first batch). A stream that arrives first waits for the verdict
 (``ClientSession.decided``), no longer than the proof's own deadline.
 
 Only a client that read the token shares the daemon's /dev/shm, so nothing is
-guessed from the address. Session ids are random (63 bits) and bound to the
-connection and identity that opened the session: a stream naming a session is
-served through it only if it comes from the same peer with the same identity
-(``SessionRegistry.shm_session``), so no client can lease slots into another's. Afterwards the client sends ``release`` (batches it
+guessed from the address. Session ids are random (63 bits), sent only to the
+session's opener, and bound to the identity that opened it (a token's name or a
+certificate's; not the peer address, which every unix-socket client shares): a
+stream naming a session is served through it only with the same identity
+(``SessionRegistry.shm_session``), so no client can lease slots into another's
+without its unguessable id. Afterwards the client sends ``release`` (batches it
 dropped) and ``abandon`` (a stream it stopped) messages, and the daemon sends
 ``retired`` notices (segments it removed, to unmap). The session's slot leases
 are kept by the ledger (server/ledger.py); when the call ends, however it ends,
