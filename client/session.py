@@ -126,7 +126,6 @@ class ShmSession:
         self.address = address
         self._requests: queue.Queue[pb.SessionRequest | int | None] = queue.Queue()
         self._stop = threading.Event()
-        self._early = False  # True: the session went on before the daemon's `ready`
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
         cut = threading.Timer(handshake_timeout, self._call.cancel)
@@ -145,7 +144,6 @@ class ShmSession:
                     response = pb.SessionResponse(
                         ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem)
                     )
-                    self._early = True
                 else:  # a daemon before protocol revision 3: its id comes with `ready`
                     response = next(self._call)
         except StopIteration:  # the daemon ended the call without a reply
@@ -180,14 +178,13 @@ class ShmSession:
                 kind = response.WhichOneof("kind")
                 if kind == "retired":
                     self.maps.forget(response.retired.names, response.retired.prefixes)
-                elif kind == "ready" and self._early:
-                    self._early = False
-                    if response.ready.shm != self.shm:
-                        # The daemon disagrees (it read other bytes back): its streams send bytes over gRPC.
-                        verdict = "usable" if response.ready.shm else "not usable"
-                        log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
-                        # The reason first: a reader that sees shm off finds why.
-                        self.reason, self.shm = response.ready.reason, response.ready.shm
+                elif kind == "ready" and response.ready.shm != self.shm:
+                    # A revision-3 daemon's verdict (an older one's `ready` was read in __init__), and it
+                    # disagrees with what this process read: its streams send bytes over gRPC.
+                    verdict = "usable" if response.ready.shm else "not usable"
+                    log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
+                    # The reason first: a reader that sees shm off finds why.
+                    self.reason, self.shm = response.ready.reason, response.ready.shm
         except grpc.RpcError:
             pass
         self._stop.set()

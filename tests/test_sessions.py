@@ -110,8 +110,8 @@ class _ScriptedDaemon(pb_grpc.LoaderServicer):
 
 @pytest.fixture
 def scripted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[_ScriptedDaemon, pb_grpc.LoaderStub]]:
-    with_id, shm_verdict, probe = (*request.param, None)[:3]
-    if probe is None:  # a real daemon's kind of file: a loaderd name in /dev/shm
+    with_id, shm_verdict, probe = request.param  # probe None: make a real daemon's kind of file
+    if probe is None:  # a loaderd name in /dev/shm
         probe = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}test-{os.getpid()}-{secrets.token_hex(4)}-probe-0")
         with open(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
             f.write(b"x" * 32)
@@ -131,7 +131,7 @@ def scripted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[_
         server.stop(0).wait(5)
 
 
-@pytest.mark.parametrize("scripted", [(True, True)], indirect=True)
+@pytest.mark.parametrize("scripted", [(True, True, None)], indirect=True)
 def test_a_revision_3_session_is_usable_before_ready(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
     daemon, stub = scripted
     session = ShmSession(stub, "scripted", handshake_timeout=10.0)  # returns although `ready` is withheld
@@ -144,7 +144,7 @@ def test_a_revision_3_session_is_usable_before_ready(scripted: tuple[_ScriptedDa
         session.close()
 
 
-@pytest.mark.parametrize("scripted", [(True, False)], indirect=True)
+@pytest.mark.parametrize("scripted", [(True, False, None)], indirect=True)
 def test_a_daemon_that_disagrees_later_turns_the_session_off(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
     daemon, stub = scripted
     session = ShmSession(stub, "scripted", handshake_timeout=10.0)
@@ -157,7 +157,7 @@ def test_a_daemon_that_disagrees_later_turns_the_session_off(scripted: tuple[_Sc
         session.close()
 
 
-@pytest.mark.parametrize("scripted", [(False, True)], indirect=True)
+@pytest.mark.parametrize("scripted", [(False, True, None)], indirect=True)
 def test_an_older_daemon_s_session_waits_for_ready(scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub]) -> None:
     daemon, stub = scripted
     opened: queue.Queue[ShmSession] = queue.Queue()
