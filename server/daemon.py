@@ -12,10 +12,12 @@ second SIGTERM).
 Shutdown (``Daemon.shutdown``, idempotent, run after the drain, or at once on SIGINT):
   1. health -> NOT_SERVING, so load balancers and tools stop sending clients;
   2. the scheduler fails every stream with UNAVAILABLE and stops its thread;
-  3. the gRPC server stops (grace period for in-flight replies), then the
+  3. client sessions close, giving back every slot clients held, and their
+     calls end (a session's call lasts as long as its client process, so
+     it would otherwise hold the next step for its whole grace period);
+  4. the gRPC server stops (grace period for in-flight replies), then the
      watchdog that cuts silent calls;
-  4. the metrics HTTP server (if any) stops and its thread is joined;
-  5. shared-memory sessions close, giving back every slot clients held;
+  5. the metrics HTTP server (if any) stops and its thread is joined;
   6. workers get a stop message, then terminate/kill after a timeout, and the
      fork server is stopped and reaped;
   7. the slot ledger unlinks every shared-memory segment of this daemon;
@@ -52,15 +54,16 @@ from loaderd.server.config import ConfigError, LoaderConfig
 from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.metrics import BatchLatency, MetricsEndpoint
-from loaderd.server.pool import WorkerPool
+from loaderd.server.pool import PoolStartError, WorkerPool
 from loaderd.server.executor import ElasticExecutor
-from loaderd.server.import_check import check_imports_apart
+from loaderd.server.import_check import ImportCheck
 from loaderd.server.listeners import Listener, ListenError, bind, log_listening, prepare, secure_sockets
 from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
 from loaderd.server.scheduler import Scheduler, SchedulerPolicy
 from loaderd.server.servicer import LoaderServicer
 from loaderd.server.sessions import SessionHost, SessionRegistry
 from loaderd.server.status import StatusBoard
+from loaderd.server.tasks import DatasetMeta
 from loaderd.server.watchdog import Watchdog
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
 
@@ -150,25 +153,30 @@ class Daemon:
         Every part gets what it depends on at construction; this is the whole wiring.
         """
         config = self.config
-        check_imports_apart(config, self.startup_timeout)  # the daemon itself imports no dataset (nor torch)
-        # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
-        self._listeners = prepare(config.listen)
+        # The daemon itself imports no dataset (nor torch): a forked child checks the config's imports
+        # while the pool starts (server/import_check.py).
+        check = ImportCheck(config, self.startup_timeout)
         try:
-            authenticator = Authenticator(TokenFile(config.auth.token_file) if config.auth is not None else None)
-        except TokenFileError as exc:
-            raise ConfigError(str(exc)) from None
-        fd_limit = raise_fd_limit()
-        limit_malloc_arenas()
-        swept = sweep_stale()
-        if swept:
-            log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
-        shm_prefix = (
-            daemon_prefix(os.getpid(), secrets.token_hex(8)) if config.shm_bytes_per_worker > 0 and shm_available() else None
-        )
-        sessions = SessionRegistry()
-        self.pool = pool = WorkerPool(config, shm_prefix)
-        self.ledger = ledger = SlotLedger(shm_prefix, give_back=pool.give_back, on_retired=sessions.announce_retired)
-        catalog = Catalog(pool.start(timeout=self.startup_timeout), pool.size)
+            # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
+            self._listeners = prepare(config.listen)
+            try:
+                authenticator = Authenticator(TokenFile(config.auth.token_file) if config.auth is not None else None)
+            except TokenFileError as exc:
+                raise ConfigError(str(exc)) from None
+            fd_limit = raise_fd_limit()
+            limit_malloc_arenas()
+            swept = sweep_stale()
+            if swept:
+                log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
+            shm_prefix = (
+                daemon_prefix(os.getpid(), secrets.token_hex(8)) if config.shm_bytes_per_worker > 0 and shm_available() else None
+            )
+            sessions = SessionRegistry()
+            self.pool = pool = WorkerPool(config, shm_prefix)
+            self.ledger = ledger = SlotLedger(shm_prefix, give_back=pool.give_back, on_retired=sessions.announce_retired)
+            catalog = Catalog(self._start_pool(pool, check), pool.size)
+        finally:
+            check.close()
         log.info(
             "pool of %d workers ready with datasets: %s",
             pool.size,
@@ -268,6 +276,20 @@ class Daemon:
         log.critical("cannot serve any more (%s); shutting down so a supervisor can restart the daemon", reason)
         self.failed.set()
 
+    def _start_pool(self, pool: WorkerPool, check: ImportCheck) -> dict[str, DatasetMeta]:
+        """``pool.start`` while the import check runs; a failed check wins, since its message names the module."""
+        try:
+            datasets = pool.start(self.startup_timeout, give_up=lambda: check.problem() or None)
+        except PoolStartError:
+            check.raise_problem()  # the imports' fault (the pool saw only its effect): say so
+            raise
+        try:
+            check.raise_problem()
+        except ConfigError:
+            pool.shutdown()
+            raise
+        return datasets
+
     def drain(self, timeout: float, abort: threading.Event) -> None:
         """The drain in the module docstring: returns when no stream is open, after ``timeout`` s, or on ``abort``."""
         scheduler = self.scheduler
@@ -306,6 +328,8 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         if self.scheduler is not None:
             self.scheduler.stop()
+        if self.session_host is not None:
+            self.session_host.close_all()
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1.0)
         if self._executor is not None:
@@ -313,8 +337,6 @@ class Daemon:
         self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.shutdown()
-        if self.session_host is not None:
-            self.session_host.close_all()
         if self.pool is not None:
             self.pool.shutdown()
         if self.ledger is not None:

@@ -7,15 +7,20 @@ hears the verdict; the daemon gets the config's ``python_path`` (which its fork
 server inherits) and nothing else. ``loaderd check`` and ``loaderd bench`` import
 in their own process, which goes on to run the datasets anyway.
 
-The child is forked before the daemon starts any thread (``Daemon.start`` calls
-this first), answers on a pipe and exits; it is killed if it takes longer than
-the timeout, and reaped either way.
+The child (``ImportCheck``) is forked before the daemon starts any thread
+(``Daemon.start`` creates it first), answers on a pipe and exits; it is killed
+if it takes longer than the timeout, and reaped either way. Meanwhile the daemon
+starts its pool, whose fork server imports the same modules: the two imports run
+side by side rather than one after the other (a second or more of every start).
+A failed check wins over whatever the pool's start then says, since its message
+names the module; the pool's start gives up as soon as the check has failed.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import signal
+import time
 from multiprocessing.connection import Connection
 
 from loaderd.server.config import ConfigError, LoaderConfig, apply_python_path, check_imports
@@ -39,30 +44,58 @@ def _check_in_child(config: LoaderConfig, answer: Connection) -> None:
     answer.send(problem)
 
 
-def check_imports_apart(config: LoaderConfig, timeout: float) -> None:
-    """``check_imports`` without importing anything here: raises its ConfigError (or one for a child
-    that took longer than ``timeout`` seconds or died without an answer)."""
-    apply_python_path(config.python_path)
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_check_in_child, args=(config, send), name="loaderd-import-check", daemon=True)
-    try:
-        child.start()
-        send.close()  # the child holds the only write end: EOF means it died
-        if not receive.poll(timeout):
-            raise ConfigError(f"importing the config's datasets took longer than {timeout:g}s (startup timeout)")
+class ImportCheck:
+    """``check_imports`` in a forked child, running while the caller goes on (the pool starts meanwhile).
+
+    Rules: construct it before the process starts any thread (it forks). The check
+    has ``timeout`` seconds from construction. ``problem(wait)`` waits at most
+    ``wait`` seconds and returns None while the child is still importing, "" once
+    everything imported, else what went wrong (a message for a ConfigError; past
+    the deadline, that it took too long). ``close()`` (idempotent) kills the child
+    if it still runs and reaps it.
+    """
+
+    def __init__(self, config: LoaderConfig, timeout: float) -> None:
+        apply_python_path(config.python_path)
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._problem: str | None = None
+        self._answered = False
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._child = context.Process(target=_check_in_child, args=(config, send), name="loaderd-import-check", daemon=True)
         try:
-            problem = receive.recv()
-        except EOFError:
-            child.join(_REAP_S)
-            raise ConfigError(f"importing the config's datasets ended the process (exit code {child.exitcode})") from None
-        child.join(_REAP_S)  # it answered: let it exit on its own (its modules' exit handlers run)
-    finally:
-        send.close()
-        receive.close()
-        if child.is_alive():  # no answer in time, or stuck on its way out
-            child.kill()
-        if child.pid is not None:
-            child.join(_REAP_S)
-    if problem:
-        raise ConfigError(problem)
+            self._child.start()
+        finally:
+            send.close()  # the child holds the only write end: EOF means it died
+
+    def problem(self, wait: float = 0.0) -> str | None:
+        """None (still importing), "" (everything imports) or the problem; waits ``wait`` s at most."""
+        if self._problem is not None:
+            return self._problem
+        left = self._deadline - time.monotonic()
+        if self._receive.poll(max(0.0, min(wait, left))):
+            try:
+                self._problem = self._receive.recv()
+                self._answered = True
+            except EOFError:
+                self._child.join(_REAP_S)
+                self._problem = f"importing the config's datasets ended the process (exit code {self._child.exitcode})"
+        elif time.monotonic() >= self._deadline:
+            self._problem = f"importing the config's datasets took longer than {self._timeout:g}s (startup timeout)"
+        return self._problem
+
+    def raise_problem(self) -> None:
+        """Wait for the verdict (until the deadline at most); ConfigError if the check failed."""
+        problem = self.problem(self._deadline - time.monotonic())
+        if problem:
+            raise ConfigError(problem)
+
+    def close(self) -> None:
+        self._receive.close()
+        if self._child.pid is None:
+            return
+        self._child.join(_REAP_S if self._answered else 0.0)  # one that answered exits on its own
+        if self._child.is_alive():  # no answer in time, or stuck on its way out
+            self._child.kill()
+            self._child.join(_REAP_S)

@@ -23,7 +23,7 @@ import selectors
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -42,6 +42,8 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # Deferred news (a slot the worker may reuse) goes with the worker's next task; once this
 # many seconds old it goes on its own at the pool's next poll (the worker's idle trim needs it).
 _DEFER_S = 0.05
+# How often a starting pool asks whether to give up (the daemon's import check may fail meanwhile).
+_START_POLL_S = 0.05
 # What a selector key of the pool is for (its data is (worker, one of these)).
 _RESULTS, _DIED, _ROOM = "results", "died", "room"
 
@@ -144,12 +146,12 @@ class WorkerPool:
         self.size = config.workers
         self.shm_prefix = shm_prefix
         self._ctx = mp.get_context("forkserver")
-        preload = ["torch", "numpy", "loaderd.server.worker"]
+        # build_once applies the config's python_path (3.11's fork server drops the sys.path it is
+        # handed: the config's modules would not be found, and every worker would import its own) and
+        # builds the ``build: once`` datasets; then the config's modules, imported once for the pool.
+        preload = ["torch", "numpy", "loaderd.server.worker", "loaderd.server.build_once"]
         preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
-        # build: once -> the fork server builds these while preloading, before it forks a worker.
         self._build_once = [s for s in config.datasets.values() if s.build == "once"]
-        if self._build_once:
-            preload.append("loaderd.server.build_once")
         self._ctx.set_forkserver_preload(preload)
         self._workers: dict[int, _Worker] = {}
         self._generations: dict[int, int] = {}
@@ -213,21 +215,25 @@ class WorkerPool:
         self._workers[worker_id] = worker
         return worker
 
-    def start(self, timeout: float) -> dict[str, DatasetMeta]:
-        """Start every worker and wait until each has built its datasets (all within ``timeout``)."""
+    def start(self, timeout: float, give_up: Callable[[], str | None] = lambda: None) -> dict[str, DatasetMeta]:
+        """Start every worker and wait until each has built its datasets (all within ``timeout``).
+
+        ``give_up`` is asked every few tens of milliseconds meanwhile; once it returns a
+        reason, the start stops (fork server and workers go) with a PoolStartError
+        saying it. The daemon passes its import check's verdict, which runs meanwhile.
+        """
         deadline = time.monotonic() + timeout
-        first = 0
-        if self._build_once:
-            self._spawn_first(timeout)
-            first = 1
-        for worker_id in range(first, self.size):
-            self._spawn(worker_id)
+        self._spawn_all(deadline, timeout, give_up)
         while not all(w.ready for w in self._workers.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.shutdown()
                 raise PoolStartError(f"workers did not build their datasets within {timeout:.0f}s")
-            for event in self.poll(min(remaining, 0.5)):
+            reason = give_up()
+            if reason:
+                self.shutdown()
+                raise PoolStartError(f"pool start stopped: {reason}")
+            for event in self.poll(min(remaining, _START_POLL_S)):
                 if isinstance(event, WorkerDied):
                     self.shutdown()
                     raise PoolStartError(
@@ -240,25 +246,27 @@ class WorkerPool:
                     raise PoolStartError(event.result.message)
         return self.datasets
 
-    def _spawn_first(self, timeout: float) -> None:
-        """Start worker 0 while the fork server builds the ``build: once`` datasets, for at most ``timeout`` s.
+    def _spawn_all(self, deadline: float, timeout: float, give_up: Callable[[], str | None]) -> None:
+        """Start every worker process, giving up at ``deadline`` or when ``give_up`` says so.
 
-        Starting a process waits (without a timeout) for the fork server to
-        finish its preloads, which now include building datasets; a constructor
-        that hangs would hang the daemon. So the start runs on a thread, and
-        past the deadline the fork server is killed, which ends the start.
+        Starting the first process waits (without a timeout) for the fork server to
+        finish its preloads: the config's modules, and with ``build: once`` building
+        its datasets; a module or constructor that hangs would hang the daemon. So
+        the starts run on a thread, and when the wait is over the fork server is
+        killed, which ends the start.
         """
         from multiprocessing import forkserver
 
         names = ", ".join(repr(s.name) for s in self._build_once)
-        if forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+        if self._build_once and forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
             # Its preloads ran already (another pool of this process): it would build nothing.
             raise PoolStartError(f"build: once ({names}) needs a fork server of its own; this process has one already")
         failure: list[BaseException] = []
 
         def spawn() -> None:
             try:
-                self._spawn(0)
+                for worker_id in range(self.size):
+                    self._spawn(worker_id)
             except BaseException as exc:  # noqa: BLE001 - reported below, on the daemon's thread
                 failure.append(exc)
 
@@ -269,23 +277,32 @@ class WorkerPool:
         try:
             thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
             thread.start()
-            thread.join(timeout)
+            stopped = ""
+            while thread.is_alive() and not stopped:
+                thread.join(max(0.0, min(_START_POLL_S, deadline - time.monotonic())))
+                reason = give_up()
+                if reason:
+                    stopped = f"pool start stopped: {reason}"
+                elif time.monotonic() >= deadline and thread.is_alive():
+                    what = f"build the datasets with build: once ({names})" if names else "import the config's modules"
+                    stopped = f"the fork server did not {what} within {timeout:.0f}s"
             if thread.is_alive():
                 _stop_fork_server(0.0)
                 thread.join(10.0)
-                self.shutdown()
-                raise PoolStartError(f"the fork server did not build the datasets with build: once ({names}) within {timeout:.0f}s")
         finally:
             os.environ.pop(prebuilt.ENV, None)
             os.unlink(path)
-        if failure:
-            # E.g. a constructor that ended the fork server (os._exit, a crash, the OOM killer):
-            # the start then fails with EOFError, which says nothing of the dataset.
+        if stopped:
             self.shutdown()
+            raise PoolStartError(stopped)
+        if failure:
+            # E.g. a module or constructor that ended the fork server (os._exit, a crash, the OOM
+            # killer): the start then fails with EOFError, which says nothing of the dataset.
+            self.shutdown()
+            during = f" while the fork server built the datasets with build: once ({names})" if names else ""
             raise PoolStartError(
-                f"the first worker could not start while the fork server built the datasets with build: once "
-                f"({names}): {type(failure[0]).__name__}: {failure[0]} (a constructor that ends its process, "
-                "e.g. out of memory, ends the fork server; see the log above)"
+                f"a worker could not start{during}: {type(failure[0]).__name__}: {failure[0]} (a module or "
+                "constructor that ends its process, e.g. out of memory, ends the fork server; see the log above)"
             )
 
     def respawn(self, worker_id: int) -> None:

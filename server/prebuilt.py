@@ -11,6 +11,11 @@ the whole pool, as torch's workers share the dataset their parent built.
 ``gc.freeze()`` then keeps the workers' garbage collector from writing to those
 objects (each write would copy a page).
 
+The pool writes the payload for every fork server, with or without such
+datasets: it also carries the config's ``python_path``, which the fork server
+applies before it preloads the config's modules (Python 3.11's fork server drops
+the ``sys.path`` multiprocessing hands it), and how to log.
+
 Rules:
 
 * Only the fork server builds (``build_from_environment``, called by
@@ -21,7 +26,8 @@ Rules:
 * The payload is the server's own config (pickled by the daemon for its own fork
   server, in a 0600 file the pool removes once the fork server has read it), never
   anything a client sent. A fork server that multiprocessing restarts later finds no
-  payload: workers it forks fail to start with ``BuildFailed``, and the scheduler
+  payload: workers it forks import the config's modules themselves, and those that
+  need a ``build: once`` dataset fail to start with ``BuildFailed``, and the scheduler
   gives up on the pool after its usual failed starts (the daemon exits, to be restarted).
 """
 

@@ -68,8 +68,9 @@ class ClientSession:
     decided: threading.Event = field(default_factory=threading.Event)
     # time.monotonic() by which the proof must arrive (the session is cut then): a stream waits no longer.
     verdict_by: float = 0.0
-    # Messages for the client (segments it should unmap), sent by the session's handler.
-    outbox: queue.Queue[pb.SessionResponse] = field(default_factory=queue.Queue)
+    # Messages for the client (segments it should unmap), sent by the session's handler; None only
+    # wakes the handler (the session was closed).
+    outbox: queue.Queue[pb.SessionResponse | None] = field(default_factory=queue.Queue)
 
 
 class SessionForeignError(Exception):
@@ -120,6 +121,7 @@ class SessionRegistry:
             session.closed = True
             self._sessions.pop(session.session_id, None)
         session.decided.set()  # a stream waiting for its verdict finds it closed
+        session.outbox.put(None)  # its handler ends the call now, not at its next poll
         return True
 
     def announce_retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
@@ -158,7 +160,8 @@ class SessionHost:
             log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, released)
 
     def close_all(self) -> None:
-        """Shutdown: end every session (each gives back what it held, as when its client goes)."""
+        """Shutdown: end every session (each gives back what it held, as when its client goes); the
+        handlers of those past their handshake end their calls at once."""
         for session in self.registry.open_sessions():
             self.end(session)
 
@@ -206,9 +209,11 @@ class SessionHost:
             reader.start()
             while not session.closed and context.is_active():
                 try:
-                    yield session.outbox.get(timeout=_POLL_S)
+                    message = session.outbox.get(timeout=_POLL_S)
                 except queue.Empty:
                     continue
+                if message is not None:
+                    yield message
         finally:
             self.end(session)
 

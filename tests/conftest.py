@@ -54,10 +54,19 @@ class RunningDaemon:
             raise AssertionError(f"daemon did not exit within {timeout}s after {sig}:\n{self.log()}")
 
 
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
 def wait_serving(address: str, process: subprocess.Popen[str] | None, log_path: Path | None, timeout: float) -> None:
     """Poll the standard health service until SERVING (never sleep-and-hope)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    # Reconnect at once when the socket appears: gRPC's default backoff (1 s, growing) would add a
+    # second or more to every daemon start whose first connect came before the daemon listened.
+    with grpc.insecure_channel(address, options=FAST_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:

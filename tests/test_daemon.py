@@ -216,6 +216,39 @@ def test_a_module_that_never_finishes_importing_is_cut_at_the_startup_timeout(sh
     assert not [pid for pid in _pids() if str(path) in _cmdline(pid)]
 
 
+# A dataset module that, when imported, waits (up to 20 s) for a second process to import it too, and
+# writes down how many importers it saw: the daemon's import check and its fork server are the two.
+_WAITS_FOR_ITS_TWIN = """
+import os, pathlib, time
+here = pathlib.Path(__file__).parent
+(here / "importers").mkdir(exist_ok=True)
+(here / "importers" / str(os.getpid())).touch()
+deadline = time.monotonic() + 20
+while len(os.listdir(here / "importers")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.02)
+(here / "saw").mkdir(exist_ok=True)
+(here / "saw" / str(os.getpid())).write_text(str(len(os.listdir(here / "importers"))))
+
+class Odd:
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return i
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_import_check_and_the_pool_import_side_by_side(short_tmp: Path) -> None:
+    """The import check's child and the fork server import the config's modules at the same time (a
+    second or more of every start), not one after the other: each import sees the other."""
+    (short_tmp / "odd_module.py").write_text(_WAITS_FOR_ITS_TWIN)
+    with running_daemon({"odd": {"dataset": "odd_module:Odd"}}, prefix="ld-twin-", python_path=[str(short_tmp)]) as daemon:
+        assert [int(b) for b in first_batches(RemoteDataLoader("odd", batch_size=3, address=daemon.address))[0]] == [0, 1, 2]
+    saw = {path.name: path.read_text() for path in (short_tmp / "saw").iterdir()}
+    assert sorted(saw.values()) == ["2", "2"], saw
+
+
 def _pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,8 +21,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from loaderd.server import sessions
 from loaderd.server.auth import ANONYMOUS, Identity
-from loaderd.server.sessions import ClientSession, SessionForeignError, SessionRegistry
+from loaderd.server.ledger import SlotLedger
+from loaderd.server.sessions import ClientSession, SessionForeignError, SessionHost, SessionRegistry
+from loaderd.server.watchdog import Watchdog
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
@@ -82,6 +86,66 @@ def test_the_wait_ends_at_the_proof_s_deadline_and_foreign_or_unknown_sessions_a
         registry.shm_session(later.session_id, Identity("mallory"))
     assert registry.shm_session(later.session_id + 1, Identity("alice")) is None
     assert time.monotonic() - started < 1
+
+
+class _Context:
+    """What SessionHost.serve asks of a grpc.ServicerContext."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[object] = []
+
+    def peer(self) -> str:
+        return "unix:"
+
+    def add_callback(self, callback: object) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        raise AssertionError("nothing here should cut the call")
+
+
+def _waits_on_queue(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in a queue.Queue.get (seen from its current stack)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "get" and frame.f_code.co_filename == queue.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_closing_every_session_ends_their_calls_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown closes sessions before the gRPC server's grace period: a session's call, which lasts as
+    long as its client, must end then, not at the handler's next poll (made a minute long here)."""
+    monkeypatch.setattr(sessions, "_POLL_S", 60.0)
+    registry = SessionRegistry()
+    ledger = SlotLedger(None, give_back=lambda *_: None, on_retired=registry.announce_retired)
+    host = SessionHost(registry, ledger, None, Watchdog(), proof_timeout=5.0)
+    client_gone = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:  # a client that stays, sending nothing
+        client_gone.wait(30)
+        yield from ()
+
+    try:
+        responses = host.serve(pb.SessionHello(pid=os.getpid()), requests(), _Context(), ANONYMOUS)  # type: ignore[arg-type]
+        ready = next(responses)  # no shared memory served here: no challenge, the verdict at once
+        assert ready.WhichOneof("kind") == "ready" and not ready.ready.shm
+        rest: queue.Queue[list[pb.SessionResponse]] = queue.Queue()
+        handler = threading.Thread(target=lambda: rest.put(list(responses)), daemon=True)
+        handler.start()
+        wait_for(lambda: _waits_on_queue(handler), 10, "the session's handler to wait for news for its client")
+        assert registry.open_count() == 1
+        host.close_all()
+        handler.join(10)
+        assert not handler.is_alive(), "the session's call did not end when its session closed"
+        assert rest.get_nowait() == [] and registry.open_count() == 0
+    finally:
+        client_gone.set()
 
 
 # ------------------------------------------------------------------ the client
