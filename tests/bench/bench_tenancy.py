@@ -538,6 +538,25 @@ class MemoryResult:
     # (layout, kind) -> one GroupMem per round; kind: "torch" or a key of MEMORY_BUILDS.
     groups: dict[tuple[str, str], list[GroupMem]] = field(default_factory=lambda: defaultdict(list))
     errors: dict[str, str] = field(default_factory=dict)
+    # smaps_rollup of a process that imported torch and nothing else (see torch_import_rollup).
+    torch_alone: dict[str, int] = field(default_factory=dict)
+
+
+def torch_import_rollup() -> dict[str, int]:
+    """smaps_rollup of a fresh process that has imported torch (and numpy) and nothing else.
+
+    Its anonymous memory (torch's heap after import) is private to each process that imports
+    torch, however many there are; its file pages are shared by them all.
+    """
+    code = "import torch, numpy, sys; sys.stdout.write(open('/proc/self/smaps_rollup').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    totals: dict[str, int] = {}
+    for line in out.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            totals[key] = int(parts[0])
+    return totals
 
 
 def _dataset_kwargs(settings: Settings, layout: str) -> dict[str, Any]:
@@ -584,7 +603,7 @@ def memory_loaderd_group(settings: Settings, layout: str, bench: Bench, build: s
 
 def run_memory(bench: Bench) -> MemoryResult:
     settings = bench.settings
-    result = MemoryResult()
+    result = MemoryResult(torch_alone=torch_import_rollup())
     for layout in settings.layouts:
         for rnd in range(settings.memory_rounds):
             for kind in ("torch", *MEMORY_BUILDS):
@@ -806,6 +825,7 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
         "(/proc/PID/smaps_rollup; process trees from /proc/*/stat). Footprint = PSS + loaderd's /dev/shm slot memory "
         "that no process has mapped (allocated, so in use, but in nobody's PSS).\n"
     )
+    floors: list[tuple[str, float, dict[str, float]]] = []
     p("| dataset | group | processes: PSS | PSS | anon | shmem | /dev/shm unmapped | footprint | loaderd / torch | epoch s |")
     p("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layout in s.layouts:
@@ -832,6 +852,7 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
             )
         built = median([g.dataset_mb for g in groups["torch"]])
         p(f"| {label} | | the dataset in one process: {fmt(built, 0)} MB (anon PSS growth while building it) | | | | | | | |")
+        floors.append((label, built, footprint))
         target = MEMORY_TARGET[layout]
         for kind, ratio in ratios.items():
             summary.append(
@@ -839,6 +860,26 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
                 f"{_gib(footprint[kind])} | {fmt(ratio, 2)} | <= {target} {_verdict(ratio, target, True)} |"
             )
     p("")
+    alone = memory.torch_alone
+    if alone and floors:
+        anon_kb, file_kb = alone.get("Anonymous", 0), alone.get("Pss_File", 0)
+        p(
+            f"The floor under any daemon: {s.procs} training processes and the pool each import torch (a fresh process "
+            f"that imported torch and numpy and nothing else: {anon_kb / 1024:.0f} MB of its own heap, {file_kb / 1024:.0f} MB "
+            f"of library pages that every importer shares), and one copy of the dataset. The heap is private to each "
+            f"importer, and torch's group pays it {s.procs} times (its workers share their trainer's), loaderd "
+            f"{s.procs + 1} times (the pool's fork server imports torch for its workers).\n"
+        )
+        p("| dataset | floor: (procs + 1) x torch heap + its library pages + the dataset | floor / torch | loaderd once above the floor | loaderd once / torch |")
+        p("| --- | ---: | ---: | ---: | ---: |")
+        for label, built, footprint in floors:
+            floor_kb = (s.procs + 1) * anon_kb + file_kb + built * 1024
+            once = footprint.get("loaderd once", float("nan"))
+            p(
+                f"| {label} | {_gib(floor_kb)} | {fmt(_ratio(floor_kb, footprint['torch']), 2)} | {_gib(once - floor_kb)} | "
+                f"{fmt(_ratio(once, footprint['torch']), 2)} |"
+            )
+        p("")
     p(
         "pylist: items are lists of Python floats, so reading one writes refcounts on the pages that hold the data "
         "(copy-on-read: each forked torch worker ends up with private copies of the pages its items live on). "
