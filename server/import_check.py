@@ -3,8 +3,8 @@
 ``check_imports`` (server/config.py) imports the datasets' modules, and with them
 torch: ~0.15 GB that the daemon itself never uses (its fork server and workers
 run that code). So ``loaderd serve`` makes the check in a forked child and only
-hears the verdict; the daemon gets the config's ``python_path`` (which its fork
-server inherits) and nothing else. ``loaderd check`` and ``loaderd bench`` import
+hears the verdict; the daemon itself only puts the config's ``python_path`` on
+its sys.path (its pool hands it to the fork server in the prebuilt payload). ``loaderd check`` and ``loaderd bench`` import
 in their own process, which goes on to run the datasets anyway.
 
 The child (``ImportCheck``) is forked before the daemon starts any thread
@@ -66,6 +66,9 @@ class ImportCheck:
         self._child = context.Process(target=_check_in_child, args=(config, send), name="loaderd-import-check", daemon=True)
         try:
             self._child.start()
+        except BaseException:
+            self._receive.close()
+            raise
         finally:
             send.close()  # the child holds the only write end: EOF means it died
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import selectors
 import signal
 import threading
@@ -146,13 +147,12 @@ class WorkerPool:
         self.size = config.workers
         self.shm_prefix = shm_prefix
         self._ctx = mp.get_context("forkserver")
-        # build_once applies the config's python_path (3.11's fork server drops the sys.path it is
-        # handed: the config's modules would not be found, and every worker would import its own) and
-        # builds the ``build: once`` datasets; then the config's modules, imported once for the pool.
-        preload = ["torch", "numpy", "loaderd.server.worker", "loaderd.server.build_once"]
-        preload += sorted({s.factory.partition(":")[0] for s in config.datasets.values()})
+        # build_once imports the config's modules in the fork server (once for the pool, under the
+        # config's python_path, which 3.11's fork server would not apply; a module that raises is left
+        # to the workers and the daemon's import check to report, where multiprocessing's own preload
+        # would end the fork server with a traceback) and builds the ``build: once`` datasets.
+        self._ctx.set_forkserver_preload(["torch", "numpy", "loaderd.server.worker", "loaderd.server.build_once"])
         self._build_once = [s for s in config.datasets.values() if s.build == "once"]
-        self._ctx.set_forkserver_preload(preload)
         self._workers: dict[int, _Worker] = {}
         self._generations: dict[int, int] = {}
         self.datasets: dict[str, DatasetMeta] = {}
@@ -252,8 +252,9 @@ class WorkerPool:
         Starting the first process waits (without a timeout) for the fork server to
         finish its preloads: the config's modules, and with ``build: once`` building
         its datasets; a module or constructor that hangs would hang the daemon. So
-        the starts run on a thread, and when the wait is over the fork server is
-        killed, which ends the start.
+        the starts run on a thread, which checks ``halt`` before each one; to give
+        up, ``halt`` is set (no later start would launch a second fork server) and
+        the fork server is killed, which ends the start waiting on it.
         """
         from multiprocessing import forkserver
 
@@ -262,22 +263,31 @@ class WorkerPool:
             # Its preloads ran already (another pool of this process): it would build nothing.
             raise PoolStartError(f"build: once ({names}) needs a fork server of its own; this process has one already")
         failure: list[BaseException] = []
+        halt = threading.Event()
 
         def spawn() -> None:
             try:
                 for worker_id in range(self.size):
+                    if halt.is_set():
+                        return
                     self._spawn(worker_id)
             except BaseException as exc:  # noqa: BLE001 - reported below, on the daemon's thread
                 failure.append(exc)
 
-        # The variable names the payload only while the fork server starts (it reads the file
-        # before it forks); neither outlives this call.
-        path = prebuilt.write_payload(self._build_once, self.config.python_path, (self.config.log_level, self.config.log_format))
-        os.environ[prebuilt.ENV] = path
+        modules = sorted({s.factory.partition(":")[0] for s in self.config.datasets.values()})
         try:
-            thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
+            path = prebuilt.write_payload(
+                prebuilt.Payload(self._build_once, self.config.python_path, modules, (self.config.log_level, self.config.log_format))
+            )
+        except (OSError, pickle.PicklingError) as exc:
+            raise PoolStartError(f"could not write the fork server's start file: {exc}") from None
+        # The variable names the payload while workers start (the fork server reads the file
+        # once, before its first fork, and drops the variable); neither outlives this call.
+        os.environ[prebuilt.ENV] = path
+        stopped = ""
+        thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
+        try:
             thread.start()
-            stopped = ""
             while thread.is_alive() and not stopped:
                 thread.join(max(0.0, min(_START_POLL_S, deadline - time.monotonic())))
                 reason = give_up()
@@ -286,14 +296,19 @@ class WorkerPool:
                 elif time.monotonic() >= deadline and thread.is_alive():
                     what = f"build the datasets with build: once ({names})" if names else "import the config's modules"
                     stopped = f"the fork server did not {what} within {timeout:.0f}s"
-            if thread.is_alive():
-                _stop_fork_server(0.0)
-                thread.join(10.0)
+        except BaseException:  # e.g. KeyboardInterrupt in a program that starts a pool itself
+            stopped = "interrupted"
+            raise
         finally:
+            if stopped:
+                halt.set()
+                _stop_fork_server(0.0)
+                if thread.is_alive():
+                    thread.join(10.0)
+                self.shutdown()  # stops a fork server that a start racing the halt launched again, too
             os.environ.pop(prebuilt.ENV, None)
             os.unlink(path)
         if stopped:
-            self.shutdown()
             raise PoolStartError(stopped)
         if failure:
             # E.g. a module or constructor that ended the fork server (os._exit, a crash, the OOM
@@ -302,7 +317,8 @@ class WorkerPool:
             during = f" while the fork server built the datasets with build: once ({names})" if names else ""
             raise PoolStartError(
                 f"a worker could not start{during}: {type(failure[0]).__name__}: {failure[0]} (a module or "
-                "constructor that ends its process, e.g. out of memory, ends the fork server; see the log above)"
+                "constructor that ends its process, e.g. out of memory, ends the fork server; or no process "
+                "could be started; see the log above)"
             )
 
     def respawn(self, worker_id: int) -> None:

@@ -11,10 +11,13 @@ the whole pool, as torch's workers share the dataset their parent built.
 ``gc.freeze()`` then keeps the workers' garbage collector from writing to those
 objects (each write would copy a page).
 
-The pool writes the payload for every fork server, with or without such
-datasets: it also carries the config's ``python_path``, which the fork server
-applies before it preloads the config's modules (Python 3.11's fork server drops
-the ``sys.path`` multiprocessing hands it), and how to log.
+The pool writes the payload (``Payload``) for every fork server, with or
+without such datasets: it also carries the config's ``python_path`` (Python
+3.11's fork server drops the ``sys.path`` multiprocessing hands it) and modules,
+which the fork server imports once for the whole pool. A module that raises is
+skipped there (multiprocessing's own preload would end the fork server, with a
+traceback): the daemon's import check reports it by name, and a worker that
+needs it raises the same error when it builds its datasets.
 
 Rules:
 
@@ -34,11 +37,13 @@ Rules:
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import pickle
 import tempfile
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from loaderd.server.config import DatasetSpec, apply_python_path, resolve
@@ -55,16 +60,31 @@ class BuildFailed(Exception):
     """A ``build: once`` dataset could not be built in the fork server; the message says why."""
 
 
-def write_payload(specs: Sequence[DatasetSpec], python_path: Sequence[str], log: tuple[str, str]) -> str:
-    """Write these specs, where to import them from and how to log (level, format), to a new private file;
-    its path (for ``ENV``).
+@dataclass(frozen=True)
+class Payload:
+    """What a pool's fork server needs before it forks: the datasets to build once, where to import
+    from, the config's modules (imported once for the pool) and how to log (level, format)."""
+
+    build_once: Sequence[DatasetSpec]
+    python_path: Sequence[str]
+    modules: Sequence[str]
+    log: tuple[str, str]
+
+
+def write_payload(payload: Payload) -> str:
+    """Write ``payload`` to a new private file; its path (for ``ENV``). OSError or PicklingError
+    (nothing left behind) if it cannot.
 
     A file, not the variable's value: a config's kwargs can pass the kernel's limit on one
     environment string (128 KiB), and a variable's initial value stays readable in /proc.
     """
     fd, path = tempfile.mkstemp(prefix="loaderd-build-once-", suffix=".pickle")  # mode 0600
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump((tuple(specs), tuple(python_path), tuple(log)), f)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(payload, f)
+    except BaseException:
+        os.unlink(path)
+        raise
     return path
 
 
@@ -84,16 +104,20 @@ def build_from_environment() -> None:
     path = os.environ.pop(ENV, None)  # popped: the workers' own children must not build again
     if not path:
         return
-    specs: tuple[DatasetSpec, ...]
     try:
         with open(path, "rb") as f:
-            specs, python_path, (log_level, log_format) = pickle.load(f)
+            payload: Payload = pickle.load(f)
     except Exception as exc:  # noqa: BLE001 - the fork server must survive; workers report it
         _unread.append(f"the fork server could not read the datasets to build ({path}: {type(exc).__name__}: {exc})")
         return
-    configure_logging(log_level, log_format)  # a constructor's log lines look like the daemon's
-    apply_python_path(python_path)
-    for spec in specs:
+    configure_logging(*payload.log)  # a constructor's log lines look like the daemon's
+    apply_python_path(payload.python_path)
+    for module in payload.modules:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001 - even SystemExit: the daemon's import check and the workers report it
+            pass
+    for spec in payload.build_once:
         try:
             _built[spec.name] = resolve(spec.factory)(*spec.args, **spec.kwargs)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the fork server must survive

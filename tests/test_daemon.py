@@ -249,6 +249,37 @@ def test_the_import_check_and_the_pool_import_side_by_side(short_tmp: Path) -> N
     assert sorted(saw.values()) == ["2", "2"], saw
 
 
+@pytest.mark.timeout(90)
+def test_a_module_the_pool_imports_before_the_check_reports_it_is_still_one_clear_line(short_tmp: Path) -> None:
+    """The fork server imports the config's modules beside the check: one that raises there must not end
+    it with a traceback on the daemon's stderr; the check names it. The config lists a module first that
+    waits until the other one has been tried by another process (the fork server), so the check gets to
+    the bad one only after the fork server did."""
+    (short_tmp / "tried").mkdir()
+    (short_tmp / "aa_bad.py").write_text(
+        "import os, pathlib\n"
+        "(pathlib.Path(__file__).parent / 'tried' / str(os.getpid())).touch()\n"
+        "raise ValueError('bad on purpose')\n"
+    )
+    (short_tmp / "zz_waits.py").write_text(
+        "import os, pathlib, time\n"
+        "tried = pathlib.Path(__file__).parent / 'tried'\n"
+        "deadline = time.monotonic() + 20\n"
+        "while not [p for p in os.listdir(tried) if p != str(os.getpid())] and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
+        "class Waits:\n"
+        "    pass\n"
+    )
+    path = write_config(
+        short_tmp,
+        {"first": {"dataset": "zz_waits:Waits"}, "second": {"dataset": "aa_bad:Bad"}},  # the check's order (sorted)
+        python_path=[str(short_tmp)],
+        listen=[f"unix://{short_tmp}/never.sock"],
+    )
+    assert_config_error(path, "config error", "datasets.second.dataset", "bad on purpose")
+    assert len(os.listdir(short_tmp / "tried")) == 2  # the fork server tried it first, then the check
+
+
 def _pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
