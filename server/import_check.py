@@ -4,8 +4,9 @@
 torch: ~0.15 GB that the daemon itself never uses (its fork server and workers
 run that code). So ``loaderd serve`` makes the check in a forked child and only
 hears the verdict; the daemon itself only puts the config's ``python_path`` on
-its sys.path (its pool hands it to the fork server in the prebuilt payload). ``loaderd check`` and ``loaderd bench`` import
-in their own process, which goes on to run the datasets anyway.
+its sys.path (its pool hands it to the fork server in the prebuilt payload).
+``loaderd check`` and ``loaderd bench`` import in their own process, which goes
+on to run the datasets anyway.
 
 The child (``ImportCheck``) is forked before the daemon starts any thread
 (``Daemon.start`` creates it first), answers on a pipe and exits; it is killed
