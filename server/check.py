@@ -29,6 +29,7 @@ import torch
 
 from loaderd.errors import TransportError, clip
 from loaderd.server.config import DatasetSpec, LoaderConfig, apply_python_path
+from loaderd.server.launch import start_child
 from loaderd.server.worker import build_for_worker
 from loaderd.wire.codec import encode_batch
 
@@ -173,7 +174,7 @@ def check_config(config: LoaderConfig, batch_size: int, timeout_s: float) -> Ite
         receive, send = context.Pipe(duplex=False)
         job = CheckJob(spec, config.python_path, config.workers, batch_size, send)
         process = context.Process(target=run_check, args=(job,), name=f"loaderd-check-{spec.name}", daemon=True)
-        process.start()
+        start_child(process)
         send.close()
         report: DatasetReport | None = None
         # The first child waits for the fork server to import torch and loaderd: a separate, longer limit.

@@ -39,11 +39,11 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from prometheus_client import CollectorRegistry
 
 from loaderd.addresses import is_loopback
 from loaderd.server.admission import handler_threads
@@ -53,7 +53,6 @@ from loaderd.server.catalog import Catalog
 from loaderd.server.config import ConfigError, LoaderConfig
 from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
-from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 from loaderd.server.pool import PoolStartError, WorkerPool
 from loaderd.server.executor import ElasticExecutor
 from loaderd.server.import_check import ImportCheck
@@ -66,6 +65,9 @@ from loaderd.server.status import StatusBoard
 from loaderd.server.tasks import DatasetMeta
 from loaderd.server.watchdog import Watchdog
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from loaderd.server.metrics import BatchLatency, MetricsEndpoint
 
 log = logging.getLogger("loaderd")
 
@@ -182,9 +184,12 @@ class Daemon:
             pool.size,
             ", ".join(f"{n} ({'iterable' if m.iterable else f'{m.length} items'})" for n, m in catalog.datasets.items()),
         )
-        # Our own registry, not prometheus_client's global one: two daemons in a process never mix.
-        registry = CollectorRegistry()
-        latency = BatchLatency(registry, catalog.datasets) if config.metrics is not None else None
+        latency: BatchLatency | None = None
+        if config.metrics is not None:
+            # Imported only here: prometheus_client and its HTTP server are ~3.5 MB of every daemon otherwise.
+            from loaderd.server.metrics import BatchLatency
+
+            latency = BatchLatency(catalog.datasets)
         self.scheduler = scheduler = Scheduler(
             pool,
             ledger,
@@ -199,9 +204,11 @@ class Daemon:
         limits = config.limits
         self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
         status = StatusBoard(pool.states, catalog, scheduler, sessions)
-        if config.metrics is not None:
+        if config.metrics is not None and latency is not None:
+            from loaderd.server.metrics import MetricsEndpoint
+
             scrape_auth = authenticator if config.metrics.require_token else None
-            self.metrics = MetricsEndpoint(registry, status.snapshot, scrape_auth)
+            self.metrics = MetricsEndpoint(latency.registry, status.snapshot, scrape_auth)
             host, port = config.metrics.host, config.metrics.port
             try:
                 url = self.metrics.serve(host, port)

@@ -97,14 +97,16 @@ class _StatusCollector(Collector):
 
 
 class BatchLatency:
-    """The batch-latency histogram, in ``registry``: the scheduler calls ``observe`` as batches finish."""
+    """The batch-latency histogram, in the daemon's ``registry``: the scheduler calls ``observe`` as batches finish."""
 
-    def __init__(self, registry: CollectorRegistry, datasets: Iterable[str]) -> None:
+    def __init__(self, datasets: Iterable[str]) -> None:
+        # Our own registry, not prometheus_client's global one: two daemons in a process never mix.
+        self.registry = CollectorRegistry()
         self._latency = Histogram(
             "loaderd_batch_latency_seconds",
             "Seconds from handing a batch to a worker to its result",
             ["dataset"],
-            registry=registry,
+            registry=self.registry,
             buckets=LATENCY_BUCKETS,
         )
         # Children made up front: the observer runs under the scheduler's lock, so it only observes.

@@ -33,6 +33,7 @@ from typing import Any
 from loaderd.server import prebuilt
 from loaderd.server.arena import worker_prefix
 from loaderd.server.config import LoaderConfig
+from loaderd.server.launch import start_child
 from loaderd.server.task_pipe import TaskPipe
 from loaderd.server.tasks import BatchDone, DatasetMeta, ReleaseSlot, Result, Task, WorkerReady, WorkerStartFailed
 from loaderd.server.worker_entry import WorkerSpec, worker_main
@@ -192,7 +193,7 @@ class WorkerPool:
             shm_cap_bytes=self.config.shm_bytes_per_worker,
         )
         process = self._ctx.Process(target=worker_main, args=(spec,), name=f"loaderd-worker-{worker_id}", daemon=True)
-        process.start()
+        start_child(process)
         send_end.close()  # the worker holds the only write end: EOF here means it died
         task_read.close()  # and the only read end: a write to a dead worker fails at once
         worker = _Worker(

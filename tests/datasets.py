@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from typing import Any
 
@@ -347,3 +348,16 @@ class Chatty(Squares):
     def __init__(self, n: int = 100) -> None:
         super().__init__(n)
         logging.getLogger("chatty").warning("built %d squares in pid %d", n, os.getpid())
+
+
+class ModulesSeen(Dataset):
+    """Item i is 1.0 if ``modules[i]`` is imported in the process running ``__getitem__``, else 0.0."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules = modules
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(float(self.modules[i] in sys.modules))

@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -363,6 +364,35 @@ def test_the_daemon_process_never_loads_torch(start_daemon: Callable[..., Runnin
     with open(f"/proc/{daemon.process.pid}/maps") as f:
         mapped = f.read()
     assert "libtorch" not in mapped and "_multiarray_umath" not in mapped
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", ["python -m loaderd.server.cli", "the loaderd script"])
+def test_pool_workers_do_not_rerun_the_daemons_main(short_tmp: Path, entry: str) -> None:
+    """multiprocessing re-runs a child's parent ``__main__``: in every worker, the CLI and the whole daemon (~10 MB)."""
+    modules = ["loaderd.server.cli", "loaderd.server.daemon", "loaderd.server.worker"]
+    sock = short_tmp / "d.sock"
+    datasets = {"seen": {"dataset": "datasets:ModulesSeen", "kwargs": {"modules": modules}}}
+    config = write_config(short_tmp, datasets, workers=1, listen=[f"unix://{sock}"])
+    log_path = short_tmp / "daemon.log"
+    if entry.startswith("python"):
+        process = popen_serve(config, log_path)
+    else:
+        script = Path(sys.executable).with_name("loaderd")  # the console script pip installed beside this Python
+        with open(log_path, "w") as log_file:
+            command = [str(script), "serve", "--config", str(config)]
+            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_serving(f"unix://{sock}", process, log_path, STARTUP_TIMEOUT_S)
+        (seen,) = list(RemoteDataLoader("seen", batch_size=len(modules), address=f"unix://{sock}"))
+        # The worker's own module is there (the probe sees imports); the daemon's main and what it imports are not.
+        assert dict(zip(modules, seen.tolist())) == {m: float(m == "loaderd.server.worker") for m in modules}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(SHUTDOWN_S + 5) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 @pytest.mark.timeout(120)

@@ -82,6 +82,8 @@ from bench_loaders import (  # noqa: E402
 PARTS = ("memory", "shared", "fairness")
 LAYOUT_ROW = {"pylist": 64, "ndarray": 1024}  # values per item: 256 x row float32 per batch, >= 64 KiB (shm)
 MEMORY_BATCH = 256
+# Batches each loader keeps in flight per worker, the same for both: torch's default; loaderd's is 4.
+MEMORY_PREFETCH = 2
 SHARE_NAME = "bench-share"
 # loaderd / torch total PSS, at most (issue 12: 0.5 for arrays; copy-on-read lists kept at 0.4).
 MEMORY_TARGET = {"ndarray": 0.5, "pylist": 0.4}
@@ -524,6 +526,12 @@ class GroupMem:
         """What the group costs the machine: every process's PSS plus unmapped shared memory."""
         return self.total_kb() + self.unmapped_shm_kb()
 
+    def procs_by_role(self) -> dict[str, list[ProcMem]]:
+        roles: dict[str, list[ProcMem]] = {}
+        for p in self.procs:
+            roles.setdefault(p.role, []).append(p)
+        return roles
+
     def by_role(self) -> dict[str, tuple[int, int]]:
         """role -> (processes, total Pss KiB)."""
         roles: dict[str, tuple[int, int]] = {}
@@ -573,7 +581,7 @@ def memory_torch_group(settings: Settings, layout: str, bench: Bench) -> GroupMe
             "shuffle": True,
             "num_workers": settings.workers,
             "persistent_workers": True,
-            "prefetch_factor": 2,
+            "prefetch_factor": MEMORY_PREFETCH,
             "timeout": BATCH_TIMEOUT_S,
         }
         built = call_all(
@@ -593,7 +601,13 @@ def memory_loaderd_group(settings: Settings, layout: str, bench: Bench, build: s
         agents = start_agents(settings.procs, f"mem-loaderd-{layout}-", stack, bench.tmp)  # closed before the daemon
         wait_serving(daemon, STARTUP_TIMEOUT_S + settings.mb / 10)
         ready(agents)
-        loader = {"batch_size": MEMORY_BATCH, "shuffle": True, "timeout": BATCH_TIMEOUT_S, "address": daemon.unix_address}
+        loader = {
+            "batch_size": MEMORY_BATCH,
+            "shuffle": True,
+            "prefetch_factor": MEMORY_PREFETCH,
+            "timeout": BATCH_TIMEOUT_S,
+            "address": daemon.unix_address,
+        }
         call_all(agents, "remote", name="m", dataset="cor", loader=loader)
         epochs = call_all(agents, "epoch", EPOCH_TIMEOUT_S, name="m", hold=True)
         roots = {daemon.process.pid: "daemon", **{agent.pid: "training process" for agent in agents}}
@@ -817,15 +831,18 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
     p(f"### 1. Memory: {s.procs} training processes, mid-run (median over {s.memory_rounds} round(s))\n")
     p(
         f"torch: {s.procs} processes, each builds the dataset and runs `DataLoader(num_workers={s.workers}, "
-        f"persistent_workers=True, batch_size={MEMORY_BATCH}, shuffle=True)`. loaderd: one daemon whose pool of "
+        f"persistent_workers=True, batch_size={MEMORY_BATCH}, shuffle=True, prefetch_factor={MEMORY_PREFETCH})`. "
+        "loaderd: one daemon whose pool of "
         f"**{s.workers} workers** each build the dataset (loaderd once: `build: once`, built in the fork server "
         f"before it forks the workers, which share it), and {s.procs} processes with "
-        f"`RemoteDataLoader(batch_size={MEMORY_BATCH}, shuffle=True)` over shared memory. Every process has run one "
+        f"`RemoteDataLoader(batch_size={MEMORY_BATCH}, shuffle=True, prefetch_factor={MEMORY_PREFETCH})` over shared "
+        "memory (the same batches in flight per worker as torch's; loaderd's default is 4). Every process has run one "
         "epoch and taken the first batch of the next when the PSS of every process in the group is summed "
         "(/proc/PID/smaps_rollup; process trees from /proc/*/stat). Footprint = PSS + loaderd's /dev/shm slot memory "
         "that no process has mapped (allocated, so in use, but in nobody's PSS).\n"
     )
     floors: list[tuple[str, float, dict[str, float]]] = []
+    typicals: dict[tuple[str, str], GroupMem] = {}  # (dataset label, kind) -> the round closest to the median
     p("| dataset | group | processes: PSS | PSS | anon | shmem | /dev/shm unmapped | footprint | loaderd / torch | epoch s |")
     p("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layout in s.layouts:
@@ -843,6 +860,7 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
                 return _gib(median([float(g.total_kb(key)) for g in runs]))
 
             typical = min(runs, key=lambda g: abs(g.footprint_kb() - footprint[kind]))
+            typicals[label, kind] = typical
             roles = ", ".join(f"{n}x {role} {_gib(kb)}" for role, (n, kb) in typical.by_role().items())
             unmapped = _gib(median([float(g.unmapped_shm_kb()) for g in runs]))
             p(
@@ -857,7 +875,7 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
         for kind, ratio in ratios.items():
             summary.append(
                 f"| memory, {s.procs} procs, {layout} {s.mb:g} MB, {kind} | footprint (PSS) | torch {_gib(footprint['torch'])} | "
-                f"{_gib(footprint[kind])} | {fmt(ratio, 2)} | <= {target} {_verdict(ratio, target, True)} |"
+                f"{_gib(footprint[kind])} | {fmt(ratio, 3)} | <= {target} {_verdict(ratio, target, True)} |"
             )
     p("")
     alone = memory.torch_alone
@@ -879,6 +897,22 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
                 f"| {label} | {_gib(floor_kb)} | {fmt(_ratio(floor_kb, footprint['torch']), 2)} | {_gib(once - floor_kb)} | "
                 f"{fmt(_ratio(once, footprint['torch']), 2)} |"
             )
+        p("")
+    once_runs = [(label, group) for (label, kind), group in typicals.items() if kind == "loaderd once"]
+    if once_runs:
+        p(
+            "Where loaderd once's memory goes, per process (the round closest to the median): pages only that "
+            "process holds (Private_Dirty: what it wrote of pages it shared after a fork, what it allocated, "
+            "slots no one else maps), and its share of the slots (Pss_Shmem).\n"
+        )
+        p("| dataset | role | processes | PSS each | private each | slots (shmem PSS) each |")
+        p("| --- | --- | ---: | ---: | ---: | ---: |")
+        for label, group in once_runs:
+            for role, procs in group.procs_by_role().items():
+                def each(key: str, procs: list[ProcMem] = procs) -> str:
+                    return f"{median([p.rollup.get(key, 0) for p in procs]) / 1024:.1f} MB"
+
+                p(f"| {label} | {role} | {len(procs)} | {each('Pss')} | {each('Private_Dirty')} | {each('Pss_Shmem')} |")
         p("")
     p(
         "pylist: items are lists of Python floats, so reading one writes refcounts on the pages that hold the data "
