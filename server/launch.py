@@ -1,42 +1,60 @@
-"""Starting a fork-server child without it re-running this process's ``__main__``.
+"""Starting a multiprocessing child without it re-running this process's ``__main__``.
 
 A child of multiprocessing's fork server (or of ``spawn``) first re-runs its parent's
-main script, as the module ``__mp_main__``, so that pickled references into
-``__main__`` resolve there (CPython issue 137996). The daemon's and ``loaderd check``'s
-children are sent only a frozen spec whose entry point lives in an importable module,
-and a config names datasets by module, never ``__main__``; the re-run only costs. For
-``loaderd serve`` (the console script, or ``python -m loaderd.server.cli``) it imported
-the CLI and the whole daemon (the gRPC server, YAML, the scheduler) again in every pool
-worker: ~8 MB of memory of its own per worker, and time at every worker's start.
+main script or module, as ``__mp_main__``, so that pickled references into ``__main__``
+resolve there (the multiprocessing docs' "Safe importing of main module"; CPython issue
+137996). The daemon's and ``loaderd check``'s children are sent only a frozen spec
+whose entry point lives in an importable module, and a config names datasets by module,
+never ``__main__``: the re-run only costs. For ``loaderd serve`` (the console script,
+or ``python -m loaderd.server.cli``) it imported the CLI and the whole daemon (the gRPC
+server, YAML, the scheduler) again in every pool worker: ~8 MB of memory of its own
+per worker, and time at every worker's start.
+
+multiprocessing offers no switch for it: the main to re-run travels in the child's
+preparation data (``multiprocessing.spawn.get_preparation_data``). ``start_child``
+drops it from the data taken for its own starts; every other start, on any thread,
+gets multiprocessing's data unchanged.
 """
 
 from __future__ import annotations
 
-import sys
+import multiprocessing.spawn as mp_spawn
 import threading
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from typing import Any
 
-# Starts may come from several threads (the pool's start, a respawn): one hides and restores at a time.
-_lock = threading.Lock()
-_ABSENT = object()
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+_install_lock = threading.Lock()
+_wrapped: list[Callable[[str], dict[str, Any]]] = []  # what _preparation_data calls, once installed
+
+
+class _Starting(threading.local):
+    """Whether this thread is inside ``start_child``."""
+
+    without_main = False
+
+
+_starting = _Starting()
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data, less the main to re-run inside ``start_child``."""
+    data = _wrapped[0](name)
+    if _starting.without_main:
+        for key in _MAIN_KEYS:
+            data.pop(key, None)
+    return data
 
 
 def start_child(process: BaseProcess) -> None:
-    """``process.start()``, with ``__main__``'s file and spec hidden while multiprocessing reads them.
-
-    With neither (``spawn.get_preparation_data`` reads both), multiprocessing sends the
-    child no main to re-run. They are put back before this returns, whatever ``start`` raised.
-    Other threads see them hidden meanwhile (a start takes milliseconds); nothing in the
-    daemon reads them.
-    """
-    main = sys.modules["__main__"]
-    with _lock:
-        spec = main.__spec__  # a module's __spec__ always exists (None for a script): read unguarded
-        saved_file = main.__dict__.pop("__file__", _ABSENT)
-        main.__spec__ = None
-        try:
-            process.start()
-        finally:
-            main.__spec__ = spec
-            if saved_file is not _ABSENT:
-                main.__file__ = saved_file
+    """``process.start()``, the child sent no main to re-run."""
+    with _install_lock:  # once per process; multiprocessing looks the function up at each start
+        if not _wrapped:
+            _wrapped.append(mp_spawn.get_preparation_data)
+            mp_spawn.get_preparation_data = _preparation_data
+    _starting.without_main = True
+    try:
+        process.start()
+    finally:
+        _starting.without_main = False

@@ -1,9 +1,12 @@
-"""start_child: what multiprocessing reads of ``__main__`` is hidden during ``start`` and put back after."""
+"""start_child: a child started through it gets no main to re-run; every other start is untouched."""
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.spawn as mp_spawn
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,67 +16,79 @@ from loaderd.server.launch import start_child
 pytestmark = pytest.mark.timeout(60)
 
 
-class _Recording:
-    """Stands in for a process: ``start`` notes what multiprocessing would have read, then raises if asked."""
+@pytest.fixture
+def fake_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``__main__`` is a script that leaves a mark file when a child re-runs it."""
+    script = tmp_path / "main_script.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__file__", str(script), raising=False)
+    monkeypatch.setattr(main, "__spec__", None)
+    return script
 
-    def __init__(self, fail: bool) -> None:
+
+class _Taking:
+    """Stands in for a process: ``start`` takes the preparation data as multiprocessing's does.
+
+    A second thread takes it at the same moment (``beside``), and ``start`` raises if asked.
+    """
+
+    def __init__(self, fail: bool = False) -> None:
         self.fail = fail
-        self.seen: dict[str, Any] = {}
+        self.data: dict[str, Any] = {}
+        self.beside: dict[str, Any] = {}
+
+    def _take_beside(self) -> None:
+        self.beside = mp_spawn.get_preparation_data("other")
 
     def start(self) -> None:
-        main = sys.modules["__main__"]
-        self.seen = {"file": getattr(main, "__file__", None), "spec": main.__spec__}
+        self.data = mp_spawn.get_preparation_data("child")
+        other = threading.Thread(target=self._take_beside)
+        other.start()
+        other.join(10)
         if self.fail:
             raise OSError("no fork server")
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_main_is_hidden_while_starting_and_restored_after(fail: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    main = sys.modules["__main__"]
-    monkeypatch.setattr(main, "__file__", "/opt/venv/bin/loaderd", raising=False)
-    spec = main.__spec__
-    process = _Recording(fail)
+def test_only_its_own_start_goes_without_main(fake_main: Path, fail: bool) -> None:
+    taking = _Taking(fail)
     if fail:
         with pytest.raises(OSError, match="no fork server"):
-            start_child(process)  # type: ignore[arg-type]
+            start_child(taking)  # type: ignore[arg-type]
     else:
-        start_child(process)  # type: ignore[arg-type]
-    assert process.seen == {"file": None, "spec": None}
-    assert main.__file__ == "/opt/venv/bin/loaderd" and main.__spec__ is spec
-
-
-def test_a_main_without_a_file_stays_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    main = sys.modules["__main__"]
-    monkeypatch.delattr(main, "__file__", raising=False)
-    start_child(_Recording(fail=False))  # type: ignore[arg-type]
-    assert not hasattr(main, "__file__")
+        start_child(taking)  # type: ignore[arg-type]
+    assert "init_main_from_path" not in taking.data and "init_main_from_name" not in taking.data
+    assert taking.data["sys_path"] == sys.path  # the rest of the data is multiprocessing's
+    assert taking.beside["init_main_from_path"] == str(fake_main)  # another thread's start, meanwhile
+    assert mp_spawn.get_preparation_data("after")["init_main_from_path"] == str(fake_main)
 
 
 def _main_file(results: Any) -> None:
-    main = sys.modules["__main__"]
-    results.send(getattr(main, "__file__", None))
+    results.send(getattr(sys.modules["__main__"], "__file__", None))
 
 
-def test_a_real_child_gets_no_main_to_rerun(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A main script that would leave a mark if a child re-ran it.
-    script = tmp_path / "main_script.py"
-    mark = tmp_path / "ran"
-    script.write_text(f"open({str(mark)!r}, 'w').close()\n")
-    main = sys.modules["__main__"]
-    monkeypatch.setattr(main, "__file__", str(script), raising=False)
-    monkeypatch.setattr(main, "__spec__", None)
+@pytest.mark.parametrize("how", ["start_child", "plain start"])
+def test_a_real_child(fake_main: Path, how: str) -> None:
     # spawn prepares a child as the fork server does (spawn.prepare), without a process-wide
     # fork server that would outlive this test and serve later in-process pools unprepared.
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_main_file, args=(send,), daemon=True)
-    start_child(child)
+    if how == "start_child":
+        start_child(child)
+    else:
+        child.start()
     send.close()
     try:
         assert receive.poll(30), "the child did not answer"
-        assert receive.recv() is None  # its __main__ is its own, not a re-run of the script
+        main_file = receive.recv()
     finally:
         child.join(10)
         if child.is_alive():
             child.kill()
-    assert not mark.exists()
+    reran = (fake_main.parent / "ran").exists()
+    if how == "start_child":
+        assert main_file is None and not reran  # its __main__ is its own
+    else:
+        assert main_file == str(fake_main) and reran  # what multiprocessing does by itself

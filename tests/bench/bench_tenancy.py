@@ -910,7 +910,7 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
         for label, group in once_runs:
             for role, procs in group.procs_by_role().items():
                 def each(key: str, procs: list[ProcMem] = procs) -> str:
-                    return f"{median([p.rollup.get(key, 0) for p in procs]) / 1024:.1f} MB"
+                    return f"{median([proc.rollup.get(key, 0) for proc in procs]) / 1024:.1f} MB"
 
                 p(f"| {label} | {role} | {len(procs)} | {each('Pss')} | {each('Private_Dirty')} | {each('Pss_Shmem')} |")
         p("")
