@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,9 @@ if TYPE_CHECKING:
 @functools.cache
 def version() -> str:
     """The installed loaderd package's version."""
+    # Imported on the first Status call, not with the daemon: importlib.metadata (email, zipfile, csv...) is ~1.8 MB.
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("loaderd")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed

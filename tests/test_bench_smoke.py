@@ -168,3 +168,14 @@ def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
     assert re.search(r"^\| 1 \| \d+/100 \| [\d.]+ \| \d+ \| yes \| [\d.]+ \| same \|$", out, re.M), out
     soaks = re.findall(r"epochs: (\d+), equal to torch's: (\d+); batches received [\d,]+, lost 0, duplicated or foreign 0", out)
     assert len(soaks) == 2 and all(int(n) > 0 and n == same for n, same in soaks), out
+
+
+STARTUP = Path(__file__).resolve().parent / "bench" / "bench_startup.py"
+
+
+@pytest.mark.timeout(180)
+def test_startup_bench_times_starts_and_a_replaced_worker() -> None:
+    bench = subprocess.run([sys.executable, str(STARTUP), "--quick"], capture_output=True, text=True, timeout=150)
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{bench.stdout}\n{bench.stderr[-4000:]}"
+    assert "## Startup: 2 workers, 2 rounds" in bench.stdout, bench.stdout
+    assert re.search(r"^\| this checkout \| \d+ ms \(\d+, \d+\) \| \d+ ms \(\d+, \d+\) \|$", bench.stdout, re.M), bench.stdout

@@ -506,6 +506,32 @@ def shm_segments_kb(daemon_pid: int) -> int:
     return total // 1024
 
 
+def held_deleted_shm_kb(pids: Sequence[int]) -> int:
+    """KiB of removed /dev/shm files that these processes hold open but none of them maps.
+
+    torch's workers send a batch as a shared-memory file already unlinked, its descriptor
+    held by the worker until the training process takes the batch: a batch in flight is
+    in nobody's PSS and not in /dev/shm's listing, but it is memory in use.
+    """
+    mapped: set[int] = set()
+    held: dict[int, int] = {}  # inode -> bytes allocated
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        mapped.add(int(fields[4]))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/") and target.endswith(" (deleted)"):
+                        info = os.stat(f"/proc/{pid}/fd/{fd}")
+                        held[info.st_ino] = info.st_blocks * 512
+    return sum(size for inode, size in held.items() if inode not in mapped) // 1024
+
+
 @dataclass
 class GroupMem:
     """One measurement of one group (torch or loaderd) of processes."""
@@ -514,13 +540,15 @@ class GroupMem:
     epoch_s: list[float]
     dataset_mb: float = float("nan")
     shm_files_kb: int = 0
+    held_shm_kb: int = 0  # held_deleted_shm_kb of the group's processes
 
     def total_kb(self, key: str = "Pss") -> int:
         return sum(p.rollup.get(key, 0) for p in self.procs)
 
     def unmapped_shm_kb(self) -> int:
-        """/dev/shm segment memory that no process has mapped (allocated, so used, but not in any PSS)."""
-        return max(0, self.shm_files_kb - self.total_kb("Pss_Shmem"))
+        """Shared memory that no process has mapped (allocated, so used, but not in any PSS): loaderd's
+        /dev/shm segments beyond what is mapped, and removed files the group holds open (torch's batches in flight)."""
+        return max(0, self.shm_files_kb - self.total_kb("Pss_Shmem")) + self.held_shm_kb
 
     def footprint_kb(self) -> int:
         """What the group costs the machine: every process's PSS plus unmapped shared memory."""
@@ -590,7 +618,8 @@ def memory_torch_group(settings: Settings, layout: str, bench: Bench) -> GroupMe
         )  # fmt: skip
         epochs = call_all(agents, "epoch", EPOCH_TIMEOUT_S, name="m", hold=True)
         procs = process_trees({agent.pid: "training process" for agent in agents})
-        return GroupMem(procs, [e["elapsed_s"] for e in epochs], median([b["dataset_mb"] for b in built]))
+        held = held_deleted_shm_kb([proc.pid for proc in procs])
+        return GroupMem(procs, [e["elapsed_s"] for e in epochs], median([b["dataset_mb"] for b in built]), held_shm_kb=held)
 
 
 def memory_loaderd_group(settings: Settings, layout: str, bench: Bench, build: str) -> GroupMem:
@@ -612,7 +641,9 @@ def memory_loaderd_group(settings: Settings, layout: str, bench: Bench, build: s
         epochs = call_all(agents, "epoch", EPOCH_TIMEOUT_S, name="m", hold=True)
         roots = {daemon.process.pid: "daemon", **{agent.pid: "training process" for agent in agents}}
         procs = process_trees(roots)
-        return GroupMem(procs, [e["elapsed_s"] for e in epochs], shm_files_kb=shm_segments_kb(daemon.process.pid))
+        held = held_deleted_shm_kb([proc.pid for proc in procs])
+        shm_kb = shm_segments_kb(daemon.process.pid)
+        return GroupMem(procs, [e["elapsed_s"] for e in epochs], shm_files_kb=shm_kb, held_shm_kb=held)
 
 
 def run_memory(bench: Bench) -> MemoryResult:
@@ -838,12 +869,14 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
         f"`RemoteDataLoader(batch_size={MEMORY_BATCH}, shuffle=True, prefetch_factor={MEMORY_PREFETCH})` over shared "
         "memory (the same batches in flight per worker as torch's; loaderd's default is 4). Every process has run one "
         "epoch and taken the first batch of the next when the PSS of every process in the group is summed "
-        "(/proc/PID/smaps_rollup; process trees from /proc/*/stat). Footprint = PSS + loaderd's /dev/shm slot memory "
-        "that no process has mapped (allocated, so in use, but in nobody's PSS).\n"
+        "(/proc/PID/smaps_rollup; process trees from /proc/*/stat). Footprint = PSS + shared memory that no process "
+        "has mapped (allocated, so in use, but in nobody's PSS): loaderd's /dev/shm slots, and removed /dev/shm files "
+        "the group's processes hold open (torch's batches in flight: its workers send each as an unlinked segment, "
+        "held by a descriptor until the training process takes it).\n"
     )
     floors: list[tuple[str, float, dict[str, float]]] = []
     typicals: dict[tuple[str, str], GroupMem] = {}  # (dataset label, kind) -> the round closest to the median
-    p("| dataset | group | processes: PSS | PSS | anon | shmem | /dev/shm unmapped | footprint | loaderd / torch | epoch s |")
+    p("| dataset | group | processes: PSS | PSS | anon | shmem | shm unmapped | footprint | loaderd / torch | epoch s |")
     p("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layout in s.layouts:
         label = f"{layout} ({s.mb:g} MB, row {LAYOUT_ROW[layout]})"

@@ -1,0 +1,221 @@
+"""Startup benchmark: how long a daemon takes to serve, and a dead pool worker to be replaced.
+
+    python tests/bench/bench_startup.py [--rounds 6] [--workers 4] [--baseline COMMIT] [--quick]
+
+start    a fresh `loaderd serve` (`python -m loaderd.server.cli`, the tests' Squares
+         dataset, --workers workers) until its health service answers SERVING (polled
+         every 5 ms, each time on a fresh channel, so no reconnect backoff delays it).
+respawn  on one daemon per source tree, started once: SIGKILL one of its pool workers and
+         time until the daemon logs the replacement ready ("worker N ready").
+
+With --baseline COMMIT, the same runs against that commit's code (its client/, server/
+and proto/ from `git archive`, laid out as the `loaderd` package in a temp dir and put
+first on PYTHONPATH), interleaved with this checkout round by round (ABBA), so both see the
+same machine. Markdown report on stdout (medians, every value), progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS_DIR = REPO / "tests"
+TIMEOUT_S = 120.0
+POLL_S = 0.005
+
+
+def log(message: str) -> None:
+    print(f"[startup] {message}", file=sys.stderr, flush=True)
+
+
+def baseline_tree(commit: str, into: Path) -> Path:
+    """``commit``'s code as an importable ``loaderd`` package under ``into`` (returned: the PYTHONPATH entry)."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "client", "server", "proto"], capture_output=True, check=True
+    ).stdout
+    raw = into / "raw"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(raw, filter="data")
+    package = into / "pkg" / "loaderd"
+    shutil.copytree(raw / "client", package)
+    shutil.copytree(raw / "server", package / "server")
+    shutil.copytree(raw / "proto" / "loaderd" / "v1", package / "v1")
+    return into / "pkg"
+
+
+@dataclass
+class Tree:
+    """One source tree to time: its label and its PYTHONPATH entry (None: the installed package)."""
+
+    label: str
+    python_path: Path | None
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.python_path is not None:
+            env["PYTHONPATH"] = str(self.python_path)
+        return env
+
+
+@dataclass
+class Serving:
+    process: subprocess.Popen[bytes]
+    socket_path: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def serve(tree: Tree, workers: int, tmp: Path) -> Serving:
+    directory = Path(tempfile.mkdtemp(prefix="lds-", dir=tmp))
+    socket_path = directory / "d.sock"
+    config = {
+        "python_path": [str(TESTS_DIR)],
+        "listen": [f"unix://{socket_path}"],
+        "workers": workers,
+        "datasets": {"sq": {"dataset": "datasets:Squares"}},
+    }
+    (directory / "ds.yaml").write_text(yaml.safe_dump(config))
+    log_path = directory / "daemon.log"
+    with open(log_path, "wb") as log_file:
+        command = [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(directory / "ds.yaml")]
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=tree.env())
+    return Serving(process, socket_path, log_path)
+
+
+def until(condition: Callable[[], bool], serving: Serving, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if serving.process.poll() is not None:
+            raise RuntimeError(f"the daemon exited ({serving.process.returncode}) before {what}:\n{serving.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {TIMEOUT_S:.0f} s:\n{serving.log()[-3000:]}")
+        time.sleep(POLL_S)
+
+
+def is_serving(serving: Serving) -> bool:
+    if not serving.socket_path.exists():
+        return False
+    try:
+        with grpc.insecure_channel(f"unix://{serving.socket_path}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def time_start(tree: Tree, workers: int, tmp: Path) -> float:
+    """Seconds from starting `loaderd serve` to SERVING."""
+    started = time.monotonic()
+    serving = serve(tree, workers, tmp)
+    try:
+        until(lambda: is_serving(serving), serving, "SERVING")
+        return time.monotonic() - started
+    finally:
+        serving.stop()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pid:
+                found.append(int(entry))
+    return found
+
+
+def pool_workers(serving: Serving) -> list[int]:
+    """The daemon's pool workers: the children of its fork server."""
+    for child in _children(serving.process.pid):
+        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+            if b"forkserver" in cmdline.read():
+                return _children(child)
+    return []
+
+
+def time_respawn(serving: Serving, workers: int) -> float:
+    """Seconds from SIGKILLing one pool worker to the daemon logging its replacement ready."""
+    until(lambda: len(pool_workers(serving)) == workers, serving, f"{workers} pool workers")
+    ready_before = serving.log().count(" ready\n")
+    victim = pool_workers(serving)[0]
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    until(lambda: serving.log().count(" ready\n") > ready_before, serving, "the replacement ready")
+    return time.monotonic() - started
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1000:.0f} ms ({', '.join(f'{v * 1000:.0f}' for v in values)})"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--baseline", help="a commit to compare with (its code, from git archive)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 2 workers (a smoke run)")
+    args = parser.parse_args(argv)
+    rounds, workers = (2, 2) if args.quick else (args.rounds, args.workers)
+    with tempfile.TemporaryDirectory(prefix="ldstart-", dir="/tmp") as tmp_name:
+        tmp = Path(tmp_name)
+        trees = [Tree("this checkout", None)]
+        if args.baseline:
+            trees.append(Tree(f"baseline {args.baseline}", baseline_tree(args.baseline, tmp)))
+        starts: dict[str, list[float]] = {t.label: [] for t in trees}
+        respawns: dict[str, list[float]] = {t.label: [] for t in trees}
+        daemons = {t.label: serve(t, workers, tmp) for t in trees}  # the respawn part's, started once
+        try:
+            for serving in daemons.values():
+                until(lambda serving=serving: is_serving(serving), serving, "SERVING")  # type: ignore[misc]
+            for rnd in range(rounds):
+                order = trees if rnd % 2 == 0 else trees[::-1]
+                for tree in order:
+                    starts[tree.label].append(time_start(tree, workers, tmp))
+                    respawns[tree.label].append(time_respawn(daemons[tree.label], workers))
+                    log(f"round {rnd + 1}, {tree.label}: start {starts[tree.label][-1]:.2f} s, "
+                        f"respawn {respawns[tree.label][-1] * 1000:.0f} ms")
+        finally:
+            for serving in daemons.values():
+                serving.stop()
+    print(f"## Startup: {workers} workers, {rounds} rounds (medians, then every value)\n")
+    print("| source | start to SERVING | a killed worker replaced |")
+    print("| --- | ---: | ---: |")
+    for tree in trees:
+        print(f"| {tree.label} | {_ms(starts[tree.label])} | {_ms(respawns[tree.label])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
