@@ -26,7 +26,7 @@ from typing import Any
 
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _install_lock = threading.Lock()
-_wrapped: list[Callable[[str], dict[str, Any]]] = []  # what _preparation_data calls, once installed
+_original: Callable[[str], dict[str, Any]] = mp_spawn.get_preparation_data  # what _preparation_data wraps
 
 
 class _Starting(threading.local):
@@ -40,7 +40,7 @@ _starting = _Starting()
 
 def _preparation_data(name: str) -> dict[str, Any]:
     """multiprocessing's preparation data, less the main to re-run inside ``start_child``."""
-    data = _wrapped[0](name)
+    data = _original(name)
     if _starting.without_main:
         for key in _MAIN_KEYS:
             data.pop(key, None)
@@ -48,13 +48,19 @@ def _preparation_data(name: str) -> dict[str, Any]:
 
 
 def start_child(process: BaseProcess) -> None:
-    """``process.start()``, the child sent no main to re-run."""
-    with _install_lock:  # once per process; multiprocessing looks the function up at each start
-        if not _wrapped:
-            _wrapped.append(mp_spawn.get_preparation_data)
+    """``process.start()``, the child sent no main to re-run.
+
+    The contract: nothing the child is sent (its target, its args) may be pickled by
+    reference to ``__main__``; the child could not find it.
+    """
+    global _original
+    with _install_lock:  # multiprocessing looks the function up at each start
+        if mp_spawn.get_preparation_data is not _preparation_data:  # first use, or put back since
+            _original = mp_spawn.get_preparation_data
             mp_spawn.get_preparation_data = _preparation_data
+    outer = _starting.without_main
     _starting.without_main = True
     try:
         process.start()
     finally:
-        _starting.without_main = False
+        _starting.without_main = outer

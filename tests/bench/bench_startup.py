@@ -8,10 +8,12 @@ start    a fresh `loaderd serve` (`python -m loaderd.server.cli`, the tests' Squ
 respawn  on one daemon per source tree, started once: SIGKILL one of its pool workers and
          time until the daemon logs the replacement ready ("worker N ready").
 
-With --baseline COMMIT, the same runs against that commit's code (its client/, server/
-and proto/ from `git archive`, laid out as the `loaderd` package in a temp dir and put
-first on PYTHONPATH), interleaved with this checkout round by round (ABBA), so both see the
-same machine. Markdown report on stdout (medians, every value), progress on stderr.
+"This checkout" is the loaderd package installed here (`pip install -e .`: this
+checkout's code). With --baseline COMMIT, the same runs against that commit's code (its
+client/, server/ and proto/ from `git archive`, laid out as the `loaderd` package in a
+temp dir and put first on PYTHONPATH; Python 3.11.4 or later, for tarfile's "data"
+filter), interleaved with this checkout round by round (ABBA), so both see the same
+machine. Markdown report on stdout (medians, every value), progress on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -39,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS_DIR = REPO / "tests"
 TIMEOUT_S = 120.0
 POLL_S = 0.005
+READY = re.compile(r"worker \d+ ready$", re.M)
 
 
 def log(message: str) -> None:
@@ -159,20 +163,29 @@ def _children(pid: int) -> list[int]:
 def pool_workers(serving: Serving) -> list[int]:
     """The daemon's pool workers: the children of its fork server."""
     for child in _children(serving.process.pid):
-        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-            if b"forkserver" in cmdline.read():
-                return _children(child)
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except OSError:  # a child that just ended (the daemon's import check)
+            continue
+        if b"forkserver" in command:
+            return _children(child)
     return []
+
+
+def replacements_ready(serving: Serving) -> int:
+    """How many "worker N ready" lines the daemon has logged (one per replacement worker)."""
+    return len(READY.findall(serving.log()))
 
 
 def time_respawn(serving: Serving, workers: int) -> float:
     """Seconds from SIGKILLing one pool worker to the daemon logging its replacement ready."""
     until(lambda: len(pool_workers(serving)) == workers, serving, f"{workers} pool workers")
-    ready_before = serving.log().count(" ready\n")
+    ready_before = replacements_ready(serving)
     victim = pool_workers(serving)[0]
     started = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    until(lambda: serving.log().count(" ready\n") > ready_before, serving, "the replacement ready")
+    until(lambda: replacements_ready(serving) > ready_before, serving, "the replacement ready")
     return time.monotonic() - started
 
 
@@ -187,6 +200,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--baseline", help="a commit to compare with (its code, from git archive)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 2 workers (a smoke run)")
     args = parser.parse_args(argv)
+    # SIGTERM (a test's timeout) unwinds like Ctrl-C: the daemons are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     rounds, workers = (2, 2) if args.quick else (args.rounds, args.workers)
     with tempfile.TemporaryDirectory(prefix="ldstart-", dir="/tmp") as tmp_name:
         tmp = Path(tmp_name)
@@ -195,8 +210,10 @@ def main(argv: list[str]) -> int:
             trees.append(Tree(f"baseline {args.baseline}", baseline_tree(args.baseline, tmp)))
         starts: dict[str, list[float]] = {t.label: [] for t in trees}
         respawns: dict[str, list[float]] = {t.label: [] for t in trees}
-        daemons = {t.label: serve(t, workers, tmp) for t in trees}  # the respawn part's, started once
+        daemons: dict[str, Serving] = {}  # the respawn part's, started once
         try:
+            for tree in trees:
+                daemons[tree.label] = serve(tree, workers, tmp)
             for serving in daemons.values():
                 until(lambda serving=serving: is_serving(serving), serving, "SERVING")  # type: ignore[misc]
             for rnd in range(rounds):
