@@ -138,11 +138,12 @@ def start_daemon(
     datasets: dict[str, Any] | None = None,
     python_path: Path = BENCH_DIR,
     extra_listen: tuple[Any, ...] = (),
+    env: dict[str, str] | None = None,
     **top: Any,
 ) -> Daemon:
     """`loaderd serve` on a temp unix socket and 127.0.0.1:0 (``wait_serving`` reads the port), plus
-    ``extra_listen`` entries; ``datasets`` defaults to this benchmark's in-memory ones; ``top`` adds
-    top-level config keys."""
+    ``extra_listen`` entries; ``datasets`` defaults to this benchmark's in-memory ones; ``env``
+    replaces the daemon's environment; ``top`` adds top-level config keys."""
     tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
     socket_path = tmp / "d.sock"
     if datasets is None:
@@ -165,6 +166,7 @@ def start_daemon(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
         )
     return Daemon(process, tmp, socket_path, log_path, f"unix://{socket_path}")
 

@@ -35,10 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from bench_loaders import Daemon, children_by_parent, start_daemon  # noqa: E402
+
+REPO = BENCH_DIR.parents[1]
 TESTS_DIR = REPO / "tests"
 TIMEOUT_S = 120.0
 POLL_S = 0.005
@@ -78,43 +81,20 @@ class Tree:
         return env
 
 
-@dataclass
-class Serving:
-    process: subprocess.Popen[bytes]
-    socket_path: Path
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+def serve(tree: Tree, workers: int) -> Daemon:
+    """`loaderd serve` of ``tree`` over the tests' Squares dataset (bench_loaders.start_daemon)."""
+    return start_daemon(workers, {"sq": {"dataset": "datasets:Squares"}}, python_path=TESTS_DIR, env=tree.env())
 
 
-def serve(tree: Tree, workers: int, tmp: Path) -> Serving:
-    directory = Path(tempfile.mkdtemp(prefix="lds-", dir=tmp))
-    socket_path = directory / "d.sock"
-    config = {
-        "python_path": [str(TESTS_DIR)],
-        "listen": [f"unix://{socket_path}"],
-        "workers": workers,
-        "datasets": {"sq": {"dataset": "datasets:Squares"}},
-    }
-    (directory / "ds.yaml").write_text(yaml.safe_dump(config))
-    log_path = directory / "daemon.log"
-    with open(log_path, "wb") as log_file:
-        command = [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(directory / "ds.yaml")]
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=tree.env())
-    return Serving(process, socket_path, log_path)
+def stop(serving: Daemon) -> None:
+    """SIGTERM and wait (killed if it hangs), then its temp dir goes; a problem is logged, not raised."""
+    _, problem = serving.stop()
+    if problem:
+        log(f"{problem}:\n{serving.log()[-3000:]}")
+    shutil.rmtree(serving.tmp, ignore_errors=True)
 
 
-def until(condition: Callable[[], bool], serving: Serving, what: str) -> None:
+def until(condition: Callable[[], bool], serving: Daemon, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         if serving.process.poll() is not None:
@@ -124,7 +104,7 @@ def until(condition: Callable[[], bool], serving: Serving, what: str) -> None:
         time.sleep(POLL_S)
 
 
-def is_serving(serving: Serving) -> bool:
+def is_serving(serving: Daemon) -> bool:
     if not serving.socket_path.exists():
         return False
     try:
@@ -135,50 +115,37 @@ def is_serving(serving: Serving) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def time_start(tree: Tree, workers: int, tmp: Path) -> float:
+def time_start(tree: Tree, workers: int) -> float:
     """Seconds from starting `loaderd serve` to SERVING."""
     started = time.monotonic()
-    serving = serve(tree, workers, tmp)
+    serving = serve(tree, workers)
     try:
         until(lambda: is_serving(serving), serving, "SERVING")
         return time.monotonic() - started
     finally:
-        serving.stop()
+        stop(serving)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == pid:
-                found.append(int(entry))
-    return found
-
-
-def pool_workers(serving: Serving) -> list[int]:
+def pool_workers(serving: Daemon) -> list[int]:
     """The daemon's pool workers: the children of its fork server."""
-    for child in _children(serving.process.pid):
+    children = children_by_parent()
+    for child in children.get(serving.process.pid, []):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as cmdline:
                 command = cmdline.read()
         except OSError:  # a child that just ended (the daemon's import check)
             continue
         if b"forkserver" in command:
-            return _children(child)
+            return children.get(child, [])
     return []
 
 
-def replacements_ready(serving: Serving) -> int:
+def replacements_ready(serving: Daemon) -> int:
     """How many "worker N ready" lines the daemon has logged (one per replacement worker)."""
     return len(READY.findall(serving.log()))
 
 
-def time_respawn(serving: Serving, workers: int) -> float:
+def time_respawn(serving: Daemon, workers: int) -> float:
     """Seconds from SIGKILLing one pool worker to the daemon logging its replacement ready."""
     until(lambda: len(pool_workers(serving)) == workers, serving, f"{workers} pool workers")
     ready_before = replacements_ready(serving)
@@ -210,22 +177,22 @@ def main(argv: list[str]) -> int:
             trees.append(Tree(f"baseline {args.baseline}", baseline_tree(args.baseline, tmp)))
         starts: dict[str, list[float]] = {t.label: [] for t in trees}
         respawns: dict[str, list[float]] = {t.label: [] for t in trees}
-        daemons: dict[str, Serving] = {}  # the respawn part's, started once
+        daemons: dict[str, Daemon] = {}  # the respawn part's, started once
         try:
             for tree in trees:
-                daemons[tree.label] = serve(tree, workers, tmp)
+                daemons[tree.label] = serve(tree, workers)
             for serving in daemons.values():
                 until(lambda serving=serving: is_serving(serving), serving, "SERVING")  # type: ignore[misc]
             for rnd in range(rounds):
                 order = trees if rnd % 2 == 0 else trees[::-1]
                 for tree in order:
-                    starts[tree.label].append(time_start(tree, workers, tmp))
+                    starts[tree.label].append(time_start(tree, workers))
                     respawns[tree.label].append(time_respawn(daemons[tree.label], workers))
                     log(f"round {rnd + 1}, {tree.label}: start {starts[tree.label][-1]:.2f} s, "
                         f"respawn {respawns[tree.label][-1] * 1000:.0f} ms")
         finally:
             for serving in daemons.values():
-                serving.stop()
+                stop(serving)
     print(f"## Startup: {workers} workers, {rounds} rounds (medians, then every value)\n")
     print("| source | start to SERVING | a killed worker replaced |")
     print("| --- | ---: | ---: |")
