@@ -65,27 +65,38 @@ def test_tenancy_bench_runs_every_part(capsys: pytest.CaptureFixture[str]) -> No
     assert "ERROR" not in out and "n/a" not in out, out
 
 
+def run_bench(script: Path, args: list[str], timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """Run a bench script to completion in a session of its own; its exit code and output.
+
+    If it overruns ``timeout``, SIGTERM lets it stop its daemons and clients (``grace`` s),
+    then the whole session is killed and the test fails with its output.
+    """
+    bench = subprocess.Popen(
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = bench.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)
+        try:
+            out, err = bench.communicate(timeout=grace)
+        finally:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        raise AssertionError(f"{script.name} did not finish within {timeout:g} s:\n{out}\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(bench.args, bench.returncode, out, err)
+
+
+
 SOAK = Path(__file__).resolve().parent / "bench" / "bench_soak.py"
 TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
 
 
 @pytest.mark.timeout(100)
 def test_soak_bench_runs_both_parts() -> None:
-    # Its own session: if it overruns, the bench, its daemon and its clients all go.
-    bench = subprocess.Popen(
-        [sys.executable, str(SOAK), *TINY_SOAK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = bench.communicate(timeout=75)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)  # the bench stops its daemon and kills its clients
-        try:
-            out, err = bench.communicate(timeout=20)
-        finally:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        raise AssertionError(f"the soak did not finish within 75 s:\n{out}\n{err[-4000:]}") from None
+    bench = run_bench(SOAK, TINY_SOAK, timeout=75)
+    out, err = bench.stdout, bench.stderr
     # 2: no loader problem, but a metric grew beyond its tolerance (on toy sizes the numbers mean nothing).
     assert bench.returncode in (0, 2), f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     for row in (
@@ -134,20 +145,8 @@ FAILOVER = Path(__file__).resolve().parent / "bench" / "bench_failover.py"
 def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
     """bench_failover.py --quick --parts failover,soak on toy sizes (the scale part, four daemons started
     for a throughput figure, is left out to keep the suite short; it shares their code)."""
-    bench = subprocess.Popen(
-        [sys.executable, str(FAILOVER), "--quick", "--parts", "failover,soak"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = bench.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)  # the bench stops its daemons and kills its clients
-        try:
-            out, err = bench.communicate(timeout=30)
-        finally:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        raise AssertionError(f"the failover bench did not finish within 360 s:\n{out}\n{err[-4000:]}") from None
+    bench = run_bench(FAILOVER, ["--quick", "--parts", "failover,soak"], timeout=360, grace=30)
+    out, err = bench.stdout, bench.stderr
     # A failover over 1 s, a soak metric that grew or any loader problem fails the test.
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     for row in (
@@ -175,21 +174,8 @@ STARTUP = Path(__file__).resolve().parent / "bench" / "bench_startup.py"
 
 @pytest.mark.timeout(180)
 def test_startup_bench_times_starts_and_a_replaced_worker() -> None:
-    # Its own session: if it overruns, SIGTERM lets it stop its daemons, then the group goes.
-    bench = subprocess.Popen(
-        [sys.executable, str(STARTUP), "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = bench.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)
-        try:
-            out, err = bench.communicate(timeout=20)
-        finally:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        raise AssertionError(f"the startup bench did not finish within 150 s:\n{out}\n{err[-4000:]}") from None
+    bench = run_bench(STARTUP, ["--quick"], timeout=150)
+    out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## Startup: 2 workers, 2 rounds" in out, out
     assert re.search(r"^\| this checkout \| \d+ ms \(\d+, \d+\) \| \d+ ms \(\d+, \d+\) \|$", out, re.M), out
