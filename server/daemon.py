@@ -31,7 +31,6 @@ their parent gone, and the next daemon to start sweeps its segments.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import resource
@@ -55,6 +54,7 @@ from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.pool import PoolStartError, WorkerPool
 from loaderd.server.executor import ElasticExecutor
+from loaderd.server.heap import give_back_free_pages, tune_heap
 from loaderd.server.import_check import ImportCheck
 from loaderd.server.listeners import Listener, ListenError, bind, log_listening, prepare, secure_sockets
 from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
@@ -71,40 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loaderd")
 
-
-
 # How often an idle daemon gives the C heap's free pages back to the system.
 MEMORY_TRIM_S = 30.0
-
-
-def _malloc_trim() -> None:
-    """Return free heap pages to the system (glibc; a no-op elsewhere).
-
-    Hundreds of streams at once leave the allocator's per-thread arenas holding
-    tens of MiB that glibc does not give back by itself (bench_soak: +74 MiB RSS
-    after 300 concurrent streams ended, with no growth trend).
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas (default: 8 per core), before the handler threads start.
-
-    Each thread that allocates may get an arena of its own, and arenas keep their
-    high-water mark: a burst of multi-MiB requests on dozens of handler threads left
-    ~100 MB behind that malloc_trim could not return (tests/test_fuzz.py). The
-    daemon's threads mostly wait; two arenas cost it no measurable speed.
-    """
-    try:
-        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
-    except (OSError, AttributeError):
-        pass
 
 
 def raise_fd_limit() -> int:
@@ -166,7 +134,7 @@ class Daemon:
             except TokenFileError as exc:
                 raise ConfigError(str(exc)) from None
             fd_limit = raise_fd_limit()
-            limit_malloc_arenas()
+            tune_heap()
             swept = sweep_stale()
             if swept:
                 log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
@@ -269,7 +237,7 @@ class Daemon:
             with scheduler.lock:
                 idle = not scheduler.streams()
             if idle:
-                _malloc_trim()
+                give_back_free_pages()
         if not self.failed.is_set():
             self.watchdog.arm(MEMORY_TRIM_S, self._trim_memory)
 
