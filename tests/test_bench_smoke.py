@@ -179,3 +179,19 @@ def test_startup_bench_times_starts_and_a_replaced_worker() -> None:
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## Startup: 2 workers, 2 rounds" in out, out
     assert re.search(r"^\| this checkout \| \d+ ms \(\d+, \d+\) \| \d+ ms \(\d+, \d+\) \|$", out, re.M), out
+
+
+AB = Path(__file__).resolve().parent / "bench" / "bench_ab.py"
+
+
+@pytest.mark.timeout(180)
+def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
+    bench = run_bench(AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:shm,tiny:grpc"], timeout=150)
+    out, err = bench.stdout, bench.stderr
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    assert "## A/B: this checkout vs baseline HEAD" in out, out
+    for workload in ("tiny:shm", "tiny:grpc"):
+        for source in ("this checkout", "baseline HEAD"):
+            row = rf"^\| {workload} \| {source} \| [\d,.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d,]+ \| [\d.]+ \|$"
+            assert re.search(row, out, re.M), out
+        assert re.search(rf"^- {workload}: this checkout faster in [01] of 1 rounds$", out, re.M), out

@@ -19,19 +19,15 @@ machine. Markdown report on stdout (medians, every value), progress on stderr.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,8 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_loaders import Daemon, children_by_parent, start_daemon  # noqa: E402
+from source_trees import REPO, Tree, archived_tree  # noqa: E402
 
-REPO = BENCH_DIR.parents[1]
 TESTS_DIR = REPO / "tests"
 TIMEOUT_S = 120.0
 POLL_S = 0.005
@@ -50,35 +46,6 @@ READY = re.compile(r"worker \d+ ready$", re.M)
 
 def log(message: str) -> None:
     print(f"[startup] {message}", file=sys.stderr, flush=True)
-
-
-def baseline_tree(commit: str, into: Path) -> Path:
-    """``commit``'s code as an importable ``loaderd`` package under ``into`` (returned: the PYTHONPATH entry)."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", commit, "client", "server", "proto"], capture_output=True, check=True
-    ).stdout
-    raw = into / "raw"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(raw, filter="data")
-    package = into / "pkg" / "loaderd"
-    shutil.copytree(raw / "client", package)
-    shutil.copytree(raw / "server", package / "server")
-    shutil.copytree(raw / "proto" / "loaderd" / "v1", package / "v1")
-    return into / "pkg"
-
-
-@dataclass
-class Tree:
-    """One source tree to time: its label and its PYTHONPATH entry (None: the installed package)."""
-
-    label: str
-    python_path: Path | None
-
-    def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.python_path is not None:
-            env["PYTHONPATH"] = str(self.python_path)
-        return env
 
 
 def serve(tree: Tree, workers: int) -> Daemon:
@@ -174,7 +141,7 @@ def main(argv: list[str]) -> int:
         tmp = Path(tmp_name)
         trees = [Tree("this checkout", None)]
         if args.baseline:
-            trees.append(Tree(f"baseline {args.baseline}", baseline_tree(args.baseline, tmp)))
+            trees.append(Tree(f"baseline {args.baseline}", archived_tree(args.baseline, tmp)))
         starts: dict[str, list[float]] = {t.label: [] for t in trees}
         respawns: dict[str, list[float]] = {t.label: [] for t in trees}
         daemons: dict[str, Daemon] = {}  # the respawn part's, started once

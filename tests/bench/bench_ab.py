@@ -1,0 +1,181 @@
+"""A/B benchmark: this checkout's client and daemon against a commit's, on bench_loaders' workloads.
+
+    python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm]
+                                   [--rounds 4] [--seconds 6] [--workers 2] [--quick]
+
+Both sides run from copies laid out the same way (tests/bench/source_trees.py:
+the commit's code from git archive, this checkout's as it is on disk), each in
+its own trainer process with that tree first on PYTHONPATH, which starts its own
+daemon (bench_loaders.start_daemon, same datasets) from the same tree. Every
+trial: one warm-up epoch, then ``--seconds`` of ``RemoteDataLoader(shuffle=True)``
+(default prefetch_factor) reading whole epochs. Rounds alternate the order
+(ABBA) so both sides see the same machine; compare within one run only.
+
+Reported per workload and side: batches/s (median, every round), CPU ms per batch
+of the trainer, the daemon and its pool (fork server and workers), and minor page
+faults per batch in the trainer and the daemon; then how many rounds this checkout
+won. Markdown on stdout, progress on stderr; exit 1 if a trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from source_trees import Tree, archived_tree, checkout_tree  # noqa: E402
+
+BATCH_SIZES = {"f32": 256, "u8": 64, "tiny": 32}  # bench_loaders.WORKLOADS
+TRIAL_TIMEOUT_S = 240.0
+ROLES = ("trainer", "daemon", "pool")
+FAULTS = ("trainer faults", "daemon faults")
+
+
+def log(message: str) -> None:
+    print(f"[ab] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- one trial (a subprocess per tree)
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _own_cpu(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, children not counted
+
+
+def _snapshot(daemon_pid: int) -> dict[str, float]:
+    import bench_loaders as bl
+
+    return {
+        "trainer": _own_cpu(os.getpid()),
+        "daemon": _own_cpu(daemon_pid),
+        "pool": sum(_own_cpu(p) for p in bl.descendants(daemon_pid)),
+        "trainer faults": float(_stat(os.getpid())[7]),  # minflt
+        "daemon faults": float(_stat(daemon_pid)[7]),
+    }
+
+
+def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+    """Runs in the tree's trainer process: batches/s and per-batch costs of one loader."""
+    import bench_loaders as bl
+
+    from loaderd import RemoteDataLoader
+
+    daemon = bl.start_daemon(workers, env=dict(os.environ))
+    try:
+        bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
+        address = daemon.tcp_address if transport == "grpc" else daemon.unix_address
+        loader = RemoteDataLoader(workload, address=address, batch_size=BATCH_SIZES[workload], shuffle=True, transport=transport)
+        for _ in loader:  # warm-up epoch: the pool's slots, the channel, the allocator
+            pass
+        before = _snapshot(daemon.process.pid)
+        batches = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for batch in loader:
+                batches += 1
+                del batch
+        elapsed = time.perf_counter() - start
+        after = _snapshot(daemon.process.pid)
+    finally:
+        _, problem = daemon.stop()
+    if problem:
+        raise bl.BenchError(f"{problem}:\n{daemon.log()[-3000:]}")
+    costs = {key: (after[key] - before[key]) * (1000 if key in ROLES else 1) / batches for key in before}
+    return {"batches/s": batches / elapsed, **costs}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--trial", workload, transport, str(seconds), str(workers)]
+    done = subprocess.run(command, env=tree.env(), capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{tree.label} {workload}:{transport}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _values(results: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in results]
+
+
+def report(workloads: list[tuple[str, str]], trees: list[Tree], results: dict[tuple[str, str, str], list[dict[str, float]]]) -> None:
+    this, base = trees
+    print(f"## A/B: {this.label} vs {base.label}\n")
+    print("| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool | minor faults/batch: trainer | daemon | every round (batches/s) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for workload, transport in workloads:
+        base_rate = statistics.median(_values(results[(base.label, workload, transport)], "batches/s"))
+        for tree in trees:
+            runs = results[(tree.label, workload, transport)]
+            rate = statistics.median(_values(runs, "batches/s"))
+            cells = [f"{statistics.median(_values(runs, k)):.2f}" for k in ROLES]
+            cells += [f"{statistics.median(_values(runs, k)):,.0f}" for k in FAULTS]
+            every = ", ".join(f"{v:.1f}" for v in _values(runs, "batches/s"))
+            print(f"| {workload}:{transport} | {tree.label} | {rate:,.1f} | {rate / base_rate:.2f}x | {' | '.join(cells)} | {every} |")
+    print()
+    for workload, transport in workloads:
+        pairs = zip(_values(results[(this.label, workload, transport)], "batches/s"), _values(results[(base.label, workload, transport)], "batches/s"))
+        wins = [a > b for a, b in pairs]
+        print(f"- {workload}:{transport}: {this.label} faster in {sum(wins)} of {len(wins)} rounds")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--trial"]:
+        workload, transport, seconds, workers = argv[1], argv[2], float(argv[3]), int(argv[4])
+        print(json.dumps(trial(workload, transport, seconds, workers)), flush=True)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="the commit to compare with (its code, from git archive)")
+    parser.add_argument("--workloads", default="f32:grpc,f32:shm,u8:grpc,tiny:shm", help="WORKLOAD:TRANSPORT, comma-separated")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per trial")
+    parser.add_argument("--workers", type=int, default=2, help="the daemon's pool size")
+    parser.add_argument("--quick", action="store_true", help="1 round of 0.5 s (a smoke run)")
+    args = parser.parse_args(argv)
+    workloads = [tuple(item.split(":", 1)) for item in args.workloads.split(",")]
+    for workload, transport in workloads:
+        if workload not in BATCH_SIZES or transport not in ("shm", "grpc"):
+            parser.error(f"unknown workload {workload}:{transport} (workloads: {', '.join(BATCH_SIZES)}; transports: shm, grpc)")
+    rounds, seconds = (1, 0.5) if args.quick else (args.rounds, args.seconds)
+    # SIGTERM (a test's timeout) unwinds like Ctrl-C; a running trial is killed with the session.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
+    with tempfile.TemporaryDirectory(prefix="ldab-", dir="/tmp") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "this").mkdir()
+        (tmp / "base").mkdir()
+        trees = [Tree("this checkout", checkout_tree(tmp / "this")), Tree(f"baseline {args.baseline}", archived_tree(args.baseline, tmp / "base"))]
+        results: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+        try:
+            for rnd in range(rounds):
+                for workload, transport in workloads:
+                    for tree in trees if rnd % 2 == 0 else trees[::-1]:
+                        result = run_trial(tree, workload, transport, seconds, args.workers)
+                        results.setdefault((tree.label, workload, transport), []).append(result)
+                        log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {result['batches/s']:.1f} batches/s")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"trial failed: {exc}")
+            return 1
+    report(workloads, trees, results)  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
