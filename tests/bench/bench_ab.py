@@ -1,6 +1,6 @@
 """A/B benchmark: this checkout's client and daemon against a commit's, on bench_loaders' workloads.
 
-    python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm]
+    python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm,first:shm]
                                    [--rounds 4] [--seconds 6] [--workers 2] [--quick]
 
 Both sides run from copies laid out the same way (tests/bench/source_trees.py:
@@ -8,13 +8,17 @@ the commit's code from git archive, this checkout's as it is on disk), each in
 its own trainer process with that tree first on PYTHONPATH, which starts its own
 daemon (bench_loaders.start_daemon, same datasets) from the same tree. Every
 trial: one warm-up epoch, then ``--seconds`` of ``RemoteDataLoader(shuffle=True)``
-(default prefetch_factor) reading whole epochs. Rounds alternate the order
-(ABBA) so both sides see the same machine; compare within one run only.
+(default prefetch_factor) reading whole epochs. ``first:shm`` (or ``first:grpc``)
+instead times the first batch of a new loader in fresh client processes on the
+warm daemon, as bench_loaders does (``RemoteDataLoader('tiny', 32)``; the client
+processes import the same tree). Rounds alternate the order (ABBA) so both sides
+see the same machine; compare within one run only.
 
 Reported per workload and side: batches/s (median, every round), CPU ms per batch
 of the trainer, the daemon and its pool (fork server and workers), and minor page
-faults per batch in the trainer and the daemon; then how many rounds this checkout
-won. Markdown on stdout, progress on stderr; exit 1 if a trial failed.
+faults per batch in the trainer and the daemon; for ``first``, the median time from
+constructing the loader to holding its first batch, and of the construction alone;
+then how many rounds this checkout won. Markdown on stdout, progress on stderr; exit 1 if a trial failed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ sys.path.insert(0, str(BENCH_DIR))
 from source_trees import Tree, archived_tree, checkout_tree  # noqa: E402
 
 BATCH_SIZES = {"f32": 256, "u8": 64, "tiny": 32}  # bench_loaders.WORKLOADS
+FIRST = "first"  # the first-batch pseudo-workload
+FIRST_TRIALS = 7  # fresh client processes per trial (the first of them pays a cold daemon's costs too)
 TRIAL_TIMEOUT_S = 240.0
 ROLES = ("trainer", "daemon", "pool")
 FAULTS = ("trainer faults", "daemon faults")
@@ -70,34 +76,54 @@ def _snapshot(daemon_pid: int) -> dict[str, float]:
     }
 
 
-def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
-    """Runs in the tree's trainer process: batches/s and per-batch costs of one loader."""
+def first_batches(address: str, trials: int) -> dict[str, float]:
+    """Medians (ms) over ``trials`` fresh client processes: construction to first batch, and construction alone."""
     import bench_loaders as bl
 
+    runs = [bl.remote_first_batch_subprocess_trial(address) for _ in range(trials)]
+    return {
+        "first ms": 1000 * statistics.median(total for _, total, _ in runs),
+        "construct ms": 1000 * statistics.median(construct for construct, _, _ in runs),
+    }
+
+
+def throughput(address: str, workload: str, transport: str, seconds: float, daemon_pid: int) -> dict[str, float]:
+    """batches/s of one loader reading whole epochs for ``seconds`` (after a warm-up epoch), and its costs per batch."""
     from loaderd import RemoteDataLoader
+
+    loader = RemoteDataLoader(workload, address=address, batch_size=BATCH_SIZES[workload], shuffle=True, transport=transport)
+    for _ in loader:  # warm-up epoch: the pool's slots, the channel, the allocator
+        pass
+    before = _snapshot(daemon_pid)
+    batches = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for batch in loader:
+            batches += 1
+            del batch
+    elapsed = time.perf_counter() - start
+    after = _snapshot(daemon_pid)
+    costs = {key: (after[key] - before[key]) * (1000 if key in ROLES else 1) / batches for key in before}
+    return {"batches/s": batches / elapsed, **costs}
+
+
+def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+    """Runs in the tree's trainer process, against a daemon of the same tree: one measurement."""
+    import bench_loaders as bl
 
     daemon = bl.start_daemon(workers, env=dict(os.environ))
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
         address = daemon.tcp_address if transport == "grpc" else daemon.unix_address
-        loader = RemoteDataLoader(workload, address=address, batch_size=BATCH_SIZES[workload], shuffle=True, transport=transport)
-        for _ in loader:  # warm-up epoch: the pool's slots, the channel, the allocator
-            pass
-        before = _snapshot(daemon.process.pid)
-        batches = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            for batch in loader:
-                batches += 1
-                del batch
-        elapsed = time.perf_counter() - start
-        after = _snapshot(daemon.process.pid)
+        if workload == FIRST:
+            result = first_batches(address, 2 if seconds < 1 else FIRST_TRIALS)
+        else:
+            result = throughput(address, workload, transport, seconds, daemon.process.pid)
     finally:
         _, problem = daemon.stop()
     if problem:
         raise bl.BenchError(f"{problem}:\n{daemon.log()[-3000:]}")
-    costs = {key: (after[key] - before[key]) * (1000 if key in ROLES else 1) / batches for key in before}
-    return {"batches/s": batches / elapsed, **costs}
+    return result
 
 
 # ---------------------------------------------------------------- the run
@@ -116,25 +142,50 @@ def _values(results: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in results]
 
 
-def report(workloads: list[tuple[str, str]], trees: list[Tree], results: dict[tuple[str, str, str], list[dict[str, float]]]) -> None:
+def _median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(_values(runs, key))
+
+
+Results = dict[tuple[str, str, str], list[dict[str, float]]]  # (tree label, workload, transport) -> one dict per round
+
+
+def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results) -> None:
     this, base = trees
     print(f"## A/B: {this.label} vs {base.label}\n")
-    print("| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool | minor faults/batch: trainer | daemon | every round (batches/s) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    loaders = [w for w in workloads if w[0] != FIRST]
+    if loaders:
+        print("| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool | minor faults/batch: trainer | daemon | every round (batches/s) |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for workload, transport in loaders:
+            base_rate = _median(results[(base.label, workload, transport)], "batches/s")
+            for tree in trees:
+                runs = results[(tree.label, workload, transport)]
+                rate = _median(runs, "batches/s")
+                cells = [f"{_median(runs, k):.2f}" for k in ROLES] + [f"{_median(runs, k):,.0f}" for k in FAULTS]
+                every = ", ".join(f"{v:.1f}" for v in _values(runs, "batches/s"))
+                print(f"| {workload}:{transport} | {tree.label} | {rate:,.1f} | {rate / base_rate:.2f}x | {' | '.join(cells)} | {every} |")
+        print()
+    firsts = [w for w in workloads if w[0] == FIRST]
+    if firsts:
+        print("| first batch, fresh client process | source | ms (median of round medians) | vs baseline | construction ms | every round (ms) |")
+        print("| --- | --- | ---: | ---: | ---: | --- |")
+        for workload, transport in firsts:
+            base_ms = _median(results[(base.label, workload, transport)], "first ms")
+            for tree in trees:
+                runs = results[(tree.label, workload, transport)]
+                ms = _median(runs, "first ms")
+                every = ", ".join(f"{v:.1f}" for v in _values(runs, "first ms"))
+                print(f"| {workload}:{transport} | {tree.label} | {ms:.1f} | {ms / base_ms:.2f}x | {_median(runs, 'construct ms'):.1f} | {every} |")
+        print()
     for workload, transport in workloads:
-        base_rate = statistics.median(_values(results[(base.label, workload, transport)], "batches/s"))
-        for tree in trees:
-            runs = results[(tree.label, workload, transport)]
-            rate = statistics.median(_values(runs, "batches/s"))
-            cells = [f"{statistics.median(_values(runs, k)):.2f}" for k in ROLES]
-            cells += [f"{statistics.median(_values(runs, k)):,.0f}" for k in FAULTS]
-            every = ", ".join(f"{v:.1f}" for v in _values(runs, "batches/s"))
-            print(f"| {workload}:{transport} | {tree.label} | {rate:,.1f} | {rate / base_rate:.2f}x | {' | '.join(cells)} | {every} |")
-    print()
-    for workload, transport in workloads:
-        pairs = zip(_values(results[(this.label, workload, transport)], "batches/s"), _values(results[(base.label, workload, transport)], "batches/s"))
-        wins = [a > b for a, b in pairs]
+        key = "first ms" if workload == FIRST else "batches/s"
+        ours, theirs = _values(results[(this.label, workload, transport)], key), _values(results[(base.label, workload, transport)], key)
+        wins = [(a < b) if workload == FIRST else (a > b) for a, b in zip(ours, theirs)]
         print(f"- {workload}:{transport}: {this.label} faster in {sum(wins)} of {len(wins)} rounds")
+
+
+def _headline(result: dict[str, float]) -> str:
+    return f"{result['first ms']:.1f} ms to the first batch" if "first ms" in result else f"{result['batches/s']:.1f} batches/s"
 
 
 def main(argv: list[str]) -> int:
@@ -150,10 +201,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="the daemon's pool size")
     parser.add_argument("--quick", action="store_true", help="1 round of 0.5 s (a smoke run)")
     args = parser.parse_args(argv)
-    workloads = [tuple(item.split(":", 1)) for item in args.workloads.split(",")]
+    workloads = [(item.partition(":")[0], item.partition(":")[2]) for item in args.workloads.split(",")]
     for workload, transport in workloads:
-        if workload not in BATCH_SIZES or transport not in ("shm", "grpc"):
-            parser.error(f"unknown workload {workload}:{transport} (workloads: {', '.join(BATCH_SIZES)}; transports: shm, grpc)")
+        if workload not in (*BATCH_SIZES, FIRST) or transport not in ("shm", "grpc"):
+            parser.error(f"unknown workload {workload}:{transport} (workloads: {', '.join(BATCH_SIZES)}, {FIRST}; transports: shm, grpc)")
     rounds, seconds = (1, 0.5) if args.quick else (args.rounds, args.seconds)
     # SIGTERM (a test's timeout) unwinds like Ctrl-C; a running trial is killed with the session.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
@@ -162,18 +213,18 @@ def main(argv: list[str]) -> int:
         (tmp / "this").mkdir()
         (tmp / "base").mkdir()
         trees = [Tree("this checkout", checkout_tree(tmp / "this")), Tree(f"baseline {args.baseline}", archived_tree(args.baseline, tmp / "base"))]
-        results: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+        results: Results = {}
         try:
             for rnd in range(rounds):
                 for workload, transport in workloads:
                     for tree in trees if rnd % 2 == 0 else trees[::-1]:
                         result = run_trial(tree, workload, transport, seconds, args.workers)
                         results.setdefault((tree.label, workload, transport), []).append(result)
-                        log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {result['batches/s']:.1f} batches/s")
+                        log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {_headline(result)}")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"trial failed: {exc}")
             return 1
-    report(workloads, trees, results)  # type: ignore[arg-type]
+    report(workloads, trees, results)
     return 0
 
 
