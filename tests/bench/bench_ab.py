@@ -1,6 +1,6 @@
 """A/B benchmark: this checkout's client and daemon against a commit's, on bench_loaders' workloads.
 
-    python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm,first:shm]
+    python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm]
                                    [--rounds 4] [--seconds 6] [--workers 2] [--quick]
 
 Both sides run from copies laid out the same way (tests/bench/source_trees.py:
@@ -8,8 +8,8 @@ the commit's code from git archive, this checkout's as it is on disk), each in
 its own trainer process with that tree first on PYTHONPATH, which starts its own
 daemon (bench_loaders.start_daemon, same datasets) from the same tree. Every
 trial: one warm-up epoch, then ``--seconds`` of ``RemoteDataLoader(shuffle=True)``
-(default prefetch_factor) reading whole epochs. ``first:shm`` (or ``first:grpc``)
-instead times the first batch of a new loader in fresh client processes on the
+(default prefetch_factor) reading whole epochs. ``first:shm`` (or ``first:grpc``),
+not in the default list, instead times the first batch of a new loader in fresh client processes on the
 warm daemon, as bench_loaders does (``RemoteDataLoader('tiny', 32)``; the client
 processes import the same tree). Rounds alternate the order (ABBA) so both sides
 see the same machine; compare within one run only.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -33,7 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -43,6 +43,7 @@ BATCH_SIZES = {"f32": 256, "u8": 64, "tiny": 32}  # bench_loaders.WORKLOADS
 FIRST = "first"  # the first-batch pseudo-workload
 FIRST_TRIALS = 7  # fresh client processes per trial (the first of them pays a cold daemon's costs too)
 TRIAL_TIMEOUT_S = 240.0
+TRIAL_GRACE_S = 30.0  # after SIGTERM, for a trial to stop its daemon
 ROLES = ("trainer", "daemon", "pool")
 FAULTS = ("trainer faults", "daemon faults")
 
@@ -54,26 +55,37 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- one trial (a subprocess per tree)
 
 
-def _stat(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:  # exited meanwhile (a replaced worker)
+        return None
 
 
-def _own_cpu(pid: int) -> float:
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, children not counted
-
-
-def _snapshot(daemon_pid: int) -> dict[str, float]:
+def _snapshot(daemon_pid: int) -> dict[int, tuple[float, int]]:
+    """pid -> (own CPU seconds, children not counted; minor faults) of this process, the daemon and its pool."""
     import bench_loaders as bl
 
-    return {
-        "trainer": _own_cpu(os.getpid()),
-        "daemon": _own_cpu(daemon_pid),
-        "pool": sum(_own_cpu(p) for p in bl.descendants(daemon_pid)),
-        "trainer faults": float(_stat(os.getpid())[7]),  # minflt
-        "daemon faults": float(_stat(daemon_pid)[7]),
-    }
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in (os.getpid(), daemon_pid, *bl.descendants(daemon_pid)):
+        fields = _stat(pid)
+        if fields is not None:
+            found[pid] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[7]))  # utime + stime, minflt
+    return found
+
+
+def _costs(before: dict[int, tuple[float, int]], after: dict[int, tuple[float, int]], daemon_pid: int, batches: int) -> dict[str, float]:
+    """CPU ms and minor faults per batch by role, over the processes alive at both snapshots."""
+    role = {os.getpid(): "trainer", daemon_pid: "daemon"}
+    costs = dict.fromkeys((*ROLES, *FAULTS), 0.0)
+    for pid in before.keys() & after.keys():
+        name = role.get(pid, "pool")
+        costs[name] += 1000 * (after[pid][0] - before[pid][0]) / batches
+        if name != "pool":
+            costs[f"{name} faults"] += (after[pid][1] - before[pid][1]) / batches
+    return costs
 
 
 def first_batches(address: str, trials: int) -> dict[str, float]:
@@ -102,9 +114,7 @@ def throughput(address: str, workload: str, transport: str, seconds: float, daem
             batches += 1
             del batch
     elapsed = time.perf_counter() - start
-    after = _snapshot(daemon_pid)
-    costs = {key: (after[key] - before[key]) * (1000 if key in ROLES else 1) / batches for key in before}
-    return {"batches/s": batches / elapsed, **costs}
+    return {"batches/s": batches / elapsed, **_costs(before, _snapshot(daemon_pid), daemon_pid, batches)}
 
 
 def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
@@ -121,6 +131,7 @@ def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[s
             result = throughput(address, workload, transport, seconds, daemon.process.pid)
     finally:
         _, problem = daemon.stop()
+        shutil.rmtree(daemon.tmp, ignore_errors=True)
     if problem:
         raise bl.BenchError(f"{problem}:\n{daemon.log()[-3000:]}")
     return result
@@ -130,11 +141,30 @@ def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[s
 
 
 def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+    """One trial in a process of ``tree``; one that overruns gets SIGTERM (it stops its daemon), then SIGKILL."""
     command = [sys.executable, str(Path(__file__).resolve()), "--trial", workload, transport, str(seconds), str(workers)]
-    done = subprocess.run(command, env=tree.env(), capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{tree.label} {workload}:{transport}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    trial_process = subprocess.Popen(command, env=tree.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = trial_process.communicate(timeout=TRIAL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        trial_process.terminate()
+        try:
+            trial_process.communicate(timeout=TRIAL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            trial_process.kill()
+            trial_process.communicate(timeout=10)
+        raise RuntimeError(f"{tree.label} {workload}:{transport}: no result within {TRIAL_TIMEOUT_S:.0f} s") from None
+    except BaseException:  # this script is being stopped: the trial stops its daemon first
+        trial_process.terminate()
+        try:
+            trial_process.wait(TRIAL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            trial_process.kill()
+            trial_process.wait(10)
+        raise
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if trial_process.returncode != 0 or not lines:
+        raise RuntimeError(f"{tree.label} {workload}:{transport}: exit {trial_process.returncode}\n{err[-3000:]}")
     return json.loads(lines[-1])
 
 
@@ -167,7 +197,7 @@ def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results
         print()
     firsts = [w for w in workloads if w[0] == FIRST]
     if firsts:
-        print("| first batch, fresh client process | source | ms (median of round medians) | vs baseline | construction ms | every round (ms) |")
+        print("| first batch, fresh client process | source | ms (median of round medians) | vs baseline (lower is better) | construction ms | every round (ms) |")
         print("| --- | --- | ---: | ---: | ---: | --- |")
         for workload, transport in firsts:
             base_ms = _median(results[(base.label, workload, transport)], "first ms")
@@ -189,6 +219,8 @@ def _headline(result: dict[str, float]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    # SIGTERM (a test's timeout, an overrun trial) unwinds like Ctrl-C: daemons are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     if argv[:1] == ["--trial"]:
         workload, transport, seconds, workers = argv[1], argv[2], float(argv[3]), int(argv[4])
         print(json.dumps(trial(workload, transport, seconds, workers)), flush=True)
@@ -201,13 +233,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="the daemon's pool size")
     parser.add_argument("--quick", action="store_true", help="1 round of 0.5 s (a smoke run)")
     args = parser.parse_args(argv)
-    workloads = [(item.partition(":")[0], item.partition(":")[2]) for item in args.workloads.split(",")]
+    items = [item.strip() for item in args.workloads.split(",") if item.strip()]
+    workloads = list(dict.fromkeys((item.partition(":")[0], item.partition(":")[2]) for item in items))
     for workload, transport in workloads:
         if workload not in (*BATCH_SIZES, FIRST) or transport not in ("shm", "grpc"):
             parser.error(f"unknown workload {workload}:{transport} (workloads: {', '.join(BATCH_SIZES)}, {FIRST}; transports: shm, grpc)")
     rounds, seconds = (1, 0.5) if args.quick else (args.rounds, args.seconds)
-    # SIGTERM (a test's timeout) unwinds like Ctrl-C; a running trial is killed with the session.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
+    if rounds % 2:
+        log(f"{rounds} rounds: an odd count puts this checkout first once more than the baseline")
     with tempfile.TemporaryDirectory(prefix="ldab-", dir="/tmp") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "this").mkdir()
@@ -221,8 +254,8 @@ def main(argv: list[str]) -> int:
                         result = run_trial(tree, workload, transport, seconds, args.workers)
                         results.setdefault((tree.label, workload, transport), []).append(result)
                         log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {_headline(result)}")
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"trial failed: {exc}")
+        except RuntimeError as exc:
+            log(f"trial failed: {exc}")
             return 1
     report(workloads, trees, results)
     return 0

@@ -8,12 +8,12 @@ start    a fresh `loaderd serve` (`python -m loaderd.server.cli`, the tests' Squ
 respawn  on one daemon per source tree, started once: SIGKILL one of its pool workers and
          time until the daemon logs the replacement ready ("worker N ready").
 
-"This checkout" is the loaderd package installed here (`pip install -e .`: this
-checkout's code). With --baseline COMMIT, the same runs against that commit's code (its
-client/, server/ and proto/ from `git archive`, laid out as the `loaderd` package in a
-temp dir and put first on PYTHONPATH; Python 3.11.4 or later, for tarfile's "data"
-filter), interleaved with this checkout round by round (ABBA), so both see the same
-machine. Markdown report on stdout (medians, every value), progress on stderr.
+"This checkout" is this checkout's code as it is on disk, copied to a temp dir and laid
+out as the `loaderd` package, put first on the daemons' PYTHONPATH (source_trees.py).
+With --baseline COMMIT, the same runs against that commit's code (its client/, server/
+and proto/ from `git archive`, laid out the same way; Python 3.11.4 or later, for
+tarfile's "data" filter), interleaved with this checkout round by round (ABBA), so both
+see the same machine. Markdown report on stdout (medians, every value), progress on stderr.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_loaders import Daemon, children_by_parent, start_daemon  # noqa: E402
-from source_trees import REPO, Tree, archived_tree  # noqa: E402
+from source_trees import REPO, Tree, archived_tree, checkout_tree  # noqa: E402
 
 TESTS_DIR = REPO / "tests"
 TIMEOUT_S = 120.0
@@ -139,9 +139,12 @@ def main(argv: list[str]) -> int:
     rounds, workers = (2, 2) if args.quick else (args.rounds, args.workers)
     with tempfile.TemporaryDirectory(prefix="ldstart-", dir="/tmp") as tmp_name:
         tmp = Path(tmp_name)
-        trees = [Tree("this checkout", None)]
+        # Both from copies laid out the same way (source_trees.checkout_tree says why).
+        (tmp / "this").mkdir()
+        trees = [Tree("this checkout", checkout_tree(tmp / "this"))]
         if args.baseline:
-            trees.append(Tree(f"baseline {args.baseline}", archived_tree(args.baseline, tmp)))
+            (tmp / "base").mkdir()
+            trees.append(Tree(f"baseline {args.baseline}", archived_tree(args.baseline, tmp / "base")))
         starts: dict[str, list[float]] = {t.label: [] for t in trees}
         respawns: dict[str, list[float]] = {t.label: [] for t in trees}
         daemons: dict[str, Daemon] = {}  # the respawn part's, started once
