@@ -13,7 +13,9 @@ per worker, and time at every worker's start.
 multiprocessing offers no switch for it: the main to re-run travels in the child's
 preparation data (``multiprocessing.spawn.get_preparation_data``). ``start_child``
 drops it from the data taken for its own starts; every other start, on any thread,
-gets multiprocessing's data unchanged.
+gets multiprocessing's data unchanged. Another library may wrap the same function, over
+loaderd's wrapper or under it; each start runs every wrapper once (see
+``_preparation_data``).
 """
 
 from __future__ import annotations
@@ -27,20 +29,35 @@ from typing import Any
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _install_lock = threading.Lock()
 _original: Callable[[str], dict[str, Any]] = mp_spawn.get_preparation_data  # what _preparation_data wraps
+# What was there when this module was imported: where a chain of wrappers that loops back to
+# ours ends (see _preparation_data).
+_beneath: Callable[[str], dict[str, Any]] = mp_spawn.get_preparation_data
 
 
 class _Starting(threading.local):
-    """Whether this thread is inside ``start_child``."""
+    """Whether this thread is inside ``start_child``, and inside ``_preparation_data``."""
 
     without_main = False
+    preparing = False
 
 
 _starting = _Starting()
 
 
 def _preparation_data(name: str) -> dict[str, Any]:
-    """multiprocessing's preparation data, less the main to re-run inside ``start_child``."""
-    data = _original(name)
+    """multiprocessing's preparation data, less the main to re-run inside ``start_child``.
+
+    If another library wrapped this function, ``start_child`` re-installs it on top and
+    wraps theirs, which calls this one again: that inner call goes to what was beneath
+    at import, so the chain ends and every wrapper still runs once.
+    """
+    if _starting.preparing:
+        return _beneath(name)
+    _starting.preparing = True
+    try:
+        data = _original(name)
+    finally:
+        _starting.preparing = False
     if _starting.without_main:
         for key in _MAIN_KEYS:
             data.pop(key, None)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from loaderd.server import launch
 from loaderd.server.launch import start_child
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,3 +93,25 @@ def test_a_real_child(fake_main: Path, how: str) -> None:
         assert main_file is None and not reran  # its __main__ is its own
     else:
         assert main_file == str(fake_main) and reran  # what multiprocessing does by itself
+
+
+def test_a_library_wrapping_loaderds_wrapper_neither_loops_nor_is_skipped(
+    fake_main: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start_child(_Taking())  # type: ignore[arg-type]  # loaderd's wrapper is installed
+    ours = mp_spawn.get_preparation_data
+    monkeypatch.setattr(launch, "_original", launch._original)  # what ours wraps comes back after the test
+    calls: list[str] = []
+
+    def theirs(name: str) -> dict[str, Any]:  # another library's, installed over ours
+        calls.append(name)
+        data = ours(name)
+        data["theirs"] = True
+        return data
+
+    monkeypatch.setattr(mp_spawn, "get_preparation_data", theirs)
+    taking = _Taking()
+    start_child(taking)  # type: ignore[arg-type]  # re-installs ours on top, wrapping theirs
+    assert "init_main_from_path" not in taking.data and taking.data["theirs"] is True
+    assert taking.beside["init_main_from_path"] == str(fake_main) and taking.beside["theirs"] is True
+    assert calls == ["child", "other"]  # their wrapper ran once per start
