@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -179,34 +180,48 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 Results = dict[tuple[str, str, str], list[dict[str, float]]]  # (tree label, workload, transport) -> one dict per round
 
 
+def _table(head: str, workloads: list[tuple[str, str]], trees: list[Tree], results: Results, key: str, extra: Callable[[list[dict[str, float]]], list[str]]) -> None:
+    """One markdown table: per workload and tree, the median of ``key``, its ratio to the baseline's,
+    the ``extra`` cells, and every round's value."""
+    columns = head.count("|") - 1
+    print(head)
+    print("| --- | --- | " + "---: | " * (columns - 3) + "--- |")
+    for workload, transport in workloads:
+        base = _median(results[(trees[1].label, workload, transport)], key)
+        for tree in trees:
+            runs = results[(tree.label, workload, transport)]
+            value = _median(runs, key)
+            cells = "".join(f"{cell} | " for cell in extra(runs))
+            every = ", ".join(f"{v:.1f}" for v in _values(runs, key))
+            print(f"| {workload}:{transport} | {tree.label} | {value:,.1f} | {value / base:.2f}x | {cells}{every} |")
+    print()
+
+
+def _costs_cells(runs: list[dict[str, float]]) -> list[str]:
+    return [f"{_median(runs, k):.2f}" for k in ROLES] + [f"{_median(runs, k):,.0f}" for k in FAULTS]
+
+
+def _construct_cells(runs: list[dict[str, float]]) -> list[str]:
+    return [f"{_median(runs, 'construct ms'):.1f}"]
+
+
 def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results) -> None:
     this, base = trees
     print(f"## A/B: {this.label} vs {base.label}\n")
     loaders = [w for w in workloads if w[0] != FIRST]
     if loaders:
-        print("| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool | minor faults/batch: trainer | daemon | every round (batches/s) |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for workload, transport in loaders:
-            base_rate = _median(results[(base.label, workload, transport)], "batches/s")
-            for tree in trees:
-                runs = results[(tree.label, workload, transport)]
-                rate = _median(runs, "batches/s")
-                cells = [f"{_median(runs, k):.2f}" for k in ROLES] + [f"{_median(runs, k):,.0f}" for k in FAULTS]
-                every = ", ".join(f"{v:.1f}" for v in _values(runs, "batches/s"))
-                print(f"| {workload}:{transport} | {tree.label} | {rate:,.1f} | {rate / base_rate:.2f}x | {' | '.join(cells)} | {every} |")
-        print()
+        _table(
+            "| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool "
+            "| minor faults/batch: trainer | daemon | every round (batches/s) |",
+            loaders, trees, results, "batches/s", _costs_cells,
+        )  # fmt: skip
     firsts = [w for w in workloads if w[0] == FIRST]
     if firsts:
-        print("| first batch, fresh client process | source | ms (median of round medians) | vs baseline (lower is better) | construction ms | every round (ms) |")
-        print("| --- | --- | ---: | ---: | ---: | --- |")
-        for workload, transport in firsts:
-            base_ms = _median(results[(base.label, workload, transport)], "first ms")
-            for tree in trees:
-                runs = results[(tree.label, workload, transport)]
-                ms = _median(runs, "first ms")
-                every = ", ".join(f"{v:.1f}" for v in _values(runs, "first ms"))
-                print(f"| {workload}:{transport} | {tree.label} | {ms:.1f} | {ms / base_ms:.2f}x | {_median(runs, 'construct ms'):.1f} | {every} |")
-        print()
+        _table(
+            "| first batch, fresh client process | source | ms (median of round medians) | vs baseline (lower is better) "
+            "| construction ms | every round (ms) |",
+            firsts, trees, results, "first ms", _construct_cells,
+        )  # fmt: skip
     for workload, transport in workloads:
         key = "first ms" if workload == FIRST else "batches/s"
         ours, theirs = _values(results[(this.label, workload, transport)], key), _values(results[(base.label, workload, transport)], key)
