@@ -38,9 +38,10 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+import bench_loaders as bl  # noqa: E402
 from source_trees import Tree, archived_tree, checkout_tree  # noqa: E402
 
-BATCH_SIZES = {"f32": 256, "u8": 64, "tiny": 32}  # bench_loaders.WORKLOADS
+BATCH_SIZES = dict(bl.WORKLOADS)
 FIRST = "first"  # the first-batch pseudo-workload
 FIRST_TRIALS = 7  # fresh client processes per trial (the first of them pays a cold daemon's costs too)
 TRIAL_TIMEOUT_S = 240.0
@@ -56,24 +57,12 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- one trial (a subprocess per tree)
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:  # exited meanwhile (a replaced worker)
-        return None
-
-
 def _snapshot(daemon_pid: int) -> dict[int, tuple[float, int]]:
     """pid -> (own CPU seconds, children not counted; minor faults) of this process, the daemon and its pool."""
-    import bench_loaders as bl
-
-    tick = os.sysconf("SC_CLK_TCK")
     found = {}
     for pid in (os.getpid(), daemon_pid, *bl.descendants(daemon_pid)):
-        fields = _stat(pid)
-        if fields is not None:
-            found[pid] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[7]))  # utime + stime, minflt
+        if (fields := bl.proc_stat(pid)) is not None:  # None: exited meanwhile (a replaced worker)
+            found[pid] = (bl.own_cpu_seconds(fields), int(fields[7]))  # minflt
     return found
 
 
@@ -91,8 +80,6 @@ def _costs(before: dict[int, tuple[float, int]], after: dict[int, tuple[float, i
 
 def first_batches(address: str, trials: int) -> dict[str, float]:
     """Medians (ms) over ``trials`` fresh client processes: construction to first batch, and construction alone."""
-    import bench_loaders as bl
-
     runs = [bl.remote_first_batch_subprocess_trial(address) for _ in range(trials)]
     return {
         "first ms": 1000 * statistics.median(total for _, total, _ in runs),
@@ -120,13 +107,11 @@ def throughput(address: str, workload: str, transport: str, seconds: float, daem
 
 def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
     """Runs in the tree's trainer process, against a daemon of the same tree: one measurement."""
-    import bench_loaders as bl
-
     daemon = bl.start_daemon(workers, env=dict(os.environ))
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
         address = daemon.tcp_address if transport == "grpc" else daemon.unix_address
-        if workload == FIRST:
+        if workload == FIRST:  # --quick's 0.5 s trials: 2 client processes
             result = first_batches(address, 2 if seconds < 1 else FIRST_TRIALS)
         else:
             result = throughput(address, workload, transport, seconds, daemon.process.pid)
@@ -147,21 +132,15 @@ def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers
     trial_process = subprocess.Popen(command, env=tree.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = trial_process.communicate(timeout=TRIAL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:  # overrun, or this script is being stopped: the trial stops its daemon first
         trial_process.terminate()
         try:
             trial_process.communicate(timeout=TRIAL_GRACE_S)
         except subprocess.TimeoutExpired:
             trial_process.kill()
             trial_process.communicate(timeout=10)
-        raise RuntimeError(f"{tree.label} {workload}:{transport}: no result within {TRIAL_TIMEOUT_S:.0f} s") from None
-    except BaseException:  # this script is being stopped: the trial stops its daemon first
-        trial_process.terminate()
-        try:
-            trial_process.wait(TRIAL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            trial_process.kill()
-            trial_process.wait(10)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise RuntimeError(f"{tree.label} {workload}:{transport}: no result within {TRIAL_TIMEOUT_S:.0f} s") from None
         raise
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if trial_process.returncode != 0 or not lines:

@@ -372,18 +372,27 @@ def remote_first_batch_subprocess_trial(address: str) -> tuple[float, float, flo
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (index 1: ppid, 7: minflt, 11/12:
+    utime/stime in ticks), or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()
+    except OSError:  # exited meanwhile
+        return None
+
+
+def own_cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds of one process (not its children) from its ``proc_stat`` fields."""
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def children_by_parent() -> dict[int, list[int]]:
     """ppid -> pids from /proc/*/stat (this kernel has no /proc/PID/task/TID/children)."""
     children: dict[int, list[int]] = defaultdict(list)
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except OSError:  # exited meanwhile
-            continue
-        children[int(fields[1])].append(int(entry.name))
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
+            children[int(fields[1])].append(int(entry.name))
     return children
 
 
@@ -402,15 +411,7 @@ def descendants(pid: int) -> list[int]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and every process below it (a daemon: its fork server and workers; this process: torch workers and daemons)."""
-    total = 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    return total
+    return sum(own_cpu_seconds(fields) for p in [pid, *descendants(pid)] if (fields := proc_stat(p)) is not None)
 
 # ---------------------------------------------------------------- report
 
