@@ -350,6 +350,21 @@ class Chatty(Squares):
         logging.getLogger("chatty").warning("built %d squares in pid %d", n, os.getpid())
 
 
+class TunablesSeen(Dataset):
+    """Item i is the value ``GLIBC_TUNABLES`` gives ``names[i]`` in the process running ``__getitem__`` (-1: unset)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        settings = dict(item.partition("=")[::2] for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if item)
+        value = settings.get(self.names[i])
+        return torch.tensor(-1 if value is None else int(value, 0))
+
+
 class ModulesSeen(Dataset):
     """Item i is 1.0 if ``modules[i]`` is imported in the process running ``__getitem__``, else 0.0."""
 
