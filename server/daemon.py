@@ -49,7 +49,6 @@ from loaderd.server.admission import handler_threads
 from loaderd.server.arena import daemon_prefix, shm_available, sweep_stale
 from loaderd.server.auth import Authenticator, TokenFile, TokenFileError, TokenInterceptor
 from loaderd.server.catalog import Catalog
-from loaderd.server.child_tunables import set_for_children
 from loaderd.server.config import ConfigError, LoaderConfig
 from loaderd.server.drain import DrainSignal
 from loaderd.server.ledger import SlotLedger
@@ -136,7 +135,6 @@ class Daemon:
                 raise ConfigError(str(exc)) from None
             fd_limit = raise_fd_limit()
             tune_heap()
-            set_for_children()  # before the fork server starts: its workers copy batches past the cache
             swept = sweep_stale()
             if swept:
                 log.info("removed %d shared-memory segments left by a daemon that was killed", swept)

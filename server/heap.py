@@ -25,6 +25,8 @@ import functools
 import logging
 import os
 
+from loaderd.server.glibc_tunables import set_by_operator
+
 log = logging.getLogger("loaderd")
 
 # Arenas: each thread that allocates may get one (default: 8 per core), and arenas keep their
@@ -61,7 +63,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def _set_by_operator(tunable: str, variable: str) -> bool:
-    return variable in os.environ or f"glibc.malloc.{tunable}" in os.environ.get("GLIBC_TUNABLES", "")
+    return variable in os.environ or set_by_operator(f"glibc.malloc.{tunable}")
 
 
 def tune_heap() -> bool:

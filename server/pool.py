@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from loaderd.server import prebuilt
+from loaderd.server import glibc_tunables, prebuilt
 from loaderd.server.arena import worker_prefix
 from loaderd.server.config import LoaderConfig
 from loaderd.server.launch import start_child
@@ -276,15 +276,20 @@ class WorkerPool:
                 failure.append(exc)
 
         modules = sorted({s.factory.partition(":")[0] for s in self.config.datasets.values()})
+        tunables = os.environ.get(glibc_tunables.VARIABLE)
+        log_setup = (self.config.log_level, self.config.log_format)
         try:
-            path = prebuilt.write_payload(
-                prebuilt.Payload(self._build_once, self.config.python_path, modules, (self.config.log_level, self.config.log_format))
-            )
+            path = prebuilt.write_payload(prebuilt.Payload(self._build_once, self.config.python_path, modules, log_setup, tunables))
         except (OSError, pickle.PicklingError) as exc:
             raise PoolStartError(f"could not write the fork server's start file: {exc}") from None
         # The variable names the payload while workers start (the fork server reads the file
         # once, before its first fork, and drops the variable); neither outlives this call.
         os.environ[prebuilt.ENV] = path
+        # The fork server (and so every worker) copies batches into slots past the cache; it puts
+        # the variable back as ``tunables`` for what workers start, and so does this call, after.
+        fork_server_tunables = glibc_tunables.fork_server_value(tunables)
+        if fork_server_tunables is not None:
+            os.environ[glibc_tunables.VARIABLE] = fork_server_tunables
         stopped = ""
         thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
         try:
@@ -308,6 +313,7 @@ class WorkerPool:
                     thread.join(10.0)
                 self.shutdown()  # stops a fork server that a start racing the halt launched again, too
             os.environ.pop(prebuilt.ENV, None)
+            glibc_tunables.restore(tunables)
             os.unlink(path)
         if stopped:
             raise PoolStartError(stopped)

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loaderd.server import glibc_tunables
 from loaderd.server.config import DatasetSpec, apply_python_path, resolve
 from loaderd.server.log_format import configure_logging
 
@@ -63,12 +64,14 @@ class BuildFailed(Exception):
 @dataclass(frozen=True)
 class Payload:
     """What a pool's fork server needs before it forks: the datasets to build once, where to import
-    from, the config's modules (imported once for the pool) and how to log (level, format)."""
+    from, the config's modules (imported once for the pool), how to log (level, format), and the
+    ``GLIBC_TUNABLES`` what workers start should see (None: unset; server/glibc_tunables.py)."""
 
     build_once: Sequence[DatasetSpec]
     python_path: Sequence[str]
     modules: Sequence[str]
     log: tuple[str, str]
+    glibc_tunables: str | None
 
 
 def write_payload(payload: Payload) -> str:
@@ -110,6 +113,8 @@ def build_from_environment() -> None:
     except Exception as exc:  # noqa: BLE001 - the fork server must survive; workers report it
         _unread.append(f"the fork server could not read the datasets to build ({path}: {type(exc).__name__}: {exc})")
         return
+    # This process's glibc read its own setting at start; what the workers start gets the operator's.
+    glibc_tunables.restore(payload.glibc_tunables)
     configure_logging(*payload.log)  # a constructor's log lines look like the daemon's
     apply_python_path(payload.python_path)
     for module in payload.modules:

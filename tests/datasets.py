@@ -351,18 +351,29 @@ class Chatty(Squares):
 
 
 class TunablesSeen(Dataset):
-    """Item i is the value ``GLIBC_TUNABLES`` gives ``names[i]`` in the process running ``__getitem__`` (-1: unset)."""
+    """Item i is the value ``GLIBC_TUNABLES`` gives ``names[i]`` in the process running ``__getitem__``
+    (-1: unset): as its C library read it at start (``source="start"``: the environment the process
+    was exec'd with, which a forked one shares with its parent) or as it would pass it on (``"environ"``)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], source: str) -> None:
         self.names = names
+        self.source = source
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        settings = dict(item.partition("=")[::2] for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if item)
-        value = settings.get(self.names[i])
-        return torch.tensor(-1 if value is None else int(value, 0))
+        from loaderd.server.glibc_tunables import VARIABLE, parse
+
+        if self.source == "start":
+            with open("/proc/self/environ", "rb") as f:
+                initial = dict(entry.partition(b"=")[::2] for entry in f.read().split(b"\0") if entry)
+            value = initial.get(VARIABLE.encode())
+            current = value.decode() if value is not None else None
+        else:
+            current = os.environ.get(VARIABLE)
+        setting = parse(current).get(self.names[i])
+        return torch.tensor(-1 if setting is None else int(setting, 0))
 
 
 class ModulesSeen(Dataset):
