@@ -20,12 +20,9 @@ from conftest import RunningDaemon
 
 from loaderd import RemoteDataLoader
 from loaderd.server import glibc_tunables
-from loaderd.server.config import parse_config
 from loaderd.server.glibc_tunables import NON_TEMPORAL_THRESHOLD, NON_TEMPORAL_THRESHOLD_BYTES, fork_server_value, parse
-from loaderd.server.pool import WorkerPool
 
 SETTING = f"{NON_TEMPORAL_THRESHOLD}={NON_TEMPORAL_THRESHOLD_BYTES:#x}"
-TESTS = Path(__file__).resolve().parent
 x86_glibc = pytest.mark.skipif(
     platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc", reason="an x86-64 glibc tunable"
 )
@@ -98,23 +95,3 @@ def test_workers_start_with_the_setting_and_pass_on_the_operators(start_daemon: 
     assert read_at_start.tolist() == [expected_start]
     assert expected_start == NON_TEMPORAL_THRESHOLD_BYTES or theirs is not None
     assert passed_on.tolist() == [_threshold(theirs)]
-
-
-@pytest.mark.timeout(120)
-def test_starting_a_pool_leaves_this_processs_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(glibc_tunables.VARIABLE, "glibc.malloc.arena_max=4")
-    config = parse_config(
-        {
-            "python_path": [str(TESTS)],
-            "listen": ["unix:///tmp/loaderd-test-tunables.sock"],
-            "workers": 1,
-            "datasets": {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": 10}}},
-        },
-        TESTS / "tunables.yaml",
-    )
-    pool = WorkerPool(config, shm_prefix=None)
-    try:
-        pool.start(timeout=90.0)
-        assert os.environ[glibc_tunables.VARIABLE] == "glibc.malloc.arena_max=4"
-    finally:
-        pool.shutdown()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loaderd.server.config import parse_config
+from loaderd.server import glibc_tunables
+from loaderd.server.config import LoaderConfig, parse_config
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage, WorkerPool
 from loaderd.server.tasks import BatchDone, FetchTask, WorkerReady
 
@@ -21,19 +22,23 @@ pytestmark = pytest.mark.timeout(120)
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    """One pool for the module (starting one takes seconds): the tests run in order, the last ends it."""
-    config = parse_config(
+def squares_config(n: int) -> LoaderConfig:
+    """One worker and one dataset, ``datasets:Squares(n)``."""
+    return parse_config(
         {
             "python_path": [str(TESTS)],
             "listen": ["unix:///tmp/loaderd-test-pool.sock"],
             "workers": 1,
-            "datasets": {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": 200_000}}},
+            "datasets": {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": n}}},
         },
         TESTS / "pool.yaml",
     )
-    pool = WorkerPool(config, shm_prefix=None)  # payloads come back on the pipe
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    """One pool for the module (starting one takes seconds): the tests run in order, the last ends it."""
+    pool = WorkerPool(squares_config(200_000), shm_prefix=None)  # payloads come back on the pipe
     pool.start(timeout=90.0)
     yield pool
     pool.shutdown()
@@ -95,3 +100,16 @@ def test_shutdown_ends_every_worker_and_is_idempotent(pool: WorkerPool) -> None:
     assert not process.is_alive()
     pool.shutdown()
     assert all(not state.alive for state in pool.states())
+
+
+def test_starting_a_pool_leaves_this_processs_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server starts with glibc_tunables.fork_server_value; this process gets its own value back.
+
+    After the module's pool ended: a second pool's shutdown stops the fork server they would share."""
+    monkeypatch.setenv(glibc_tunables.VARIABLE, "glibc.malloc.arena_max=4")
+    pool = WorkerPool(squares_config(10), shm_prefix=None)
+    try:
+        pool.start(timeout=90.0)
+        assert os.environ[glibc_tunables.VARIABLE] == "glibc.malloc.arena_max=4"
+    finally:
+        pool.shutdown()
