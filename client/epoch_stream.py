@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from loaderd.epoch import EpochStart
 from loaderd.fleet import Fleet
+from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 
 
@@ -34,6 +35,8 @@ class EpochStream:
     pin_memory: bool
     # The daemons to stream from.
     fleet: Fleet
+    # Memory for large arrays received over gRPC, reused across batches and epochs.
+    buffers: ReceiveBuffers
     # The shared job to join; None without share=.
     share: pb.ShareSpec | None
     iterable: bool

@@ -177,7 +177,7 @@ class RemoteLoaderIter:
             share=stream.share,
             positioned=not contiguous,
         )
-        lane = Lane(address, self._fleet.connection(address), session, opening, self._events, stream.pin_memory)
+        lane = Lane(address, self._fleet.connection(address), session, opening, self._events, stream.pin_memory, stream.buffers)
         self._lanes[address] = lane
         if self._outage_since is not None:
             self._outage_s += time.monotonic() - self._outage_since

@@ -29,8 +29,11 @@ from typing import Any
 import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
+from loaderd.c_heap import raise_mmap_threshold
 from loaderd.connection import DaemonConnection
 from loaderd.errors import LoaderdError, TransportError, error_from_rpc, is_transient, rpc_summary
+from loaderd.receive_buffers import MIN_BYTES as RECEIVE_BUFFERS_MIN_BYTES
+from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, view_batch
@@ -93,6 +96,7 @@ class Lane:
         opening: pb.OpenStream,
         events: queue.Queue[Any],
         pin_memory: bool,
+        buffers: ReceiveBuffers,
     ) -> None:
         self.address = address
         self.window = opening.window
@@ -113,8 +117,10 @@ class Lane:
         opening.session_id = session.session_id if session is not None else 0
         opening.stream_token = self._token
         self._requests.put(pb.StreamRequest(open=opening))
+        if session is None:  # batches arrive as multi-MiB messages: keep their memory on the heap
+            raise_mmap_threshold()
         call = connection.stream_batches(_request_stream(self._requests, self._stop))
-        receiver = _Receiver(self, call, pin_memory, session, events, self._stop)
+        receiver = _Receiver(self, call, pin_memory, buffers, session, events, self._stop)
         # Cancels the call if the lane is dropped without close() (a finalizer, not __del__).
         self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, session, self._token)
         connection.track_stream(self._closer)
@@ -179,6 +185,7 @@ class _Receiver:
         lane: Lane,
         call: Any,
         pin_memory: bool,
+        buffers: ReceiveBuffers,
         session: ShmSession | None,
         events: queue.Queue[Any],
         stop: threading.Event,
@@ -187,6 +194,7 @@ class _Receiver:
         self._lane = weakref.ref(lane)
         self._call = call
         self._pin = pin_memory
+        self._buffers = buffers
         self._session = session
         self._events = events
         self._stop = stop
@@ -224,7 +232,7 @@ class _Receiver:
                     batch = None  # this frame must not keep the batch (and its slot) alive
                     continue
                 if kind == "batch" and header is not None:
-                    assembler = BatchAssembler(header, pin_memory=self._pin)
+                    assembler = BatchAssembler(header, self._pin, self._buffers.take, RECEIVE_BUFFERS_MIN_BYTES)
                     if frame.data is not None:
                         assembler.feed(frame.data)
                 elif kind == "chunk" and frame.data is not None:

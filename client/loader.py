@@ -28,6 +28,7 @@ from loaderd.fleet import Fleet
 from loaderd.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.iterator import RemoteLoaderIter
 from loaderd.plan import build_plan, proxy_dataset
+from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.state import LoaderState
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -129,6 +130,7 @@ class RemoteDataLoader:
         # The daemons; the first to answer describes the dataset (the others must agree).
         # transport="shm" where it cannot work fails here, not mid-training.
         self._fleet = Fleet(target, dataset_name, transport, credentials)
+        self._receive_buffers = ReceiveBuffers()
         info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
         self._iterable = info.kind == pb.DatasetInfo.ITERABLE
         check_dataset_fits(dataset_name, info, distributed, share)
@@ -225,6 +227,7 @@ class RemoteDataLoader:
             failover_timeout=self.failover_timeout,
             pin_memory=self._pin,
             fleet=self._fleet,
+            buffers=self._receive_buffers,
             share=self._share_spec(start.progress.epoch),
             iterable=self._iterable,
             plan_length=None if self._iterable else length,

@@ -225,12 +225,23 @@ class BatchAssembler:
     Each array gets its own storage (as torch's collation gives each tensor
     its own), so keeping one tensor of a batch does not keep the others alive.
     With ``pin_memory`` tensors are allocated page-locked and filled in place.
+    Otherwise ``take`` (``ReceiveBuffers.take``), where given, provides the
+    memory of arrays of at least ``take_min_bytes``: a view that comes back to
+    it when the array dies.
     """
 
-    def __init__(self, header: pb.BatchHeader, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        header: pb.BatchHeader,
+        pin_memory: bool = False,
+        take: Callable[[int], memoryview] | None = None,
+        take_min_bytes: int = 0,
+    ) -> None:
         self.seq = header.seq
         self.payload_bytes = header.payload_bytes
         self._pin = pin_memory
+        self._take = None if pin_memory else take
+        self._take_min_bytes = take_min_bytes
         self._slots: list[_Slot] = []
         # Arrays in depth-first order of the Value tree; build() walks it the same way.
         self._arrays: list[Any] = []
@@ -251,17 +262,27 @@ class BatchAssembler:
         if kind == "tensor":
             ref = value.tensor
             dtype = _tensor_dtype(ref, self.payload_bytes, self.seq)
-            t = torch.empty(tuple(ref.shape), dtype=dtype, pin_memory=self._pin)
+            target = self._taken(ref.nbytes)
+            if target is None:
+                t = torch.empty(tuple(ref.shape), dtype=dtype, pin_memory=self._pin)
+                target = memoryview(t.view(-1).view(torch.uint8).numpy())
+            else:
+                t = torch.frombuffer(target, dtype=torch.uint8).view(dtype).view(tuple(ref.shape))
             self._arrays.append(t)
             if ref.nbytes:
-                self._slots.append(_Slot(ref.offset, ref.nbytes, memoryview(t.view(-1).view(torch.uint8).numpy())))
+                self._slots.append(_Slot(ref.offset, ref.nbytes, target))
         elif kind == "ndarray":
             ref = value.ndarray
             dtype_np = _array_dtype(ref, self.payload_bytes, self.seq)
-            arr = np.empty(tuple(ref.shape), dtype=dtype_np)
+            target = self._taken(ref.nbytes)
+            if target is None:
+                arr = np.empty(tuple(ref.shape), dtype=dtype_np)
+                target = memoryview(arr.reshape(-1).view(np.uint8))
+            else:
+                arr = np.frombuffer(target, dtype=dtype_np).reshape(tuple(ref.shape))
             self._arrays.append(arr)
             if ref.nbytes:
-                self._slots.append(_Slot(ref.offset, ref.nbytes, memoryview(arr.reshape(-1).view(np.uint8))))
+                self._slots.append(_Slot(ref.offset, ref.nbytes, target))
         elif kind in ("list", "tuple"):
             for item in getattr(value, kind).items:
                 self._allocate(item)
@@ -272,6 +293,12 @@ class BatchAssembler:
             for k, v in zip(value.mapping.keys, value.mapping.values):
                 self._allocate(k)
                 self._allocate(v)
+
+    def _taken(self, nbytes: int) -> memoryview | None:
+        """Memory from ``take`` for an array of ``nbytes``, if it is large enough to come from there."""
+        if self._take is None or nbytes < max(self._take_min_bytes, 1):
+            return None
+        return self._take(nbytes)
 
     def feed(self, data: bytes) -> None:
         """Copy the next payload bytes into the arrays they belong to."""
