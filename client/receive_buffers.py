@@ -13,7 +13,10 @@ region comes back and the next batch's array reuses its pages, already faulted i
 
 Rules:
 - ``take`` is called from any thread; regions come back from whichever thread
-  drops the last view (the lock guards the idle list).
+  drops the last view, at any point that thread frees objects (a garbage
+  collection can run inside ``take`` itself). So a give-back appends to a deque
+  (atomic) and sorts it into the idle list only if the lock is free at once;
+  otherwise the lock's holder, or the next ``take``, does.
 - A region is reused for a request of at most its size and more than half of it.
 - At most ``max_idle_bytes`` of idle regions are kept; a region that would go
   past it is unmapped as it comes back. Regions are only mapped when no idle
@@ -27,6 +30,7 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
+from collections import deque
 
 # Below this an array's pages cost little to fault in (64 pages of 4 KiB), and
 # torch's allocator gives each array its own block as torch's collation does.
@@ -41,7 +45,8 @@ class ReceiveBuffers:
 
     def __init__(self, max_idle_bytes: int = MAX_IDLE_BYTES) -> None:
         self._max_idle_bytes = max_idle_bytes
-        self._lock = threading.Lock()
+        self._returned: deque[mmap.mmap] = deque()  # given back, not yet sorted in by take
+        self._lock = threading.Lock()  # guards _idle and _idle_bytes; a give-back never waits for it
         self._idle: list[mmap.mmap] = []
         self._idle_bytes = 0
 
@@ -49,6 +54,7 @@ class ReceiveBuffers:
     def idle_bytes(self) -> int:
         """Bytes of regions waiting for reuse."""
         with self._lock:
+            self._sort_in()
             return self._idle_bytes
 
     def take(self, nbytes: int) -> memoryview:
@@ -65,11 +71,13 @@ class ReceiveBuffers:
     def clear(self) -> None:
         """Unmap the idle regions (views still alive keep theirs until they die)."""
         with self._lock:
+            self._returned.clear()
             self._idle, self._idle_bytes = [], 0
 
     def _reuse(self, nbytes: int) -> mmap.mmap | None:
         """The smallest idle region that fits ``nbytes`` and is less than twice as large."""
         with self._lock:
+            self._sort_in()
             fits = [i for i, r in enumerate(self._idle) if nbytes <= len(r) < 2 * nbytes]
             if not fits:
                 return None
@@ -79,8 +87,20 @@ class ReceiveBuffers:
             return region
 
     def _give_back(self, region: mmap.mmap) -> None:
-        with self._lock:
+        self._returned.append(region)
+        # Sorted in now where the lock is free, so the cap holds while nobody takes; never
+        # waited for (its holder may be this very thread, collecting garbage inside take).
+        if self._lock.acquire(blocking=False):
+            try:
+                self._sort_in()
+            finally:
+                self._lock.release()
+
+    def _sort_in(self) -> None:
+        """Move regions given back to the idle list, up to the cap (the lock is held)."""
+        while self._returned:
+            region = self._returned.popleft()
             if self._idle_bytes + len(region) <= self._max_idle_bytes:
                 self._idle.append(region)
                 self._idle_bytes += len(region)
-        # Otherwise the last reference goes here and the mapping with it.
+            # Otherwise its last reference goes here, and the mapping with it.

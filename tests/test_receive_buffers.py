@@ -93,6 +93,33 @@ def test_regions_come_back_from_another_thread() -> None:
     assert buffers.idle_bytes == 8 << 20
 
 
+@pytest.mark.timeout(30)
+def test_a_region_given_back_while_this_thread_holds_the_lock_does_not_deadlock() -> None:
+    # What a garbage collection inside take() does: a dead batch's finalizer runs while
+    # take holds the pool's lock, in the same thread. On a thread of its own, so that a
+    # deadlock fails the test instead of hanging it.
+    buffers = ReceiveBuffers()
+    seen: list[int] = []
+
+    def scenario() -> None:
+        view = buffers.take(1 << 20)
+        with buffers._lock:
+            del view  # the finalizer runs here, on this thread
+        seen.append(buffers.idle_bytes)
+        cycle: list[object] = [torch.frombuffer(buffers.take(1 << 20), dtype=torch.uint8)]
+        cycle.append(cycle)  # only the collector frees it
+        del cycle
+        with buffers._lock:
+            gc.collect()
+        seen.append(buffers.idle_bytes)
+
+    thread = threading.Thread(target=scenario, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "a give-back waited for the lock its own thread holds"
+    assert seen == [1 << 20, 1 << 20], "sorted in once the lock is free; the same region taken and given back again"
+
+
 def _assembled(batch: object, take: Callable[[int], memoryview] | None, pin: bool = False) -> object:
     enc = encode_batch(batch)
     header = pb.BatchHeader(seq=0, value=enc.value, payload_bytes=enc.payload_bytes)
