@@ -124,7 +124,9 @@ class ShmSession:
     def __init__(self, stub: Any, address: str, handshake_timeout: float) -> None:
         """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut)."""
         self.address = address
-        self._requests: queue.Queue[pb.SessionRequest | int | None] = queue.Queue()
+        # Written by finalizers (release), which may run inside a garbage collection on a thread
+        # that is in the middle of a put: SimpleQueue's put is reentrant, Queue's is not.
+        self._requests: queue.SimpleQueue[pb.SessionRequest | int | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
@@ -162,7 +164,8 @@ class ShmSession:
         self._fence = CopyFence()
         # Leases this process turned into batches and has not released: lease -> stream token.
         self._claimed: dict[int, int] = {}
-        self._claimed_lock = threading.Lock()
+        # Reentrant for the same reason: a release may run on a thread that holds it.
+        self._claimed_lock = threading.RLock()
         # This thread reads what the daemon sends later (`ready` when the session went on
         # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
@@ -235,7 +238,10 @@ class ShmSession:
     def abandon(self, stream_token: int) -> None:
         """A stream stopped early: the daemon takes back the slots it sent that never became batches."""
         with self._claimed_lock:
-            kept = [lease for lease, token in self._claimed.items() if token == stream_token]
+            # A copy: a release that runs inside an allocation here (a garbage collection) re-enters
+            # the lock, and must not change a dict being iterated.
+            claimed = self._claimed.copy()
+        kept = [lease for lease, token in claimed.items() if token == stream_token]
         if not self._stop.is_set():
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 

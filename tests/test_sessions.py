@@ -248,3 +248,30 @@ def test_a_challenge_naming_a_file_outside_the_daemon_s_shared_memory_is_not_rea
         assert not session.shm and "not a loaderd file" in session.reason
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("scripted", [(True, True, None)], indirect=True)
+@pytest.mark.timeout(30)
+def test_a_release_on_the_thread_that_holds_the_session_s_lock_does_not_deadlock(
+    scripted: tuple[_ScriptedDaemon, pb_grpc.LoaderStub],
+) -> None:
+    # What a garbage collection inside abandon() (or lease_view) does: a dead batch's finalizer
+    # runs release() on the thread holding the lock. On a thread of its own, so that a
+    # deadlock fails the test instead of hanging it.
+    daemon, stub = scripted
+    session = ShmSession(stub, "scripted", handshake_timeout=10.0)
+    try:
+        daemon.release.set()
+        session._claimed.update({7: 1, 8: 2})
+
+        def scenario() -> None:
+            with session._claimed_lock:
+                session.release(7)
+
+        thread = threading.Thread(target=scenario, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "a release waited for the lock its own thread holds"
+        assert session._claimed == {8: 2}
+    finally:
+        session.close()
