@@ -32,7 +32,6 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 from loaderd.c_heap import raise_mmap_threshold
 from loaderd.connection import DaemonConnection
 from loaderd.errors import LoaderdError, TransportError, error_from_rpc, is_transient, rpc_summary
-from loaderd.receive_buffers import MIN_BYTES as RECEIVE_BUFFERS_MIN_BYTES
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
@@ -232,7 +231,7 @@ class _Receiver:
                     batch = None  # this frame must not keep the batch (and its slot) alive
                     continue
                 if kind == "batch" and header is not None:
-                    assembler = BatchAssembler(header, self._pin, self._buffers.take, RECEIVE_BUFFERS_MIN_BYTES)
+                    assembler = BatchAssembler(header, self._pin, self._buffers.take)
                     if frame.data is not None:
                         assembler.feed(frame.data)
                 elif kind == "chunk" and frame.data is not None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import platform
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,10 +37,16 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
+def _take(buffers: ReceiveBuffers, nbytes: int) -> memoryview:
+    view = buffers.take(nbytes)
+    assert view is not None, f"{nbytes} bytes not taken"
+    return view
+
+
 @pytest.mark.timeout(30)
 def test_a_region_comes_back_when_the_tensor_viewing_it_dies_and_is_reused() -> None:
     buffers = ReceiveBuffers()
-    view = buffers.take(1 << 20)
+    view = _take(buffers, 1 << 20)
     assert (view.nbytes, view.readonly) == (1 << 20, False)
     address = _address(view)
     assert address % mmap.PAGESIZE == 0
@@ -48,7 +56,7 @@ def test_a_region_comes_back_when_the_tensor_viewing_it_dies_and_is_reused() -> 
     tensor.fill_(7)
     del tensor
     assert buffers.idle_bytes == 1 << 20
-    again = buffers.take(1 << 20)
+    again = _take(buffers, 1 << 20)
     assert _address(again) == address and buffers.idle_bytes == 0
     assert bytes(again[:4]) == b"\x07" * 4, "reused as it was left: not zeroed"
 
@@ -56,31 +64,81 @@ def test_a_region_comes_back_when_the_tensor_viewing_it_dies_and_is_reused() -> 
 @pytest.mark.timeout(30)
 def test_a_region_is_reused_only_for_a_request_it_fits_without_doubling() -> None:
     buffers = ReceiveBuffers()
-    big = buffers.take(3 << 20)
+    big = _take(buffers, 3 << 20)
     big_address = _address(big)
     del big
-    small = buffers.take(1 << 20)  # 3 MiB is more than twice 1 MiB: a new region
+    small = _take(buffers, 1 << 20)  # 3 MiB is more than twice 1 MiB: a new region
     assert _address(small) != big_address and buffers.idle_bytes == 3 << 20
-    larger = buffers.take((3 << 20) + 1)  # more than the region holds: a new region
+    larger = _take(buffers, (3 << 20) + 1)  # more than the region holds: a new region
     assert _address(larger) != big_address
-    fits = buffers.take(2 << 20)  # 3 MiB rounded region < twice 2 MiB: reused
+    fits = _take(buffers, 2 << 20)  # 3 MiB rounded region < twice 2 MiB: reused
     assert _address(fits) == big_address and buffers.idle_bytes == 0
 
 
 @pytest.mark.timeout(30)
-def test_idle_regions_are_capped_and_cleared() -> None:
+def test_small_arrays_are_not_taken() -> None:
+    assert ReceiveBuffers().take(MIN_BYTES - 1) is None
+
+
+@pytest.mark.timeout(30)
+def test_idle_regions_are_capped_oldest_out_first_and_cleared() -> None:
     buffers = ReceiveBuffers(max_idle_bytes=2 << 20)
-    views = [buffers.take(1 << 20) for _ in range(3)]
-    del views
-    assert buffers.idle_bytes == 2 << 20, "the third region is unmapped as it comes back"
+    first, second, third = (_take(buffers, 1 << 20) for _ in range(3))
+    addresses = [_address(v) for v in (first, second, third)]
+    del first, second, third  # given back in this order: the first is unmapped when the third comes back
+    assert buffers.idle_bytes == 2 << 20
+    again = [_take(buffers, 1 << 20) for _ in range(2)]
+    assert sorted(_address(v) for v in again) == sorted(addresses[1:])
+    del again
     buffers.clear()
     assert buffers.idle_bytes == 0
 
 
 @pytest.mark.timeout(30)
+def test_a_dropped_pool_lets_its_regions_go() -> None:
+    buffers = ReceiveBuffers()
+    tensor = torch.frombuffer(_take(buffers, 1 << 20), dtype=torch.uint8)
+    pool = weakref.ref(buffers)
+    del buffers
+    assert pool() is None, "a live batch does not keep its pool (and the pool's idle regions) alive"
+    tensor.fill_(1)
+    del tensor  # its region is unmapped now; nothing to give it back to
+
+
+_FORK = """
+import os, torch
+from loaderd.receive_buffers import ReceiveBuffers
+buffers = ReceiveBuffers()
+batch = torch.frombuffer(buffers.take(1 << 20), dtype=torch.uint8)
+batch.fill_(1)
+go_r, go_w = os.pipe()
+seen_r, seen_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child keeps the batch it forked with
+    os.read(go_r, 1)
+    os.write(seen_w, bytes([int(batch[0])]))
+    os._exit(0)
+del batch  # the parent's region goes back and the next batch reuses it
+again = torch.frombuffer(buffers.take(1 << 20), dtype=torch.uint8)
+again.fill_(2)
+os.write(go_w, b"x")
+print(os.read(seen_r, 1)[0], int(again[0]))
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.timeout(60)
+def test_a_forked_child_keeps_the_batch_it_forked_with() -> None:
+    # Private mappings: the child's pages are copy-on-write, as malloc's memory is.
+    out = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout.split()) == (0, ["1", "2"]), out.stdout + out.stderr
+
+
+@pytest.mark.timeout(30)
 def test_regions_come_back_from_another_thread() -> None:
     buffers = ReceiveBuffers()
-    views = [buffers.take(1 << 20) for _ in range(8)]
+    views = [_take(buffers, 1 << 20) for _ in range(8)]
     tensors = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
     del views
 
@@ -90,6 +148,7 @@ def test_regions_come_back_from_another_thread() -> None:
     thread = threading.Thread(target=drop)
     thread.start()
     thread.join(10)
+    assert not thread.is_alive()
     assert buffers.idle_bytes == 8 << 20
 
 
@@ -102,11 +161,11 @@ def test_a_region_given_back_while_this_thread_holds_the_lock_does_not_deadlock(
     seen: list[int] = []
 
     def scenario() -> None:
-        view = buffers.take(1 << 20)
+        view = _take(buffers, 1 << 20)
         with buffers._lock:
             del view  # the finalizer runs here, on this thread
         seen.append(buffers.idle_bytes)
-        cycle: list[object] = [torch.frombuffer(buffers.take(1 << 20), dtype=torch.uint8)]
+        cycle: list[object] = [torch.frombuffer(_take(buffers, 1 << 20), dtype=torch.uint8)]
         cycle.append(cycle)  # only the collector frees it
         del cycle
         with buffers._lock:
@@ -120,10 +179,10 @@ def test_a_region_given_back_while_this_thread_holds_the_lock_does_not_deadlock(
     assert seen == [1 << 20, 1 << 20], "sorted in once the lock is free; the same region taken and given back again"
 
 
-def _assembled(batch: object, take: Callable[[int], memoryview] | None, pin: bool = False) -> object:
+def _assembled(batch: object, take: Callable[[int], memoryview | None] | None, pin: bool = False) -> object:
     enc = encode_batch(batch)
     header = pb.BatchHeader(seq=0, value=enc.value, payload_bytes=enc.payload_bytes)
-    assembler = BatchAssembler(header, pin, take, MIN_BYTES)
+    assembler = BatchAssembler(header, pin, take)
     payload = bytearray(enc.payload_bytes)
     for offset, buf in enc.buffers:
         payload[offset : offset + len(buf)] = buf
@@ -139,9 +198,11 @@ def test_assembler_puts_large_arrays_in_taken_memory_and_small_ones_in_their_own
     taken: list[int] = []
     buffers = ReceiveBuffers()
 
-    def take(nbytes: int) -> memoryview:
-        taken.append(nbytes)
-        return buffers.take(nbytes)
+    def take(nbytes: int) -> memoryview | None:
+        view = buffers.take(nbytes)
+        if view is not None:
+            taken.append(nbytes)
+        return view
 
     images = torch.randn(16, 3, 64, 64)  # 768 KiB
     counts = np.arange(100_000, dtype=np.int64)  # 800 KB
@@ -159,13 +220,29 @@ def test_assembler_puts_large_arrays_in_taken_memory_and_small_ones_in_their_own
 
 
 @pytest.mark.timeout(30)
+def test_arrays_held_while_the_next_batches_arrive_keep_their_values() -> None:
+    # A region must not come back while a tensor, a numpy array or a view of either still
+    # uses it (np.frombuffer on the taken view would have let it go at once).
+    buffers = ReceiveBuffers()
+    first = _assembled({"x": torch.full((300_000,), 1.0), "n": np.full(100_000, 1, dtype=np.int64)}, buffers.take)
+    assert isinstance(first, dict)
+    x_view, n_view = first["x"][10:20], first["n"][5:9]
+    del first
+    gc.collect()
+    assert buffers.idle_bytes == 0, "the views still use both regions"
+    for value in (2, 3):
+        _assembled({"x": torch.full((300_000,), float(value)), "n": np.full(100_000, value, dtype=np.int64)}, buffers.take)
+    assert torch.equal(x_view, torch.full((10,), 1.0)) and (n_view == 1).all()
+
+
+@pytest.mark.timeout(30)
 def test_assembler_leaves_pinned_batches_to_torchs_allocator() -> None:
     if not torch.cuda.is_available():
         pytest.skip("pinned memory needs an accelerator")
     taken: list[int] = []
     buffers = ReceiveBuffers()
 
-    def take(nbytes: int) -> memoryview:
+    def take(nbytes: int) -> memoryview | None:
         taken.append(nbytes)
         return buffers.take(nbytes)
 

@@ -226,22 +226,21 @@ class BatchAssembler:
     its own), so keeping one tensor of a batch does not keep the others alive.
     With ``pin_memory`` tensors are allocated page-locked and filled in place.
     Otherwise ``take`` (``ReceiveBuffers.take``), where given, provides the
-    memory of arrays of at least ``take_min_bytes``: a view that comes back to
-    it when the array dies.
+    memory of the arrays it accepts (it returns None for the others): a view
+    that each array keeps alive (through a tensor: ``np.frombuffer`` would not),
+    so it comes back to ``take``'s pool when the array dies.
     """
 
     def __init__(
         self,
         header: pb.BatchHeader,
         pin_memory: bool = False,
-        take: Callable[[int], memoryview] | None = None,
-        take_min_bytes: int = 0,
+        take: Callable[[int], memoryview | None] | None = None,
     ) -> None:
         self.seq = header.seq
         self.payload_bytes = header.payload_bytes
         self._pin = pin_memory
         self._take = None if pin_memory else take
-        self._take_min_bytes = take_min_bytes
         self._slots: list[_Slot] = []
         # Arrays in depth-first order of the Value tree; build() walks it the same way.
         self._arrays: list[Any] = []
@@ -279,7 +278,9 @@ class BatchAssembler:
                 arr = np.empty(tuple(ref.shape), dtype=dtype_np)
                 target = memoryview(arr.reshape(-1).view(np.uint8))
             else:
-                arr = np.frombuffer(target, dtype=dtype_np).reshape(tuple(ref.shape))
+                # Through a tensor, which keeps ``target`` itself (np.frombuffer would export a new
+                # view of the region, and ``target`` would die, giving the region back, at once).
+                arr = torch.frombuffer(target, dtype=torch.uint8).numpy().view(dtype_np).reshape(tuple(ref.shape))
             self._arrays.append(arr)
             if ref.nbytes:
                 self._slots.append(_Slot(ref.offset, ref.nbytes, target))
@@ -295,8 +296,8 @@ class BatchAssembler:
                 self._allocate(v)
 
     def _taken(self, nbytes: int) -> memoryview | None:
-        """Memory from ``take`` for an array of ``nbytes``, if it is large enough to come from there."""
-        if self._take is None or nbytes < max(self._take_min_bytes, 1):
+        """Memory from ``take`` for an array of ``nbytes``, where it provides it."""
+        if self._take is None or not nbytes:
             return None
         return self._take(nbytes)
 
