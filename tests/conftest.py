@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import platform
 import queue
 import shutil
 import signal
@@ -25,6 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.utils.data import DataLoader
 
 TESTS_DIR = Path(__file__).resolve().parent
+# Tests of what glibc's malloc does (page faults, thresholds) skip elsewhere.
+glibc_malloc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
 STARTUP_TIMEOUT_S = 60.0
 
 

@@ -9,7 +9,6 @@ daemon's /proc entry.
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from collections.abc import Callable
 import datasets
 import pytest
 import torch
-from conftest import RunningDaemon, oracle_loader
+from conftest import RunningDaemon, glibc_malloc, oracle_loader
 
 from loaderd import RemoteDataLoader
 
@@ -30,10 +29,7 @@ def _minor_faults(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])  # minflt
 
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
-
-
-@glibc
+@glibc_malloc
 @pytest.mark.timeout(120)
 def test_daemon_streams_large_batches_over_grpc_without_faulting_in_each_message(
     start_daemon: Callable[..., RunningDaemon],
@@ -56,7 +52,7 @@ def test_daemon_streams_large_batches_over_grpc_without_faulting_in_each_message
     assert faults < payload_pages // 10, f"{faults} minor faults in the daemon for {payload_pages} payload pages"
 
 
-@glibc
+@glibc_malloc
 @pytest.mark.timeout(60)
 def test_tune_heap_is_taken_by_glibc_and_trimming_does_not_raise() -> None:
     # In a child: the settings are the whole process's, and pytest's own memory checks must not inherit them.
@@ -65,7 +61,7 @@ def test_tune_heap_is_taken_by_glibc_and_trimming_does_not_raise() -> None:
     assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
 
 
-@glibc
+@glibc_malloc
 @pytest.mark.timeout(60)
 def test_tune_heap_leaves_what_the_operator_set_in_the_environment() -> None:
     code = (

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -23,15 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RunningDaemon
+from conftest import RunningDaemon, glibc_malloc
 
 from loaderd import c_heap
 from loaderd.receive_buffers import MIN_BYTES, ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, encode_batch
-
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
-
 
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
@@ -289,7 +285,7 @@ assert len(held) == len(want) == 27 and all(torch.equal(g, w) for g, w in zip(he
 """
 
 
-@glibc
+@glibc_malloc
 @pytest.mark.timeout(120)
 def test_a_trainer_streams_large_batches_over_grpc_without_faulting_in_each_one(
     start_daemon: Callable[..., RunningDaemon],
