@@ -7,11 +7,9 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-from types import FrameType
 from typing import Any
 
 import grpc
@@ -25,6 +23,7 @@ from loaderd.server.listeners import ListenError
 from loaderd.server.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.pool import PoolStartError
+from loaderd.server.signals import StopSignals
 from loaderd.server.status import ClientKey, ClientRate, client_rates, format_status, status_json
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
@@ -66,20 +65,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, log_level=args.log_level or config.log_level, log_format=args.log_format or config.log_format)
     configure_logging(config.log_level, config.log_format)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
-    drain = threading.Event()
-    stop = threading.Event()
-    woken = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        logging.getLogger("loaderd").info("received %s", signal.Signals(signum).name)
-        if signum == signal.SIGTERM and not drain.is_set():
-            drain.set()
-        else:
-            stop.set()
-        woken.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals()
+    signals.start()
+    drain, stop, woken = signals.drain, signals.stop, signals.woken
 
     notifier = SystemdNotifier.from_env()  # a no-op unless systemd runs us (Type=notify)
     daemon = Daemon(config, startup_timeout=args.startup_timeout)
@@ -87,10 +75,12 @@ def _serve(args: argparse.Namespace) -> int:
         daemon.start()
     except ConfigError as exc:
         daemon.shutdown()
+        signals.close()
         _fatal(config, f"loaderd: config error: {exc}")
         return EXIT_CONFIG
     except (PoolStartError, ListenError) as exc:
         daemon.shutdown()
+        signals.close()
         _fatal(config, f"loaderd: cannot start: {exc}")
         return EXIT_START
     notifier.ready(f"serving on {', '.join(daemon.bound)}")
@@ -111,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         daemon.shutdown()
         pings_done.set()
         notifier.close()
+        signals.close()
     if daemon.failed.is_set():
         _fatal(config, f"loaderd: stopped: {daemon.fatal}")
         return EXIT_FAILED
