@@ -66,34 +66,39 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_level, config.log_format)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
     signals = StopSignals()
-    signals.start()
-    drain, stop, woken = signals.drain, signals.stop, signals.woken
+    signals.install()
+    try:
+        return _run_daemon(config, args.startup_timeout, signals)
+    finally:
+        signals.close()
 
+
+def _run_daemon(config: LoaderConfig, startup_timeout: float, signals: StopSignals) -> int:
+    """Start the daemon, serve until a signal or a failure, stop; the exit code."""
     notifier = SystemdNotifier.from_env()  # a no-op unless systemd runs us (Type=notify)
-    daemon = Daemon(config, startup_timeout=args.startup_timeout)
+    daemon = Daemon(config, startup_timeout=startup_timeout)
     try:
         daemon.start()
     except ConfigError as exc:
         daemon.shutdown()
-        signals.close()
         _fatal(config, f"loaderd: config error: {exc}")
         return EXIT_CONFIG
     except (PoolStartError, ListenError) as exc:
         daemon.shutdown()
-        signals.close()
         _fatal(config, f"loaderd: cannot start: {exc}")
         return EXIT_START
+    signals.start()  # only now: the daemon forked what it forks before the process has threads
     notifier.ready(f"serving on {', '.join(daemon.bound)}")
     pings_done = threading.Event()
     start_watchdog_pings(notifier, healthy=lambda: not daemon.failed.is_set(), done=pings_done)
     try:
-        while not (woken.wait(0.5) or daemon.failed.is_set()):
+        while not (signals.woken.wait(0.5) or daemon.failed.is_set()):
             pass
         if daemon.failed.is_set():
             notifier.status(f"failed: {daemon.fatal}")  # no STOPPING=1: exiting 1 lets Restart=on-failure act
-        elif drain.is_set() and not stop.is_set():
+        elif signals.drain.is_set() and not signals.stop.is_set():
             notifier.stopping("draining: clients are moving to other daemons")
-            daemon.drain(config.drain_timeout, abort=stop)
+            daemon.drain(config.drain_timeout, abort=signals.stop)
             notifier.status("stopping")
         else:
             notifier.stopping("stopping")
@@ -101,7 +106,6 @@ def _serve(args: argparse.Namespace) -> int:
         daemon.shutdown()
         pings_done.set()
         notifier.close()
-        signals.close()
     if daemon.failed.is_set():
         _fatal(config, f"loaderd: stopped: {daemon.fatal}")
         return EXIT_FAILED

@@ -26,10 +26,13 @@ from types import FrameType
 log = logging.getLogger("loaderd")
 
 POLL_S = 0.5  # how often the relay thread re-checks that it should end
+_CLOSE = 0  # not a signal: wakes the relay thread so that it ends
 
 
 class StopSignals:
-    """Installs the handlers on ``start``; ``close`` ends the relay thread (idempotent)."""
+    """``install`` the handlers first, ``start`` the relay once the daemon has forked what it forks
+    (an import check is forked before the process has any thread); ``close`` (idempotent) ends the
+    relay. Signals that arrive before ``start`` wait in the queue; after ``close`` they are ignored."""
 
     def __init__(self) -> None:
         self.drain = threading.Event()
@@ -39,18 +42,23 @@ class StopSignals:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._relay, name="loaderd-signals", daemon=True)
 
-    def start(self) -> None:
-        """Start the relay thread and install the handlers for SIGTERM and SIGINT (main thread only)."""
-        self._thread.start()
+    def install(self) -> None:
+        """Install the handlers for SIGTERM and SIGINT (main thread only)."""
         signal.signal(signal.SIGTERM, self.handle)
         signal.signal(signal.SIGINT, self.handle)
+
+    def start(self) -> None:
+        """Start the relay thread."""
+        self._thread.start()
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: nothing here may take a lock the interrupted code can hold."""
         self._received.put(signum)
 
     def close(self) -> None:
+        """End the relay thread (a signal it already took still sets its events)."""
         self._closed.set()
+        self._received.put(_CLOSE)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(POLL_S * 4)
 
@@ -60,6 +68,8 @@ class StopSignals:
                 signum = self._received.get(timeout=POLL_S)
             except queue.Empty:
                 continue
+            if signum == _CLOSE:
+                return
             log.info("received %s", signal.Signals(signum).name)
             if signum == signal.SIGTERM and not self.drain.is_set():
                 self.drain.set()

@@ -21,7 +21,7 @@ from loaderd.server.signals import StopSignals
 @pytest.fixture
 def signals() -> Iterator[StopSignals]:
     relay = StopSignals()
-    relay._thread.start()  # the relay without installing process-wide handlers in pytest
+    relay.start()  # the relay without install(): no process-wide handlers in pytest
     yield relay
     relay.close()
     assert not relay._thread.is_alive()
@@ -50,9 +50,10 @@ def test_sigterm_drains_and_a_second_sigterm_or_sigint_stops(signals: StopSignal
     signals.handle(signal.SIGTERM, None)
     assert signals.stop.wait(10)
     other = StopSignals()
-    other._thread.start()
+    other.handle(signal.SIGINT, None)  # before start(): it waits in the queue
+    other.start()
     try:
-        other.handle(signal.SIGINT, None)
         assert other.stop.wait(10) and not other.drain.is_set()
     finally:
         other.close()
+    assert not other._thread.is_alive(), "close() ends the relay"
