@@ -99,6 +99,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         time.sleep(0.05)
 
 
+def ends_on_its_own_thread(target: Callable[[], None], timeout: float, what: str) -> None:
+    """Run ``target`` on a daemon thread and fail with ``what`` if it has not ended within ``timeout`` s:
+    for code that may deadlock its own thread, so that the test fails instead of hanging."""
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), what
+
+
 def daemon_status(address: str) -> Any:
     """The daemon's Status RPC reply (a loaderd.v1.StatusResponse)."""
     from loaderd.v1 import loaderd_pb2 as pb

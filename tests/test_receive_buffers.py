@@ -14,7 +14,6 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RunningDaemon, glibc_malloc
+from conftest import RunningDaemon, ends_on_its_own_thread, glibc_malloc
 
 from loaderd import c_heap
 from loaderd.receive_buffers import MIN_BYTES, ReceiveBuffers
@@ -141,10 +140,7 @@ def test_regions_come_back_from_another_thread() -> None:
     def drop() -> None:
         tensors.clear()
 
-    thread = threading.Thread(target=drop)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive()
+    ends_on_its_own_thread(drop, 10, "dropping the tensors on another thread did not end")
     assert buffers.idle_bytes == 8 << 20
 
 
@@ -168,10 +164,7 @@ def test_a_region_given_back_while_this_thread_holds_the_lock_does_not_deadlock(
             gc.collect()
         seen.append(buffers.idle_bytes)
 
-    thread = threading.Thread(target=scenario, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "a give-back waited for the lock its own thread holds"
+    ends_on_its_own_thread(scenario, 10, "a give-back waited for the lock its own thread holds")
     assert seen == [1 << 20, 1 << 20], "sorted in once the lock is free; the same region taken and given back again"
 
 

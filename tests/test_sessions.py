@@ -31,7 +31,7 @@ from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
 
-from conftest import wait_for
+from conftest import ends_on_its_own_thread, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -268,10 +268,7 @@ def test_a_release_on_the_thread_that_holds_the_session_s_lock_does_not_deadlock
             with session._claimed_lock:
                 session.release(7)
 
-        thread = threading.Thread(target=scenario, daemon=True)
-        thread.start()
-        thread.join(10)
-        assert not thread.is_alive(), "a release waited for the lock its own thread holds"
+        ends_on_its_own_thread(scenario, 10, "a release waited for the lock its own thread holds")
         assert session._claimed == {8: 2}
     finally:
         session.close()

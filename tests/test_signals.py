@@ -10,10 +10,10 @@ test_daemon; these tests drive the relay directly.
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 
 import pytest
+from conftest import ends_on_its_own_thread
 
 from loaderd.server.signals import StopSignals
 
@@ -36,10 +36,7 @@ def test_the_handler_returns_while_the_interrupted_thread_holds_the_events_locks
         with signals.woken._cond, signals.stop._cond, signals.drain._cond:
             signals.handle(signal.SIGTERM, None)
 
-    thread = threading.Thread(target=interrupted, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "the signal handler waited for a lock its own thread holds"
+    ends_on_its_own_thread(interrupted, 10, "the signal handler waited for a lock its own thread holds")
     assert signals.woken.wait(10) and signals.drain.is_set() and not signals.stop.is_set()
 
 
