@@ -4,7 +4,9 @@
 
 Starts one ``loaderd serve`` (temp unix socket + 127.0.0.1:0), then for each
 workload measures batches/s and GB/s, interleaved over rounds (torch, shm, grpc
-in each round), and reports medians and ratios vs torch; then time to first
+in each round), and reports medians and ratios vs torch; then, on the two large
+workloads, how long each loader takes from ``iter(loader)`` to a new epoch's first
+batch (interleaved the same way); then time to first
 batch of a new RemoteDataLoader on the warm daemon vs a fresh torch DataLoader
 whose dataset takes 1 s to build, and the first shuffled batch's indices as torch
 lists them and as loaderd does. Prints markdown to stdout; exits 1 if a loader
@@ -279,6 +281,34 @@ def measure(
     return Rates(batches / elapsed, nbytes / elapsed / 1e9, 1000 * cpu / batches if batches else float("nan"))
 
 
+EPOCH_START_EPOCHS = 4  # whole epochs per loader per round; the first follows another loader's run
+
+
+def epoch_starts(loader: Any, epochs: int) -> tuple[list[float], list[float]]:
+    """Run ``epochs`` whole epochs; for all but the first, the seconds from ``iter(loader)`` to its
+    first batch (what a training loop waits at each epoch's start: the previous epoch's stream is
+    ended, the sampler draws, the pipeline refills), and the epoch's steady seconds per batch after it."""
+    starts: list[float] = []
+    steady: list[float] = []
+    for epoch in range(epochs):
+        t0 = time.perf_counter()
+        it = iter(loader)
+        first = last = 0.0
+        batches = 0
+        for batch in it:
+            last = time.perf_counter()
+            if not batches:
+                first = last
+            batches += 1
+            del batch
+        if batches != len(loader):
+            raise BenchError(f"epoch ended after {batches} batches, len(loader) is {len(loader)}")
+        if epoch and batches > 1:
+            starts.append(first - t0)
+            steady.append((last - first) / (batches - 1))
+    return starts, steady
+
+
 def torch_first_batch_trial() -> float:
     """Fresh torch DataLoader over a dataset that takes 1 s to build: construction to first batch."""
     t0 = time.perf_counter()
@@ -521,6 +551,7 @@ def print_report(
     first: dict[str, dict[str, list[float]]],
     first_errors: dict[str, str],
     samplers: dict[tuple[int, str], list[float]],
+    epoch_start: dict[tuple[str, str], tuple[list[float], list[float]]],
     findings: list[str],
     load_before: tuple[float, ...],
     wall_s: float,
@@ -579,6 +610,22 @@ def print_report(
         ours, theirs = median([x * 1e3 for x in samplers[(n, "loaderd")]]), median([x * 1e3 for x in samplers[(n, "torch")]])
         p(f"| RandomSampler over {n:,} items | {fmt(theirs, 2)} | {fmt(ours, 2)} | {fmt(ours / theirs, 2)}x |")
     p("")
+
+    p(f"### Epoch start (median over {args.rounds} rounds of {EPOCH_START_EPOCHS - 1} epochs, loaders interleaved)\n")
+    p("| workload | loader | iter() to first batch, ms | steady ms per batch after it | the start costs, in steady batches |")
+    p("| --- | --- | ---: | ---: | ---: |")
+    for name, batch_size in WORKLOADS[:2]:
+        for kind in LOADERS:
+            starts, steady = epoch_start.get((name, kind), ([], []))
+            if not starts:
+                p(f"| {workload_label(name, batch_size)} | {kind} | ERROR | | |")
+                continue
+            start_ms, steady_ms = median(starts) * 1e3, median(steady) * 1e3
+            p(f"| {workload_label(name, batch_size)} | {kind} | {fmt(start_ms, 1)} | {fmt(steady_ms, 2)} | {fmt(start_ms / steady_ms, 1)} |")
+    p("")
+    p("Each epoch's start: the previous epoch's stream ends, the sampler draws, and the loader's pipeline refills")
+    p("(torch: its persistent workers are told to reset; loaderd: a new stream to the daemon). Over an epoch of")
+    p("32 batches, a start costing k steady batches takes k - 1 batches' time from the epoch's throughput.\n")
 
     p("### Targets\n")
     p("| target | measured | result |")
@@ -695,6 +742,23 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         findings,
     )
 
+    # 4b. epoch starts, interleaved the same way (large workloads: where a refill costs most).
+    epoch_start: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for name, _ in WORKLOADS[:2]:
+        for rnd in range(args.rounds):
+            for kind in LOADERS:
+                if (name, kind) not in loaders or results[(name, kind)].error:
+                    continue
+                try:
+                    starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS)
+                except Exception as exc:  # noqa: BLE001
+                    results[(name, kind)].error = note(f"{kind} on {name}, epoch starts, round {rnd + 1}", exc)
+                    continue
+                got = epoch_start.setdefault((name, kind), ([], []))
+                got[0].extend(starts)
+                got[1].extend(steady)
+        print(f"[bench] {name} epoch starts measured", file=sys.stderr, flush=True)
+
     # 5. remote first batch on the warm daemon.
     print("[bench] remote first-batch trials", file=sys.stderr, flush=True)
     for key, trial in (
@@ -722,7 +786,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         findings.append(f"daemon log contains a traceback:\n{daemon.log()[-4000:]}")
     shutil.rmtree(daemon.tmp, ignore_errors=True)
     samplers = sampler_trials(trials)
-    print_report(args, results, first, first_errors, samplers, findings, load_before, time.perf_counter() - from_start)
+    print_report(args, results, first, first_errors, samplers, epoch_start, findings, load_before, time.perf_counter() - from_start)
     return 1 if findings else 0
 
 
@@ -806,7 +870,7 @@ def main() -> int:
     args = round_args(__doc__.split("\n\n")[0])
 
     # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
-    budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5) + 120
+    budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5 + EPOCH_START_EPOCHS) + 120
     return run_with_daemon(budget, lambda state: run(args, state))
 
 
