@@ -282,16 +282,18 @@ def measure(
 
 
 EPOCH_START_EPOCHS = 4  # whole epochs per loader per round; the first follows another loader's run
+EPOCH_START_WORKLOADS = WORKLOADS[:2]  # the large ones: where a refill costs most
 
 
-def epoch_starts(loader: Any, epochs: int) -> tuple[list[float], list[float]]:
-    """Run ``epochs`` whole epochs; for all but the first, the seconds from ``iter(loader)`` to its
-    first batch (what a training loop waits at each epoch's start: the previous epoch's stream is
-    ended, the sampler draws, the pipeline refills), and the epoch's steady seconds per batch after it."""
+def epoch_starts(loader: Any, epochs: int, expected: tuple[int, ...]) -> tuple[list[float], list[float]]:
+    """Run ``epochs`` whole epochs. For each after the first: the seconds from the previous epoch's
+    last batch to this one's first (what a training loop with no work of its own waits between
+    epochs: the previous epoch ends, ``iter(loader)`` draws, the pipeline refills), and the seconds
+    per batch after its first, within the same epoch."""
     starts: list[float] = []
     steady: list[float] = []
+    previous_last = 0.0
     for epoch in range(epochs):
-        t0 = time.perf_counter()
         it = iter(loader)
         first = last = 0.0
         batches = 0
@@ -300,12 +302,16 @@ def epoch_starts(loader: Any, epochs: int) -> tuple[list[float], list[float]]:
             if not batches:
                 first = last
             batches += 1
-            del batch
+            if batch.shape != expected:  # cheap: no data is read
+                raise BenchError(f"batch {batches} of an epoch has shape {tuple(batch.shape)}, expected {expected}")
+            del batch  # an shm batch's slot goes back when its last view dies
+        del it  # as a `for` loop over the loader drops it
         if batches != len(loader):
             raise BenchError(f"epoch ended after {batches} batches, len(loader) is {len(loader)}")
         if epoch and batches > 1:
-            starts.append(first - t0)
+            starts.append(first - previous_last)
             steady.append((last - first) / (batches - 1))
+        previous_last = last
     return starts, steady
 
 
@@ -552,6 +558,7 @@ def print_report(
     first_errors: dict[str, str],
     samplers: dict[tuple[int, str], list[float]],
     epoch_start: dict[tuple[str, str], tuple[list[float], list[float]]],
+    epoch_errors: dict[tuple[str, str], str],
     findings: list[str],
     load_before: tuple[float, ...],
     wall_s: float,
@@ -612,20 +619,29 @@ def print_report(
     p("")
 
     p(f"### Epoch start (median over {args.rounds} rounds of {EPOCH_START_EPOCHS - 1} epochs, loaders interleaved)\n")
-    p("| workload | loader | iter() to first batch, ms | steady ms per batch after it | the start costs, in steady batches |")
-    p("| --- | --- | ---: | ---: | ---: |")
-    for name, batch_size in WORKLOADS[:2]:
+    p("| workload | loader | last batch of an epoch to the first of the next, ms | ms per batch after it, same epoch | the start costs, in those batches | its share of the epoch |")
+    p("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, batch_size in EPOCH_START_WORKLOADS:
+        per_epoch = -(-DATASETS[name]["n"] // batch_size)  # len(loader): drop_last=False
         for kind in LOADERS:
             starts, steady = epoch_start.get((name, kind), ([], []))
+            if (name, kind) in epoch_errors:
+                p(f"| {workload_label(name, batch_size)} | {kind} | ERROR: {epoch_errors[(name, kind)].splitlines()[0][:80]} | | | |")
+                continue
             if not starts:
-                p(f"| {workload_label(name, batch_size)} | {kind} | ERROR | | |")
+                p(f"| {workload_label(name, batch_size)} | {kind} | n/a | | | |")
                 continue
             start_ms, steady_ms = median(starts) * 1e3, median(steady) * 1e3
-            p(f"| {workload_label(name, batch_size)} | {kind} | {fmt(start_ms, 1)} | {fmt(steady_ms, 2)} | {fmt(start_ms / steady_ms, 1)} |")
+            cost = start_ms / steady_ms if steady_ms > 0 else float("nan")
+            share = (start_ms - steady_ms) / (start_ms + (per_epoch - 1) * steady_ms)
+            p(
+                f"| {workload_label(name, batch_size)} | {kind} | {fmt(start_ms, 1)} | {fmt(steady_ms, 2)} | "
+                f"{fmt(cost, 1)} | {fmt(100 * share, 1)}% |"
+            )
     p("")
-    p("Each epoch's start: the previous epoch's stream ends, the sampler draws, and the loader's pipeline refills")
-    p("(torch: its persistent workers are told to reset; loaderd: a new stream to the daemon). Over an epoch of")
-    p("32 batches, a start costing k steady batches takes k - 1 batches' time from the epoch's throughput.\n")
+    p("Between epochs the previous epoch ends, `iter(loader)` draws, and the loader's pipeline refills (torch: its")
+    p("persistent workers are told to reset; loaderd: a new stream to the daemon). Its share of the epoch: what")
+    p("the start takes beyond one batch, over the epoch's time (the start plus the other batches at that pace).\n")
 
     p("### Targets\n")
     p("| target | measured | result |")
@@ -742,17 +758,19 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         findings,
     )
 
-    # 4b. epoch starts, interleaved the same way (large workloads: where a refill costs most).
+    # 4b. epoch starts, interleaved the same way.
     epoch_start: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
-    for name, _ in WORKLOADS[:2]:
+    epoch_errors: dict[tuple[str, str], str] = {}
+    for name, batch_size in EPOCH_START_WORKLOADS:
+        expected = (batch_size, *DATASETS[name]["shape"])
         for rnd in range(args.rounds):
             for kind in LOADERS:
-                if (name, kind) not in loaders or results[(name, kind)].error:
+                if (name, kind) not in loaders or results[(name, kind)].error or (name, kind) in epoch_errors:
                     continue
                 try:
-                    starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS)
+                    starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS, expected)
                 except Exception as exc:  # noqa: BLE001
-                    results[(name, kind)].error = note(f"{kind} on {name}, epoch starts, round {rnd + 1}", exc)
+                    epoch_errors[(name, kind)] = note(f"{kind} on {name}, epoch starts, round {rnd + 1}", exc)
                     continue
                 got = epoch_start.setdefault((name, kind), ([], []))
                 got[0].extend(starts)
@@ -786,7 +804,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         findings.append(f"daemon log contains a traceback:\n{daemon.log()[-4000:]}")
     shutil.rmtree(daemon.tmp, ignore_errors=True)
     samplers = sampler_trials(trials)
-    print_report(args, results, first, first_errors, samplers, epoch_start, findings, load_before, time.perf_counter() - from_start)
+    print_report(args, results, first, first_errors, samplers, epoch_start, epoch_errors, findings, load_before, time.perf_counter() - from_start)
     return 1 if findings else 0
 
 
@@ -870,6 +888,8 @@ def main() -> int:
     args = round_args(__doc__.split("\n\n")[0])
 
     # Bounded in time: a hang anywhere dumps every thread's stack, stops the daemon and exits 3.
+    # Per round, workload and loader: a throughput measurement, its warm-up, and (large workloads) up to
+    # a second per epoch of epoch starts.
     budget = 120 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5 + EPOCH_START_EPOCHS) + 120
     return run_with_daemon(budget, lambda state: run(args, state))
 
