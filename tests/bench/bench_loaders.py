@@ -285,7 +285,7 @@ EPOCH_START_EPOCHS = 4  # whole epochs per loader per round; the first follows a
 EPOCH_START_WORKLOADS = WORKLOADS[:2]  # the large ones: where a refill costs most
 
 
-def epoch_starts(loader: Any, epochs: int, expected: tuple[int, ...]) -> tuple[list[float], list[float]]:
+def epoch_starts(loader: Any, epochs: int, expected: tuple[int, ...], dtype: torch.dtype) -> tuple[list[float], list[float]]:
     """Run ``epochs`` whole epochs. For each after the first: the seconds from the previous epoch's
     last batch to this one's first (what a training loop with no work of its own waits between
     epochs: the previous epoch ends, ``iter(loader)`` draws, the pipeline refills), and the seconds
@@ -302,8 +302,7 @@ def epoch_starts(loader: Any, epochs: int, expected: tuple[int, ...]) -> tuple[l
             if not batches:
                 first = last
             batches += 1
-            if batch.shape != expected:  # cheap: no data is read
-                raise BenchError(f"batch {batches} of an epoch has shape {tuple(batch.shape)}, expected {expected}")
+            check_batch(batch, expected, dtype, full=False)  # cheap: no data is read
             del batch  # an shm batch's slot goes back when its last view dies
         del it  # as a `for` loop over the loader drops it
         if batches != len(loader):
@@ -762,13 +761,13 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     epoch_start: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     epoch_errors: dict[tuple[str, str], str] = {}
     for name, batch_size in EPOCH_START_WORKLOADS:
-        expected = (batch_size, *DATASETS[name]["shape"])
+        expected, dtype = (batch_size, *DATASETS[name]["shape"]), getattr(torch, DATASETS[name]["dtype"])
         for rnd in range(args.rounds):
             for kind in LOADERS:
                 if (name, kind) not in loaders or results[(name, kind)].error or (name, kind) in epoch_errors:
                     continue
                 try:
-                    starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS, expected)
+                    starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS, expected, dtype)
                 except Exception as exc:  # noqa: BLE001
                     epoch_errors[(name, kind)] = note(f"{kind} on {name}, epoch starts, round {rnd + 1}", exc)
                     continue
