@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from loaderd.epoch import EpochStart
 from loaderd.fleet import Fleet
 from loaderd.receive_buffers import ReceiveBuffers
+from loaderd.stream_call import StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
 
 
@@ -37,6 +38,8 @@ class EpochStream:
     fleet: Fleet
     # Memory for large arrays received over gRPC, reused across batches and epochs.
     buffers: ReceiveBuffers
+    # The loader's StreamBatches calls between epochs, one per daemon (reused by the next epoch).
+    calls: StreamCalls
     # The shared job to join; None without share=.
     share: pb.ShareSpec | None
     iterable: bool

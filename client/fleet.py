@@ -84,6 +84,8 @@ class Member:
     draining: bool = False
     reason: str = "not tried yet"
     pool_workers: int = 1
+    # What its protocol can do (DescribeDatasetResponse.protocol_revision).
+    protocol_revision: int = 0
     # Listed by the last look-up (a DNS name's records can drop it).
     listed: bool = True
     next_probe: float = 0.0
@@ -95,10 +97,11 @@ class Member:
 
 @dataclass(frozen=True)
 class Usable:
-    """A member that is up: where a lane can open, and its pool size (its window follows it)."""
+    """A member that is up: where a lane can open, its pool size (its window follows it), and its protocol revision."""
 
     address: str
     pool_workers: int
+    protocol_revision: int
 
 
 @dataclass
@@ -163,7 +166,7 @@ class Fleet:
         """Members that are up, listed and not draining, in address order."""
         with self._lock:
             return [
-                Usable(m.address, m.pool_workers)
+                Usable(m.address, m.pool_workers, m.protocol_revision)
                 for m in sorted(self.members.values(), key=lambda m: m.address)
                 if m.up and m.listed and not m.draining
             ]
@@ -279,6 +282,7 @@ class Fleet:
                 member.next_probe = time.monotonic() + 1.0
                 return False
             member.pool_workers = max(1, described.pool_workers)
+            member.protocol_revision = described.protocol_revision
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")

@@ -56,10 +56,11 @@ from loaderd.errors import (
     DaemonUnavailableError,
     exception_from_remote,
 )
-from loaderd.fleet import FleetMonitor, rendezvous_order
+from loaderd.fleet import FleetMonitor, Usable, rendezvous_order
 from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
 from loaderd.plan import window_size
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import CALL_PER_LOADER_REVISION
 
 log = logging.getLogger("loaderd.iterator")
 
@@ -139,9 +140,10 @@ class RemoteLoaderIter:
         # Cancels the streams when the caller drops the iterator (break, del, exception)
         # without relying on __del__; close() does it explicitly.
         self._finalizer = weakref.finalize(self, _shutdown, self._lanes, self._stop)
-        monitor = FleetMonitor(self._fleet, functools.partial(self._events.put, _WAKE), self._stop)
+        # Started by the first next(), once the plan is out: its first look is 0.1 s away, and
+        # starting a thread here would delay the epoch's first message by as much as it costs.
+        self._monitor: FleetMonitor | None = FleetMonitor(self._fleet, functools.partial(self._events.put, _WAKE), self._stop)
         self._reconcile()
-        monitor.thread.start()
 
     # ------------------------------------------------------------ lanes
 
@@ -156,8 +158,9 @@ class RemoteLoaderIter:
             position += 1
         return position
 
-    def _open_lane(self, address: str, pool_workers: int) -> Lane | None:
+    def _open_lane(self, member: Usable) -> Lane | None:
         stream = self._stream
+        address = member.address
         try:
             session = self._fleet.session_for(address)
         except Exception as exc:  # its session cannot open now: treat it as down; the monitor asks again
@@ -171,13 +174,23 @@ class RemoteLoaderIter:
             drop_last=stream.drop_last,
             num_workers=stream.num_workers,
             base_seed=self._record.base_seed,
-            window=self._window(pool_workers),
+            window=self._window(member.pool_workers),
             client=client_name(),
             start=self._first_missing() if contiguous else 0,
             share=stream.share,
             positioned=not contiguous,
         )
-        lane = Lane(address, self._fleet.connection(address), session, opening, self._events, stream.pin_memory, stream.buffers)
+        lane = Lane(
+            address,
+            self._fleet.connection(address),
+            session,
+            opening,
+            self._events,
+            stream.pin_memory,
+            stream.buffers,
+            stream.calls,
+            reusable=member.protocol_revision >= CALL_PER_LOADER_REVISION,
+        )
         self._lanes[address] = lane
         if self._outage_since is not None:
             self._outage_s += time.monotonic() - self._outage_since
@@ -224,7 +237,7 @@ class RemoteLoaderIter:
         if self._mode is _Mode.SPREAD:
             for member in usable:
                 if member.address not in self._lanes:
-                    self._open_lane(member.address, member.pool_workers)
+                    self._open_lane(member)
             if any(address in self._usable for address in self._lanes):
                 # Daemons that drain or left DNS give their work to the others (with none, they keep it).
                 for lane in [lane for address, lane in self._lanes.items() if address not in self._usable]:
@@ -232,16 +245,17 @@ class RemoteLoaderIter:
         else:
             current = next(iter(self._lanes.values()), None)
             # Shares: every consumer computes the same order. Iterables: spread by client and stream.
-            key = self._stream.share.name if self._stream.share is not None else f"{client_name()}/{id(self)}"
+            # (Iterables by loader, not epoch: its next epoch finds its call to the same daemon.)
+            key = self._stream.share.name if self._stream.share is not None else f"{client_name()}/{id(self._stream.calls)}"
             order = rendezvous_order(key, sorted(self._usable))
             stay = current is not None and (
                 not order or current.address == order[0] or (self._mode is _Mode.ITERABLE and current.address in self._usable)
             )
             if current is not None and not stay:
                 self._drop_lane(current)
-            workers = {u.address: u.pool_workers for u in usable}
+            members = {u.address: u for u in usable}
             for address in order:  # the first choice, else the next one that opens
-                if self._lanes or self._open_lane(address, workers[address]) is not None:
+                if self._lanes or self._open_lane(members[address]) is not None:
                     break
         if not self._lanes and not self._finished:
             if self._outage_since is None:
@@ -405,10 +419,14 @@ class RemoteLoaderIter:
                 self._received.setdefault(position, (kind, event.payload))
             self._dispatch()
         elif kind == "end":
+            lane.ended = True
             if self._mode is _Mode.ITERABLE:
                 self._end_at = lane.next_position
         elif kind == "draining":
             self._fleet.mark_draining(lane.address)
+            self._reconcile()
+        elif kind == "retry":  # nothing wrong with the daemon: a new call
+            self._drop_lane(lane)
             self._reconcile()
         elif kind == "lost":
             self._fleet.mark_down(lane.address, str(event.payload))
@@ -475,6 +493,9 @@ class RemoteLoaderIter:
         if self._finished:
             raise StopIteration
         self._top_up()
+        if self._monitor is not None:
+            self._monitor.thread.start()
+            self._monitor = None
         waiting_since = time.monotonic()
         try:
             kind, payload = self._next_answer()
@@ -496,7 +517,12 @@ class RemoteLoaderIter:
         return payload
 
     def close(self) -> None:
-        """End the epoch early; the daemons stop working for this stream. Idempotent."""
+        """End the epoch (early: the daemons stop working for this stream). Idempotent.
+
+        After the epoch's last batch, lanes that ended cleanly keep their calls for the loader's next epoch."""
+        if not self._finished and self._failure is None and self._epoch_over():
+            for lane in list(self._lanes.values()):
+                lane.finish()
         self._finished = True
         self._received.clear()
         self._finalizer()

@@ -30,6 +30,7 @@ from loaderd.iterator import RemoteLoaderIter
 from loaderd.plan import build_plan, proxy_dataset
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.state import LoaderState
+from loaderd.stream_call import StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
 
 
@@ -131,6 +132,8 @@ class RemoteDataLoader:
         # transport="shm" where it cannot work fails here, not mid-training.
         self._fleet = Fleet(target, dataset_name, transport, credentials)
         self._receive_buffers = ReceiveBuffers()
+        # Each epoch's calls to the daemons, kept for the next epoch (cancelled when the loader goes).
+        self._calls = StreamCalls()
         info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
         self._iterable = info.kind == pb.DatasetInfo.ITERABLE
         check_dataset_fits(dataset_name, info, distributed, share)
@@ -228,6 +231,7 @@ class RemoteDataLoader:
             pin_memory=self._pin,
             fleet=self._fleet,
             buffers=self._receive_buffers,
+            calls=self._calls,
             share=self._share_spec(start.progress.epoch),
             iterable=self._iterable,
             plan_length=None if self._iterable else length,

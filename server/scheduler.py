@@ -196,6 +196,11 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        """``stop`` was called: the daemon is shutting down."""
+        return self._stop.is_set()
+
     def stop(self, reason: str = "the daemon is shutting down") -> None:
         """Fail every stream and end the scheduler thread. Idempotent."""
         with self.lock:

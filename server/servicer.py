@@ -9,16 +9,17 @@ callback that closes its stream, so the pool stops working for it.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, NoReturn
 
 import grpc
 
 from loaderd.errors import LimitExceededError, clip
-from loaderd.server.admission import Admission
+from loaderd.server.admission import Admission, Ticket
 from loaderd.server.auth import Authenticator
+from loaderd.server.call_requests import CallRequests
 from loaderd.server.catalog import Catalog, UnknownDatasetError
 from loaderd.server.config import LoaderConfig
 from loaderd.server.drain import DrainSignal
@@ -38,6 +39,8 @@ log = logging.getLogger("loaderd.servicer")
 
 # How often a waiting stream re-checks that its client is still there.
 _POLL_S = 0.25
+# Names the calls' request-reader threads.
+_call_ids = itertools.count(1)
 STATUS_MAX_BYTES = (4 << 20) - (64 << 10)
 
 # Why a request is refused -> the status code the client sees.
@@ -154,15 +157,51 @@ class LoaderServicer:
             self._refuse(context, exc, "stream")
         context.add_callback(ticket.release)
         try:
-            yield from self._open_stream(request_iterator, context)
+            yield from self._serve_call(request_iterator, context)
         finally:
             ticket.release()
 
-    def _open_stream(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _serve_call(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The call's epochs, one after another: each an ``open`` and its plan (see ``CallRequests``).
+
+        After an epoch's END the call waits up to ``limits.handshake_timeout`` for the
+        next ``open``, as a new call waits for its first; then it ends (OK).
+        """
         first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
-        opening = first.open
+        reader = CallRequests(request_iterator, self._plan_request, f"loaderd-plan-{next(_call_ids)}")
+        epoch = _EpochHold()
+
+        def cancelled() -> None:  # the client went away: end whatever epoch is open
+            reader.stop()
+            if reader.stream is not None:
+                self._scheduler.close_stream(reader.stream)
+            epoch.release()
+
+        context.add_callback(cancelled)
+        opening: pb.OpenStream | None = first.open
+        try:
+            while opening is not None:
+                ended = yield from self._open_stream(opening, reader, epoch, context)
+                if not ended:
+                    return
+                opening = reader.next_open(self._limits.handshake_timeout, lambda: self._serving(context))
+                if self._drain.active:  # no further epoch here: the client takes it elsewhere
+                    if context.is_active():
+                        yield framing.draining_message(self._drain.stop_in())
+                    return
+        finally:
+            reader.stop()
+
+    def _serving(self, context: grpc.ServicerContext) -> bool:
+        """Whether a call between epochs may wait on for its next one (not once the daemon drains or stops)."""
+        return context.is_active() and not self._drain.active and not self._scheduler.stopping
+
+    def _open_stream(
+        self, opening: pb.OpenStream, reader: CallRequests, epoch: _EpochHold, context: grpc.ServicerContext
+    ) -> Generator[bytes, None, bool]:
+        """One epoch of the call, from its ``open``; returns True once its END was sent."""
         identity = self._auth.identify(context)
         who = f"{shown(opening.client) if opening.client else 'unnamed client'} ({context.peer()}, {identity})"
         session = None
@@ -183,23 +222,22 @@ class LoaderServicer:
             checked = open_spec(
                 opening, self._catalog, self._limits, self._max_window, peer=context.peer(), shm=session is not None, identity=identity.name
             )
-            ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
+            epoch.ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
         except _REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")
-        context.add_callback(ticket.release)
         try:
-            yield from self._serve_stream(checked, session, request_iterator, context, who)
+            return (yield from self._serve_stream(checked, session, reader, context, who))
         finally:
-            ticket.release()
+            epoch.release()
 
     def _serve_stream(
         self,
         checked: Opening,
         session: ClientSession | None,
-        request_iterator: Iterator[pb.StreamRequest],
+        reader: CallRequests,
         context: grpc.ServicerContext,
         who: str,
-    ) -> Iterator[bytes]:
+    ) -> Generator[bytes, None, bool]:
         try:
             stream = self._scheduler.open_stream(checked.spec, checked.share)
         except _REFUSED as exc:
@@ -215,11 +253,9 @@ class LoaderServicer:
             f", share {shown(spec.share)} epoch {checked.share.epoch}" if spec.share is not None and checked.share is not None else "",
             f", resuming at batch {spec.start}" if spec.start else "",
         )
-        context.add_callback(lambda: self._scheduler.close_stream(stream))
-        reader = threading.Thread(
-            target=self._read_plan, args=(request_iterator, stream), name=f"loaderd-plan-{stream.stream_id}", daemon=True
-        )
-        reader.start()
+        reader.attach(stream)
+        if not context.is_active():  # cancelled before the attach: the callback closed the previous epoch's
+            self._scheduler.close_stream(stream)
         ended = False
         try:
             ended = yield from self._deliver(stream, session, context)
@@ -230,6 +266,7 @@ class LoaderServicer:
             if not ended:
                 log.info("stream %d of %s ended by the client after %d batches", stream.stream_id, who, stream.delivered)
             self._scheduler.close_stream(stream)
+        return ended
 
     def _deliver(
         self, stream: BatchStream, session: ClientSession | None, context: grpc.ServicerContext
@@ -247,7 +284,7 @@ class LoaderServicer:
                 continue
             if delivery is END:
                 log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
-                yield framing.end_message(stream.delivered)
+                yield framing.end_message(stream.delivered, self._limits.handshake_timeout)
                 return True
             self._scheduler.wake()  # a window slot opened
             if delivery.replay:
@@ -290,20 +327,29 @@ class LoaderServicer:
             clip(remote.message, 500),
         )
 
-    def _read_plan(self, requests: Iterator[pb.StreamRequest], stream: BatchStream) -> None:
-        """Feed the client's index plan to the stream until it half-closes or goes away."""
+    def _plan_request(self, stream: BatchStream, request: pb.StreamRequest) -> None:
+        """Feed one of the client's plan messages to ``stream`` (on the call's reader thread)."""
         try:
-            for request in requests:
-                if stream.closed:
-                    return
-                items = plan_batches(request, stream, self._limits)
-                plan = items.plan
-                self._scheduler.add_plan(stream, items.batches, plan.end, plan.consumed, plan.stalled_us, items.positions)
+            items = plan_batches(request, stream, self._limits)
+            plan = items.plan
+            self._scheduler.add_plan(stream, items.batches, plan.end, plan.consumed, plan.stalled_us, items.positions)
         except (BadRequestError, LimitExceededError) as exc:
             self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
             self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))
-        except grpc.RpcError:
-            return  # the call ended; the context callback closes the stream
+
+
+class _EpochHold:
+    """The admission ticket of the epoch a call serves now, released at its end or when the call is cancelled."""
+
+    __slots__ = ("ticket",)
+
+    def __init__(self) -> None:
+        self.ticket: Ticket | None = None
+
+    def release(self) -> None:
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None:
+            ticket.release()
 
 
 def bounded_status(reply: pb.StatusResponse, limit: int) -> pb.StatusResponse:

@@ -195,6 +195,15 @@ def test_end_message_parses(batches: int) -> None:
     response = pb.StreamResponse.FromString(raw)
     assert response.WhichOneof("kind") == "end"
     assert response.end.batches == batches
+    assert response.end.keep_open_ms == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("keep_open_s", "ms"), [(0.0, 0), (0.0004, 0), (0.25, 250), (10.0, 10_000), (1e8, 0xFFFFFFFF)])
+def test_end_message_carries_how_long_the_call_stays_open(keep_open_s: float, ms: int) -> None:
+    response = pb.StreamResponse.FromString(framing.end_message(300, keep_open_s))
+    assert (response.end.batches, response.end.keep_open_ms) == (300, ms)
+    assert framing.read_frame(framing.end_message(300, keep_open_s)).message == response
 
 
 @pytest.mark.timeout(30)

@@ -42,16 +42,17 @@ HDR_VALUE = _key(2, _LEN)
 HDR_PAYLOAD = _key(3, _VARINT)
 HDR_DATA = _key(4, _LEN)
 HDR_SLOT = _key(5, _LEN)
-# DataChunk.data = 1 and StreamEnd.batches = 1.
+# DataChunk.data = 1, StreamEnd.batches = 1 and StreamEnd.keep_open_ms = 2.
 CHUNK_DATA = _key(1, _LEN)
 END_BATCHES = _key(1, _VARINT)
+END_KEEP_OPEN = _key(2, _VARINT)
 
 # The same keys as the one-byte prefixes the writer joins (every key above is below 128).
 _B_RESP_BATCH, _B_RESP_CHUNK, _B_RESP_ERROR, _B_RESP_END = (bytes((k,)) for k in (RESP_BATCH, RESP_CHUNK, RESP_ERROR, RESP_END))
 _B_HDR_SEQ, _B_HDR_VALUE, _B_HDR_PAYLOAD, _B_HDR_DATA, _B_HDR_SLOT = (
     bytes((k,)) for k in (HDR_SEQ, HDR_VALUE, HDR_PAYLOAD, HDR_DATA, HDR_SLOT)
 )
-_B_CHUNK_DATA, _B_END_BATCHES = bytes((CHUNK_DATA,)), bytes((END_BATCHES,))
+_B_CHUNK_DATA, _B_END_BATCHES, _B_END_KEEP_OPEN = (bytes((k,)) for k in (CHUNK_DATA, END_BATCHES, END_KEEP_OPEN))
 
 _ZEROS = bytes(4096)
 
@@ -131,9 +132,12 @@ def error_message(error: bytes) -> bytes:
     return b"".join([_B_RESP_ERROR, varint(len(error)), error])
 
 
-def end_message(batches: int) -> bytes:
-    """The stream's end, counting the batches it delivered."""
+def end_message(batches: int, keep_open_s: float = 0.0) -> bytes:
+    """The stream's end, counting the batches it delivered; the call then waits ``keep_open_s`` for another ``open``."""
     inner = _B_END_BATCHES + varint(batches)
+    keep_open_ms = int(keep_open_s * 1000)
+    if keep_open_ms > 0:
+        inner += _B_END_KEEP_OPEN + varint(min(keep_open_ms, 0xFFFFFFFF))
     return b"".join([_B_RESP_END, varint(len(inner)), inner])
 
 

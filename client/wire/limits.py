@@ -11,7 +11,11 @@ DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # MIN_PROTOCOL_REVISION (an older daemon would ignore a batch's position and seed it wrongly).
 # Revision 3: a session's challenge carries its id, usable before `ready` (clients of either
 # revision work with daemons of either: a challenge without an id means "wait for ready").
-PROTOCOL_REVISION = 3
+# Revision 4: a StreamBatches call takes the next epoch's `open` after its StreamEnd (a
+# client reuses the call only with daemons that say 4).
+PROTOCOL_REVISION = 4
+# The first revision whose daemons serve epoch after epoch on one StreamBatches call.
+CALL_PER_LOADER_REVISION = 4
 MIN_PROTOCOL_REVISION = 2
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)

@@ -263,7 +263,8 @@ def client_sample() -> dict[str, int]:
     from loaderd.session import ShmSession
 
     started = time.monotonic()
-    epoch_threads = ("loaderd-receiver", "loaderd-fleet")
+    # A loader's receiver threads may stay: its calls wait for its next epoch (loaderd.stream_call).
+    epoch_threads = ("loaderd-fleet",)
     while time.monotonic() - started < LINGER_S and any(t.name.startswith(epoch_threads) for t in threading.enumerate()):
         time.sleep(0.02)
     time.sleep(0.3)  # gRPC's request-sending threads leave within the lanes' 0.25 s poll

@@ -244,10 +244,12 @@ class RemoteError(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., type_module: _Optional[str] = ..., type_qualname: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., where: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "keep_open_ms")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OPEN_MS_FIELD_NUMBER: _ClassVar[int]
     batches: int
-    def __init__(self, batches: _Optional[int] = ...) -> None: ...
+    keep_open_ms: int
+    def __init__(self, batches: _Optional[int] = ..., keep_open_ms: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("pid",)
