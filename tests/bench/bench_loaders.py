@@ -639,8 +639,9 @@ def print_report(
             )
     p("")
     p("Between epochs the previous epoch ends, `iter(loader)` draws, and the loader's pipeline refills (torch: its")
-    p("persistent workers are told to reset; loaderd: a new stream to the daemon). Its share of the epoch: what")
-    p("the start takes beyond one batch, over the epoch's time (the start plus the other batches at that pace).\n")
+    p("persistent workers are told to reset; loaderd: the next epoch's stream, on the same call). Its share of the")
+    p("epoch: what the start takes beyond one batch, over the epoch's time (the start plus the other batches at")
+    p("that pace).\n")
 
     p("### Targets\n")
     p("| target | measured | result |")
