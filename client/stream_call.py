@@ -67,10 +67,22 @@ class _Route:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.epochs: deque[CallEpoch] = deque()  # opened and not ended, oldest first
-        self.first: CallEpoch | None = None  # the epoch the call was made for
+        self.opened = 0  # epochs opened on the call
+        self.first: CallEpoch | None = None  # the epoch the call was made for, until its END
         self.over = False  # the call ended, broke, or the daemon said it drains: no further epoch
         self.ended_at: float | None = None  # when the last StreamEnd arrived
         self.keep_open_s = 0.0  # how long the daemon waits after it for another open
+
+    def add(self, epoch: CallEpoch) -> bool:
+        """``epoch`` waits for messages after those before it; False if the call is over."""
+        with self.lock:
+            if self.over:
+                return False
+            self.epochs.append(epoch)
+            if not self.opened:
+                self.first = epoch
+            self.opened += 1
+            return True
 
     def current(self) -> CallEpoch | None:
         with self.lock:
@@ -78,8 +90,8 @@ class _Route:
 
     def ended(self, keep_open_s: float) -> None:
         with self.lock:
-            if self.epochs:
-                self.epochs.popleft()
+            if self.epochs and self.epochs.popleft() is self.first:
+                self.first = None  # held no longer than needed: it reaches its epoch's queue
             self.ended_at = time.monotonic()
             self.keep_open_s = keep_open_s
 
@@ -137,12 +149,8 @@ class StreamCall:
         """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s.
 
         False if the call is over already (its receiver has gone: nothing would reach ``epoch``)."""
-        with self._route.lock:
-            if self._route.over:
-                return False
-            self._route.epochs.append(epoch)
-            if self._route.first is None:
-                self._route.first = epoch
+        if not self._route.add(epoch):
+            return False
         self._requests.put(pb.StreamRequest(open=opening))
         return True
 
@@ -275,6 +283,7 @@ class _Receiver:
                     keep_open_ms = frame.message.end.keep_open_ms if frame.message is not None else 0
                     self._route.ended(keep_open_ms / 1000)
                     self._post(epoch, "end")
+                    self._heard = None  # an ended epoch is not kept from its queue's collection
                     continue
                 if assembler is not None and assembler.complete:
                     batch, assembler = self._finish(assembler.build(), epoch), None

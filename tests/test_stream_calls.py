@@ -297,20 +297,16 @@ def _epoch(kinds: list[str]) -> CallEpoch:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("reused", [True, False], ids=["reused-call", "new-call"])
-def test_a_call_that_ends_before_its_next_epoch_begins_asks_for_a_retry_only_if_reused(reused: bool) -> None:
+@pytest.mark.parametrize("epochs_before", [0, 1, 2], ids=["new-call", "second-epoch", "third-epoch"])
+def test_a_call_that_ends_before_its_next_epoch_begins_asks_for_a_retry_only_if_reused(epochs_before: int) -> None:
     """A call the daemon lets go just as the next epoch's `open` goes out: that epoch is opened again
     ("retry", the daemon is fine); on a call made for the epoch it is "lost" (the daemon is not fine)."""
-    earlier: list[str] = []
-    waiting: list[str] = []
     route = _Route()
-    if reused:
-        route.first = _epoch(earlier)
-        route.epochs.append(route.first)
-    route.epochs.append(_epoch(waiting))
-    if not reused:
-        route.first = route.epochs[0]
-    frames = [framing.end_message(3, 1.0)] if reused else []
+    heard: list[list[str]] = [[] for _ in range(epochs_before + 1)]
+    for kinds in heard:
+        assert route.add(_epoch(kinds))
+    frames = [framing.end_message(3, 1.0)] * epochs_before  # the earlier epochs end; the last hears nothing
     _Receiver(iter(frames), None, "test", route, threading.Event()).run()
-    assert (earlier, waiting) == ((["end"], ["retry"]) if reused else ([], ["lost"]))
+    assert heard == [["end"]] * epochs_before + [["retry"] if epochs_before else ["lost"]]
     assert route.over and not route.epochs
+    assert not route.add(_epoch([])), "an epoch opened on a call that is over must hear of it: refused"
