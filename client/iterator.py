@@ -57,8 +57,9 @@ from loaderd.errors import (
     exception_from_remote,
 )
 from loaderd.fleet import FleetMonitor, Usable, rendezvous_order
-from loaderd.lane import POLL_S, Lane, LaneEvent, client_name
+from loaderd.lane import Lane, LaneEvent, client_name
 from loaderd.plan import window_size
+from loaderd.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import CALL_PER_LOADER_REVISION
 

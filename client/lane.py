@@ -29,10 +29,8 @@ from typing import Any
 from loaderd.connection import DaemonConnection
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.session import ShmSession
-from loaderd.stream_call import POLL_S, CallEpoch, StreamCall, StreamCalls
+from loaderd.stream_call import CallEpoch, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
-
-__all__ = ["POLL_S", "Lane", "LaneEvent", "client_name"]
 
 _stream_tokens = itertools.count(1)
 

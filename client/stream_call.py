@@ -229,8 +229,8 @@ class _Receiver:
         self._stop = stop
         self._heard: CallEpoch | None = None  # the last epoch a message was for
 
-    def _post(self, epoch: CallEpoch | None, kind: str, payload: Any = None) -> None:
-        if epoch is not None and not self._stop.is_set():
+    def _post(self, epoch: CallEpoch, kind: str, payload: Any = None) -> None:
+        if not self._stop.is_set():
             epoch.post(kind, payload)
 
     def _finish(self, batch: Any, epoch: CallEpoch) -> Any:
@@ -240,7 +240,6 @@ class _Receiver:
 
     def run(self) -> None:
         assembler: BatchAssembler | None = None
-        epoch: CallEpoch | None = None
         try:
             for raw in self._call:
                 frame = read_frame(raw)
@@ -258,7 +257,7 @@ class _Receiver:
                     try:
                         view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
                     except TransportError as exc:  # the slot is gone: its daemon died (and a new one swept it)
-                        self._lost(str(exc))
+                        self._tell_all("lost", str(exc))
                         return
                     batch = self._finish(view_batch(header, view), epoch)
                     del view  # the batch's tensors now hold the lease
@@ -283,7 +282,7 @@ class _Receiver:
                     keep_open_ms = frame.message.end.keep_open_ms if frame.message is not None else 0
                     self._route.ended(keep_open_ms / 1000)
                     self._post(epoch, "end")
-                    self._heard = None  # an ended epoch is not kept from its queue's collection
+                    epoch = self._heard = None  # an ended epoch is not kept from its queue's collection
                     continue
                 if assembler is not None and assembler.complete:
                     batch, assembler = self._finish(assembler.build(), epoch), None
@@ -299,21 +298,18 @@ class _Receiver:
                     self._post(waiting, "retry")
         except grpc.RpcError as exc:
             if is_transient(exc):
-                self._lost(rpc_summary(exc))
+                self._tell_all("lost", rpc_summary(exc))
             else:
-                failure = error_from_rpc(exc, self._address)
-                for waiting in self._route.finish():
-                    self._post(waiting, "failed", failure)
+                self._tell_all("failed", error_from_rpc(exc, self._address))
         except Exception as exc:  # a decoding error: surface it to the caller
-            for waiting in self._route.finish():
-                self._post(waiting, "failed", exc)
+            self._tell_all("failed", exc)
         finally:
             self._route.finish()
             # The failed call is the exception, whose traceback holds this frame, which holds
             # self: without this the cycle (and anything it reaches) waits for the collector.
             self._call = None
 
-    def _lost(self, why: str) -> None:
-        """The call is over: the epochs waiting on it move elsewhere."""
+    def _tell_all(self, kind: str, payload: Any) -> None:
+        """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed")."""
         for waiting in self._route.finish():
-            self._post(waiting, "lost", why)
+            self._post(waiting, kind, payload)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -52,9 +51,8 @@ class CallRequests:
         self._name = name
         self._cond = threading.Condition()
         self._stream: BatchStream | None = None
-        self._opens: deque[pb.OpenStream] = deque()
-        self._opens_read = 0  # `open` requests read so far (after the first)
-        self._attached = 0  # streams attached for them
+        self._next: pb.OpenStream | None = None  # an `open` read and not yet taken by the handler
+        self._unattached = False  # an `open` was read and its stream is not attached yet
         self._done = False  # the client half-closed, or the call ended
         self._stopped = False
         self._reading = False
@@ -68,7 +66,7 @@ class CallRequests:
         """Plans go to ``stream`` from now on (the epoch the last ``open`` asked for)."""
         with self._cond:
             self._stream = stream
-            self._attached = self._opens_read
+            self._unattached = False
             self._cond.notify_all()
             start, self._reading = not self._reading, True
         if start:
@@ -86,12 +84,13 @@ class CallRequests:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._opens:
+            while self._next is None:
                 left = deadline - time.monotonic()
                 if self._done or self._stopped or left <= 0 or not go_on():
                     return None
                 self._cond.wait(min(_POLL_S, left))
-            return self._opens.popleft()
+            opening, self._next = self._next, None
+            return opening
 
     def _read(self) -> None:
         try:
@@ -99,22 +98,18 @@ class CallRequests:
                 kind = request.WhichOneof("kind")
                 with self._cond:
                     stream = self._stream
-                if kind == "open" and stream is not None and not (stream.closed or stream.finished or stream.plan_end):
-                    # Mid-plan: not a next epoch but a bad request, which the plan's check refuses.
-                    self._on_plan(stream, request)
-                    continue
-                if kind == "open":
+                assert stream is not None  # attached before the reader starts
+                if kind == "open" and (stream.closed or stream.finished or stream.plan_end):
                     with self._cond:
-                        self._opens.append(request.open)
-                        self._opens_read += 1
+                        self._next, self._unattached = request.open, True
                         self._cond.notify_all()
                         # What follows is the new epoch's: wait until its stream is attached.
-                        while self._attached < self._opens_read and not self._stopped:
+                        while self._unattached and not self._stopped:
                             self._cond.wait(_POLL_S)
                         if self._stopped:
                             return
-                    continue
-                if stream is not None and not stream.closed:
+                elif not stream.closed:
+                    # A plan; or an `open` mid-plan, a bad request that the plan's check refuses.
                     self._on_plan(stream, request)
         except grpc.RpcError:
             pass  # the call ended; the handler sees it
