@@ -61,7 +61,6 @@ from loaderd.lane import Lane, LaneEvent, client_name
 from loaderd.plan import window_size
 from loaderd.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.limits import CALL_PER_LOADER_REVISION
 
 log = logging.getLogger("loaderd.iterator")
 
@@ -190,7 +189,7 @@ class RemoteLoaderIter:
             stream.pin_memory,
             stream.buffers,
             stream.calls,
-            reusable=member.protocol_revision >= CALL_PER_LOADER_REVISION,
+            revision=member.protocol_revision,
         )
         self._lanes[address] = lane
         if self._outage_since is not None:

@@ -31,6 +31,7 @@ from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.session import ShmSession
 from loaderd.stream_call import CallEpoch, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import CALL_PER_LOADER_REVISION, PLAN_RELEASES_REVISION
 
 _stream_tokens = itertools.count(1)
 
@@ -83,10 +84,11 @@ class Lane:
         pin_memory: bool,
         buffers: ReceiveBuffers,
         calls: StreamCalls,
-        reusable: bool,
+        revision: int,
     ) -> None:
         """``calls``: the loader's parked calls (this lane takes one, and parks its own at a clean end);
-        ``reusable``: the daemon serves epoch after epoch on one call."""
+        ``revision``: the daemon's protocol revision (from 4 it serves epoch after epoch on one call,
+        from 5 a plan carries the stream's released leases)."""
         self.address = address
         self.window = opening.window
         # Map-style: positions sent and not yet answered, in the order the daemon answers them.
@@ -104,9 +106,13 @@ class Lane:
         self._positioned = opening.positioned
         self._calls = calls
         token = next(_stream_tokens)
+        self._token = token
+        # Plans carry this stream's released leases (else the session sends them).
+        self._plan_releases = session if revision >= PLAN_RELEASES_REVISION else None
         opening.session_id = session.session_id if session is not None else 0
         opening.stream_token = token
         epoch = CallEpoch(functools.partial(_post, weakref.ref(self), events), token, pin_memory, buffers)
+        reusable = revision >= CALL_PER_LOADER_REVISION
         call = calls.take(address, connection, session) if reusable else None
         if call is None or not call.open(opening, epoch):  # none parked, or it ended just now
             call = StreamCall(address, connection, session, reusable)
@@ -137,6 +143,10 @@ class Lane:
                 plan.batches.add(indices=indices)
             self.sent.append(position)
             self._sent_at.append(now)
+        if batches and self._plan_releases is not None:
+            # Only on a message that plans batches: a lane that gets them all answered knows the
+            # daemon applied these; a lane stopped early is abandoned, which gives back any lost.
+            plan.released_leases.extend(self._plan_releases.take_released(self._token))
         self._call.send(pb.StreamRequest(plan=plan))
         if end:
             self.ended = True

@@ -4,8 +4,9 @@ One session per (process, daemon). Opening it proves that this process maps
 the daemon's shared memory (it must read a file the daemon just created, so
 nothing is guessed from the address). Batches of a shared-memory stream are
 then views of the worker's slot; when the user's last reference to a batch is
-gone, the slot's lease goes back over the session. If the process dies, the
-daemon sees the session end and takes every lease back.
+gone, the slot's lease goes back: on the stream's next plan message, else over
+the session (``loaderd.pending_releases``). If the process dies, the daemon sees
+the session end and takes every lease back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -24,6 +26,7 @@ import grpc
 
 from loaderd.copy_fence import CopyFence
 from loaderd.errors import LoaderdError, TransportError, error_from_rpc
+from loaderd.pending_releases import PendingReleases
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import SHM_DIR, is_segment_name
 from loaderd.wire.mapping import SharedMapping
@@ -31,6 +34,12 @@ from loaderd.wire.mapping import SharedMapping
 log = logging.getLogger("loaderd.session")
 
 _POLL_S = 0.25
+# How long a dropped lease waits (one to two periods) for a plan message of its stream to carry it
+# before the session call sends it: long enough to span a few batches, short enough that a worker
+# gets its slot back while the next batches are made.
+RELEASE_PERIOD_S = 0.005
+# Queued by a release when the sender sleeps: start ticking.
+_TICK = object()
 # Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
 _MAX_MAPPINGS = 1024
 
@@ -126,7 +135,8 @@ class ShmSession:
         self.address = address
         # Written by finalizers (release), which may run inside a garbage collection on a thread
         # that is in the middle of a put: SimpleQueue's put is reentrant, Queue's is not.
-        self._requests: queue.SimpleQueue[pb.SessionRequest | int | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[pb.SessionRequest | object | None] = queue.SimpleQueue()
+        self._pending = PendingReleases()
         self._stop = threading.Event()
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
@@ -193,35 +203,37 @@ class ShmSession:
         self._stop.set()
 
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
+        tick_at: float | None = None  # while releases are pending: when to send those no plan took
         while not self._stop.is_set():
+            wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
             try:
-                item = self._requests.get(timeout=_POLL_S)
+                item = self._requests.get(timeout=wait)
             except queue.Empty:
+                if tick_at is not None:
+                    due, ticking = self._pending.tick()
+                    tick_at = time.monotonic() + RELEASE_PERIOD_S if ticking else None
+                    if due:
+                        yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
                 continue
             if item is None:
                 return
-            if not isinstance(item, int):
-                yield item
+            if item is _TICK:
+                if tick_at is None:
+                    tick_at = time.monotonic() + RELEASE_PERIOD_S
                 continue
-            leases = [item]
-            while True:  # send every release that is already waiting in one message
-                try:
-                    more = self._requests.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(more, int):
-                    leases.append(more)
-                else:
-                    self._requests.put(more)
-                    break
-            yield pb.SessionRequest(release=pb.SlotRelease(leases=leases))
+            assert isinstance(item, pb.SessionRequest)
+            yield item
 
     def release(self, lease: int) -> None:
         """Give a slot back (called when the last view of its batch is gone)."""
         with self._claimed_lock:
-            self._claimed.pop(lease, None)
-        if not self._stop.is_set():
-            self._requests.put(lease)
+            token = self._claimed.pop(lease, 0)
+        if self._pending.add(lease, token) and not self._stop.is_set():
+            self._requests.put(_TICK)
+
+    def take_released(self, stream_token: int) -> list[int]:
+        """The dropped leases of stream ``stream_token`` not yet sent, for its next plan message to carry."""
+        return self._pending.take(stream_token)
 
     def lease_view(self, handle: pb.SlotHandle, nbytes: int, stream_token: int, pin: bool = False) -> memoryview:
         """A view of a leased slot that releases the lease when the last tensor viewing it dies."""
@@ -242,6 +254,7 @@ class ShmSession:
             # the lock, and must not change a dict being iterated.
             claimed = self._claimed.copy()
         kept = [lease for lease, token in claimed.items() if token == stream_token]
+        self._pending.drop(stream_token)  # not kept, so given back by the abandonment
         if not self._stop.is_set():
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 

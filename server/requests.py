@@ -69,9 +69,12 @@ def check_position(value: int, field: str) -> int:
 
 
 def open_spec(
-    request: pb.OpenStream, catalog: Catalog, limits: Limits, max_window: int, *, peer: str, shm: bool, identity: str = ""
+    request: pb.OpenStream, catalog: Catalog, limits: Limits, max_window: int, *, peer: str, session_id: int = 0, identity: str = ""
 ) -> Opening:
-    """Check an ``OpenStream``; UnknownDatasetError, BadRequestError or LimitExceededError if it cannot be served."""
+    """Check an ``OpenStream``; UnknownDatasetError, BadRequestError or LimitExceededError if it cannot be served.
+
+    ``session_id``: the caller's verified shared-memory session (0: none; ``request.session_id`` is
+    only what the client claims)."""
     check_name(request.dataset, "the dataset name", limits)
     check_name(request.client, "the client name", limits)
     check_position(request.start, "start")
@@ -119,7 +122,7 @@ def open_spec(
         peer=peer,
         identity=identity,
         stream_token=request.stream_token,
-        shm=shm,
+        session_id=session_id,
         share=share.name if share is not None else None,
         positioned=request.positioned,
     )

@@ -220,7 +220,7 @@ class LoaderServicer:
                 )
         try:
             checked = open_spec(
-                opening, self._catalog, self._limits, self._max_window, peer=context.peer(), shm=session is not None, identity=identity.name
+                opening, self._catalog, self._limits, self._max_window, peer=context.peer(), session_id=session.session_id if session is not None else 0, identity=identity.name
             )
             epoch.ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
         except _REFUSED as exc:
@@ -329,6 +329,9 @@ class LoaderServicer:
 
     def _plan_request(self, stream: BatchStream, request: pb.StreamRequest) -> None:
         """Feed one of the client's plan messages to ``stream`` (on the call's reader thread)."""
+        released = request.plan.released_leases
+        if released and stream.spec.session_id:
+            self._ledger.release_leases(stream.spec.session_id, list(released))
         try:
             items = plan_batches(request, stream, self._limits)
             plan = items.plan

@@ -22,7 +22,8 @@ certificate's; not the peer address, which every unix-socket client shares): a
 stream naming a session is served through it only with the same identity
 (``SessionRegistry.shm_session``), so no client can lease slots into another's
 without its unguessable id. Afterwards the client sends ``release`` (batches it
-dropped) and ``abandon`` (a stream it stopped) messages, and the daemon sends
+dropped that no plan message carried back: ``PlanBatches.released_leases``, applied
+by the servicer) and ``abandon`` (a stream it stopped) messages, and the daemon sends
 ``retired`` notices (segments it removed, to unmap). The session's slot leases
 are kept by the ledger (server/ledger.py); when the call ends, however it ends,
 every lease goes back.

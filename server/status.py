@@ -95,7 +95,7 @@ class StatusBoard:
                     stalled_s=stream.stalled_us / 1e6,
                     open_s=time.monotonic() - stream.opened_at,
                     share=spec.share or "",
-                    shm=spec.shm,
+                    shm=spec.session_id != 0,
                 )
             now = time.monotonic()
             reply.clients.extend(scheduler.clients.rows((s.use(now) for s in scheduler.streams()), now))

@@ -49,7 +49,8 @@ class StreamSpec:
     # Who the daemon verified the caller to be (token name or certificate subject; "" if neither).
     identity: str = ""
     stream_token: int = 0
-    shm: bool = False
+    # The client's shared-memory session (0: none): batches go as slots leased to it.
+    session_id: int = 0
     share: str | None = None  # the share's name, for a consumer of a shared job
     # Plan batches carry their epoch position (a client spreading an epoch over daemons).
     positioned: bool = False

@@ -27,7 +27,7 @@ def opening(**fields: object) -> pb.OpenStream:
 
 
 def check(request: pb.OpenStream) -> object:
-    return open_spec(request, CATALOG, LIMITS, 64, peer="test", shm=False)
+    return open_spec(request, CATALOG, LIMITS, 64, peer="test")
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,8 @@ import loaderd
 from compare import assert_same, assert_same_batches
 from conftest import TESTS_DIR, RunningDaemon, client_process, running_daemon, tensors_of, wait_for
 from loaderd import RemoteDataLoader
+from loaderd.pending_releases import PendingReleases
+from loaderd.session import ShmSession
 from loaderd.server import arena as loaderd_arena
 
 SHM_DIR = "/dev/shm"
@@ -432,6 +434,44 @@ def test_dropped_batches_return_their_slots(roomy: SharedDaemon) -> None:
     assert created[-1] <= bound, f"segments after each epoch: {created}; leases are not coming back"
     assert created[-1] <= created[1] + 2, f"segments keep growing after the second epoch: {created}"
     assert delivered_in_shm >= 5 * created[-1], f"{delivered_in_shm} batches over {created[-1]} segments: little reuse"
+
+
+@pytest.mark.timeout(90)
+def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Protocol revision 5: a dropped batch's lease rides its stream's next plan message; the session
+    call sends only what no plan took (an epoch's last batches), several leases to a message."""
+    daemon = roomy.get()
+    by_plan: list[int] = []
+    by_session: list[int] = []
+    take, tick = ShmSession.take_released, PendingReleases.tick
+
+    def counted_take(self: ShmSession, stream_token: int) -> list[int]:
+        leases = take(self, stream_token)
+        by_plan.extend(leases)
+        return leases
+
+    def counted_tick(self: PendingReleases) -> tuple[list[int], bool]:
+        due, ticking = tick(self)
+        by_session.extend(due)
+        return due, ticking
+
+    monkeypatch.setattr(ShmSession, "take_released", counted_take)
+    monkeypatch.setattr(PendingReleases, "tick", counted_tick)
+    epochs = 3
+    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=5, epochs=epochs)
+    pid = daemon_pid(daemon)
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            assert_same(batch, want[epoch][i], f"epoch {epoch} batch {i}")
+            assert shm_backing(batch, pid) is not None, f"epoch {epoch} batch {i} did not come through shared memory"
+            del batch
+    batches = epochs * len(want[0])
+    # Earlier tests' batches share this process's session: their leases may be among those sent.
+    wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
+    assert len(set(by_plan + by_session)) == len(by_plan) + len(by_session), "a lease went back twice"
+    # The window (4 x 2 workers) is planned a quarter at a time: every plan but the epoch's first carries
+    # the leases dropped since the previous one, and only the last ~8 of each epoch's 25 go by the session.
+    assert len(by_plan) >= batches // 2, f"{len(by_plan)} of {batches} leases rode plans, {len(by_session)} the session"
 
 
 # ------------------------------------------------------------------ 6. transport choice

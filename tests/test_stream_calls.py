@@ -24,7 +24,7 @@ from cluster import cluster
 from compare import assert_same_batches
 from conftest import RunningDaemon, oracle_loader, running_daemon, wait_for
 
-import loaderd.iterator
+import loaderd.lane
 from loaderd import RemoteDataLoader
 from loaderd.server.call_requests import CallRequests
 from loaderd.receive_buffers import ReceiveBuffers
@@ -104,7 +104,7 @@ def test_an_epoch_left_early_does_not_lend_its_call(daemon: RunningDaemon, trans
 @pytest.mark.timeout(60)
 def test_a_daemon_without_revision_4_gets_a_call_per_epoch(daemon: RunningDaemon, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a client does with an older daemon: it half-closes each epoch's call and opens a new one."""
-    monkeypatch.setattr(loaderd.iterator, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
+    monkeypatch.setattr(loaderd.lane, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
     loader = RemoteDataLoader("squares", batch_size=8, address=daemon.address, transport=transport)
     got, added = epochs_with_receivers(loader, 2)
     for epoch in got:

@@ -13,9 +13,13 @@ DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # revision work with daemons of either: a challenge without an id means "wait for ready").
 # Revision 4: a StreamBatches call takes the next epoch's `open` after its StreamEnd (a
 # client reuses the call only with daemons that say 4).
-PROTOCOL_REVISION = 4
+# Revision 5: a plan carries the releases of its stream's slots (a client piggybacks them
+# only on daemons that say 5; older ones get them on the session call).
+PROTOCOL_REVISION = 5
 # The first revision whose daemons serve epoch after epoch on one StreamBatches call.
 CALL_PER_LOADER_REVISION = 4
+# The first revision whose daemons apply PlanBatches.released_leases.
+PLAN_RELEASES_REVISION = 5
 MIN_PROTOCOL_REVISION = 2
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)

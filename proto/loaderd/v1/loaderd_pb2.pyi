@@ -104,16 +104,18 @@ class IndexBatch(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ...) -> None: ...
 
 class PlanBatches(_message.Message):
-    __slots__ = ("batches", "end", "consumed", "stalled_us")
+    __slots__ = ("batches", "end", "consumed", "stalled_us", "released_leases")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     STALLED_US_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[IndexBatch]
     end: bool
     consumed: int
     stalled_us: int
-    def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ..., consumed: _Optional[int] = ..., stalled_us: _Optional[int] = ...) -> None: ...
+    released_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ..., consumed: _Optional[int] = ..., stalled_us: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("open", "plan")

@@ -91,8 +91,9 @@ class LoaderServicer:
         """A client process's shared-memory session. The daemon proves the client
         can map its shared memory (a challenge file the client must read), then
         the session carries the client's releases of the slots its batches live
-        in. When the session ends (close, crash, SIGKILL), every slot it still
-        holds goes back to the pool.
+        in (those no plan message carried: PlanBatches.released_leases). When the
+        session ends (close, crash, SIGKILL), every slot it still holds goes back
+        to the pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
