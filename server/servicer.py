@@ -286,7 +286,8 @@ class LoaderServicer:
                 log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
                 yield framing.end_message(stream.delivered, self._limits.handshake_timeout)
                 return True
-            self._scheduler.wake()  # a window slot opened
+            if stream.window_freed:
+                self._scheduler.wake()
             if delivery.replay:
                 if delivery.batch is not None:
                     self._ledger.release(delivery.batch)

@@ -109,6 +109,9 @@ class BatchStream:
     delivered: int = 0
     failure: StreamFailed | None = None
     finished: bool = False  # END was delivered
+    # Set by each next_delivery (read by its caller, the one thread that calls it): taking the
+    # batch out freed a full window, so the scheduler may dispatch again and must be woken.
+    window_freed: bool = False
     closed: bool = False
     replicas: list[_ReplicaCursor] = field(default_factory=list)
     replica_turn: int = 0
@@ -312,11 +315,17 @@ class BatchStream:
         Called by the servicer without the lock (it takes ``cond``); raises StreamFailed.
         """
         with self.cond:
+            self.window_freed = False
             while True:
                 if self.failure is not None:
                     raise self.failure
                 delivery = self.ready.pop(self.next_seq, None)
                 if delivery is not None:
+                    # Otherwise the window did not hold dispatch back, and this changes nothing for
+                    # the scheduler (a shared job's consumer asks the job for more: always news).
+                    self.window_freed = self.window_freed or self.upstream is not None or (
+                        len(self.backlog.outstanding) + len(self.ready) + 1 >= self.spec.window
+                    )
                     self.next_seq += 1
                     self._ask_upstream()  # its window moved on
                     if delivery.skipped:

@@ -45,6 +45,28 @@ def test_out_of_order_results_come_out_in_order_then_end() -> None:
     assert stream.finished and stream.delivered == 3
 
 
+def test_taking_a_batch_out_says_whether_it_freed_a_full_window() -> None:
+    """The servicer wakes the scheduler only when a delivery let dispatch go on (one wake-up less per batch)."""
+    stream = lone_stream(map_spec(window=2))
+    stream.add_plan([(0,), (1,), (2,), (3,), (4,)], end=True)
+    assert [t.seq for t in dispatch_all(stream)] == [0, 1]
+    stream.resolve(batch_delivery(0))
+    stream.resolve(batch_delivery(1))
+    assert stream.next_delivery(0).seq == 0 and stream.window_freed  # the window was full, plan waiting
+    assert [t.seq for t in dispatch_all(stream)] == [2]
+    assert stream.next_delivery(0).seq == 1 and stream.window_freed
+    assert [t.seq for t in dispatch_all(stream)] == [3]
+    stream.resolve(batch_delivery(2))
+    assert not dispatch_all(stream)  # full again: 2 ready, 3 computing
+    assert stream.next_delivery(0).seq == 2 and stream.window_freed
+    assert [t.seq for t in dispatch_all(stream)] == [4]
+    stream.resolve(batch_delivery(3))
+    stream.resolve(batch_delivery(4))
+    assert stream.next_delivery(0).seq == 3 and stream.window_freed  # full, though nothing waits: a harmless wake
+    assert stream.next_delivery(0).seq == 4 and not stream.window_freed  # one left in the window of 2
+    assert stream.next_delivery(0) is END and not stream.window_freed
+
+
 def test_a_duplicate_result_is_released_not_delivered() -> None:
     released: list[FinishedBatch] = []
     stream = lone_stream(map_spec(), released.append)
