@@ -5,7 +5,7 @@ the daemon's shared memory (it must read a file the daemon just created, so
 nothing is guessed from the address). Batches of a shared-memory stream are
 then views of the worker's slot; when the user's last reference to a batch is
 gone, the slot's lease goes back: on the stream's next plan message, else over
-the session (``loaderd.pending_releases``). If the process dies, the daemon sees
+the session (``loaderd.leases``). If the process dies, the daemon sees
 the session end and takes every lease back.
 """
 
@@ -26,7 +26,7 @@ import grpc
 
 from loaderd.copy_fence import CopyFence
 from loaderd.errors import LoaderdError, TransportError, error_from_rpc
-from loaderd.pending_releases import PendingReleases
+from loaderd.leases import Leases
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import SHM_DIR, is_segment_name
 from loaderd.wire.mapping import SharedMapping
@@ -133,10 +133,12 @@ class ShmSession:
     def __init__(self, stub: Any, address: str, handshake_timeout: float) -> None:
         """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut)."""
         self.address = address
+        self._pid = os.getpid()
         # Written by finalizers (release), which may run inside a garbage collection on a thread
         # that is in the middle of a put: SimpleQueue's put is reentrant, Queue's is not.
         self._requests: queue.SimpleQueue[pb.SessionRequest | object | None] = queue.SimpleQueue()
-        self._pending = PendingReleases()
+        # Written by finalizers too; the rules are in loaderd.leases.
+        self._leases = Leases()
         self._stop = threading.Event()
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
         self._call = stub.Session(self._request_stream())
@@ -172,10 +174,6 @@ class ShmSession:
         self.reason = ready.reason
         self.maps = SegmentMaps()
         self._fence = CopyFence()
-        # Leases this process turned into batches and has not released: lease -> stream token.
-        self._claimed: dict[int, int] = {}
-        # Reentrant for the same reason: a release may run on a thread that holds it.
-        self._claimed_lock = threading.RLock()
         # This thread reads what the daemon sends later (`ready` when the session went on
         # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
@@ -210,7 +208,7 @@ class ShmSession:
                 item = self._requests.get(timeout=wait)
             except queue.Empty:
                 if tick_at is not None:
-                    due, ticking = self._pending.tick()
+                    due, ticking = self._leases.tick()
                     tick_at = time.monotonic() + RELEASE_PERIOD_S if ticking else None
                     if due:
                         yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
@@ -226,20 +224,21 @@ class ShmSession:
 
     def release(self, lease: int) -> None:
         """Give a slot back (called when the last view of its batch is gone)."""
-        with self._claimed_lock:
-            token = self._claimed.pop(lease, 0)
-        if self._pending.add(lease, token) and not self._stop.is_set():
+        if os.getpid() != self._pid:
+            # A forked child dropping a batch it inherited: the lease is the parent's to give back,
+            # and a lock held at the fork by one of the parent's threads would never be let go here.
+            return
+        if self._leases.release(lease) and not self._stop.is_set():
             self._requests.put(_TICK)
 
     def take_released(self, stream_token: int) -> list[int]:
         """The dropped leases of stream ``stream_token`` not yet sent, for its next plan message to carry."""
-        return self._pending.take(stream_token)
+        return self._leases.take(stream_token)
 
     def lease_view(self, handle: pb.SlotHandle, nbytes: int, stream_token: int, pin: bool = False) -> memoryview:
         """A view of a leased slot that releases the lease when the last tensor viewing it dies."""
         view = self.maps.get(handle.name, handle.size, pin)[:nbytes]
-        with self._claimed_lock:
-            self._claimed[handle.lease] = stream_token
+        self._leases.claim(handle.lease, stream_token)
         if pin:
             # The view is page-locked: GPU copies from it may still be queued when it dies.
             weakref.finalize(view, self._fence.defer, functools.partial(self.release, handle.lease))
@@ -249,12 +248,9 @@ class ShmSession:
 
     def abandon(self, stream_token: int) -> None:
         """A stream stopped early: the daemon takes back the slots it sent that never became batches."""
-        with self._claimed_lock:
-            # A copy: a release that runs inside an allocation here (a garbage collection) re-enters
-            # the lock, and must not change a dict being iterated.
-            claimed = self._claimed.copy()
-        kept = [lease for lease, token in claimed.items() if token == stream_token]
-        self._pending.drop(stream_token)  # not kept, so given back by the abandonment
+        if os.getpid() != self._pid:
+            return  # a forked child: the stream and its leases are the parent's (as in release)
+        kept = self._leases.abandon(stream_token)
         if not self._stop.is_set():
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 

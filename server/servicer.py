@@ -278,6 +278,8 @@ class LoaderServicer:
                 told_draining = True
                 yield framing.draining_message(self._drain.stop_in())
             delivery = stream.next_delivery(_POLL_S)
+            if stream.window_freed:  # also when it took out only skipped batches, then waited in vain
+                self._scheduler.wake()
             if delivery is None:
                 if not context.is_active():
                     return False
@@ -286,8 +288,6 @@ class LoaderServicer:
                 log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
                 yield framing.end_message(stream.delivered, self._limits.handshake_timeout)
                 return True
-            if stream.window_freed:
-                self._scheduler.wake()
             if delivery.replay:
                 if delivery.batch is not None:
                     self._ledger.release(delivery.batch)

@@ -262,13 +262,14 @@ def test_a_release_on_the_thread_that_holds_the_session_s_lock_does_not_deadlock
     session = ShmSession(stub, "scripted", handshake_timeout=10.0)
     try:
         daemon.release.set()
-        session._claimed.update({7: 1, 8: 2})
+        session._leases.claim(7, 1)
+        session._leases.claim(8, 2)
 
         def scenario() -> None:
-            with session._claimed_lock:
+            with session._leases._lock:
                 session.release(7)
 
         ends_on_its_own_thread(scenario, 10, "a release waited for the lock its own thread holds")
-        assert session._claimed == {8: 2}
+        assert session._leases.claimed() == {8: 2}
     finally:
         session.close()
