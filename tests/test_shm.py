@@ -44,11 +44,13 @@ from torch.utils.data import DataLoader
 
 import datasets
 import loaderd
+import loaderd.lane
 from compare import assert_same, assert_same_batches
 from conftest import TESTS_DIR, RunningDaemon, client_process, running_daemon, tensors_of, wait_for
 from loaderd import RemoteDataLoader
 from loaderd.leases import Leases
 from loaderd.session import ShmSession
+from loaderd.wire.limits import PROTOCOL_REVISION
 from loaderd.server import arena as loaderd_arena
 
 SHM_DIR = "/dev/shm"
@@ -436,11 +438,8 @@ def test_dropped_batches_return_their_slots(roomy: SharedDaemon) -> None:
     assert delivered_in_shm >= 5 * created[-1], f"{delivered_in_shm} batches over {created[-1]} segments: little reuse"
 
 
-@pytest.mark.timeout(90)
-def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Protocol revision 5: a dropped batch's lease rides its stream's next plan message; the session
-    call sends only what no plan took (an epoch's last batches), several leases to a message."""
-    daemon = roomy.get()
+def release_routes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """The leases this process gives back from now on: (those plan messages carry, those the session sends)."""
     by_plan: list[int] = []
     by_session: list[int] = []
     take, tick = ShmSession.take_released, Leases.tick
@@ -457,7 +456,11 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
 
     monkeypatch.setattr(ShmSession, "take_released", counted_take)
     monkeypatch.setattr(Leases, "tick", counted_tick)
-    epochs = 3
+    return by_plan, by_session
+
+
+def shm_epochs(daemon: RunningDaemon, epochs: int) -> int:
+    """Run ``epochs`` shuffled epochs of "mid" over shared memory, checked against torch; the batches they had."""
     loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=5, epochs=epochs)
     pid = daemon_pid(daemon)
     for epoch in range(epochs):
@@ -466,7 +469,15 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
             assert shm_backing(batch, pid) is not None, f"epoch {epoch} batch {i} did not come through shared memory"
         # (No `del batch`: as in a training loop, a batch dies when the next one takes its name.)
     del batch
-    batches = epochs * len(want[0])
+    return epochs * len(want[0])
+
+
+@pytest.mark.timeout(90)
+def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Protocol revision 5: a dropped batch's lease rides its stream's next plan message; the session
+    call sends only what no plan took (an epoch's last batches), several leases to a message."""
+    by_plan, by_session = release_routes(monkeypatch)
+    batches = shm_epochs(roomy.get(), 3)
     # Earlier tests' batches share this process's session: their leases may be among those sent.
     wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
     assert len(set(by_plan + by_session)) == len(by_plan) + len(by_session), "a lease went back twice"
@@ -474,6 +485,21 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     # epoch's first carries the leases dropped since the previous one, and only the last ~9 of each
     # epoch's 25 go by the session (a loop slower than ~5 ms a batch sends most by the session).
     assert len(by_plan) >= batches // 2, f"{len(by_plan)} of {batches} leases rode plans, {len(by_session)} the session"
+
+
+@pytest.mark.timeout(90)
+def test_with_a_daemon_before_revision_5_the_session_gives_every_lease_back(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Such a daemon would ignore a plan's releases: none rides a plan, and none is lost."""
+    monkeypatch.setattr(loaderd.lane, "PLAN_RELEASES_REVISION", PROTOCOL_REVISION + 1)
+    by_plan, by_session = release_routes(monkeypatch)
+    daemon = roomy.get()
+    before = set(segment_sizes(daemon_pid(daemon)))
+    batches = shm_epochs(daemon, 3)
+    wait_for(lambda: len(by_session) >= batches, 5, "every dropped batch's lease to go back on the session")
+    assert by_plan == []
+    assert len(set(by_session)) == len(by_session), "a lease went back twice"
+    # Leases came back in time to be reused: 75 batches of 128 KiB took a few new segments at most.
+    assert len(set(segment_sizes(daemon_pid(daemon))) - before) <= 12
 
 
 # ------------------------------------------------------------------ 6. transport choice
