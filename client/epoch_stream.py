@@ -46,6 +46,9 @@ class EpochStream:
     # Index batches in the epoch, where the index sampler has a length (map-style
     # only); None: plan a window ahead, and end when the sampler ends.
     plan_length: int | None
+    # Making the plan's last batch may draw from a generator (a sampler's end): it is planned only
+    # when the caller asks for it (``loaderd.index_batches.last_batch_draws``).
+    last_batch_draws: bool
     # len(loader), where it has one: what len(iterator) reports.
     length: int | None
     # The epoch's RNG draws, made fresh or replayed (see loaderd.epoch).

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 _CHUNK = 2048
 
@@ -38,6 +38,31 @@ def index_batches(index_sampler: Any) -> Iterator[Any]:
     ):
         return _shuffled_batches(index_sampler.sampler, index_sampler.batch_size, index_sampler.drop_last)
     return iter(index_sampler)
+
+
+def last_batch_draws(index_sampler: Any) -> bool:
+    """Whether making the plan's last batch may draw from a generator that the batches before it did not.
+
+    The iterator plans such a last batch only when the caller asks for it, as torch
+    (``num_workers=0``) makes that draw there: an epoch stopped before its last batch
+    leaves the generators as torch does. Any other last batch is planned with the
+    rest, so the pool does not wait for the caller at each epoch's end. False only
+    where that is known: a ``BatchSampler`` over a ``SequentialSampler`` (no draws),
+    or over a plain ``RandomSampler`` of one permutation (``num_samples`` = n) whose
+    last batch is full (n a multiple of the batch size, or ``drop_last``) and not its
+    first: that permutation's end is drawn only when the consumer asks past it.
+    """
+    if type(index_sampler) is not BatchSampler:
+        return True
+    sampler = index_sampler.sampler
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement:
+        n = len(sampler.data_source)
+        full = n % index_sampler.batch_size == 0 or index_sampler.drop_last
+        # (A last batch that is also the first draws the permutation.)
+        return not (sampler.num_samples == n and full and len(index_sampler) > 1)
+    return True
 
 
 def _permutations(sampler: RandomSampler) -> Iterator[torch.Tensor]:

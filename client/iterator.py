@@ -284,9 +284,10 @@ class RemoteLoaderIter:
 
         Producing the last batch can exhaust the sampler, and an exhausted
         RandomSampler draws from its generator once more; torch (num_workers=0)
-        only does that when the caller asks for the last batch. So the last
-        batch, and anything past it, is planned only when asked for: an epoch
-        stopped early leaves the user's generator where torch does.
+        only does that when the caller asks for the last batch. So such a last
+        batch (``last_batch_draws``), and anything past the end, is planned only
+        when asked for: an epoch stopped early leaves the user's generator where
+        torch does.
         """
         if self._mode is _Mode.ITERABLE:
             # The credit: the daemon runs at most `window` batches past what was reported.
@@ -303,8 +304,13 @@ class RemoteLoaderIter:
         target = self._consumed + capacity
         plan_length = self._stream.plan_length
         if plan_length is not None:
-            last = plan_length - 1
-            target = min(target, last if self._consumed < last else self._consumed + 1)
+            if self._consumed >= plan_length:  # asked past the end: the sampler ends (and draws) now
+                target = self._consumed + 1
+            elif self._stream.last_batch_draws:
+                last = plan_length - 1
+                target = min(target, last if self._consumed < last else plan_length)
+            else:
+                target = min(target, plan_length)
         clamped = target != self._consumed + capacity  # the epoch's end: plan it as it comes
         if not clamped and target - self._planned < max(1, capacity // PLAN_STEP_DIVISOR):
             target = self._planned  # less than a step has room: wait for a whole one

@@ -26,6 +26,7 @@ from loaderd.epoch import (
 from loaderd.epoch_stream import EpochStream
 from loaderd.fleet import Fleet
 from loaderd.identity import LoaderIdentity, class_name, share_job_name, share_seed
+from loaderd.index_batches import last_batch_draws
 from loaderd.iterator import RemoteLoaderIter
 from loaderd.plan import build_plan, proxy_dataset
 from loaderd.receive_buffers import ReceiveBuffers
@@ -235,6 +236,7 @@ class RemoteDataLoader:
             share=self._share_spec(start.progress.epoch),
             iterable=self._iterable,
             plan_length=None if self._iterable else length,
+            last_batch_draws=self._iterable or last_batch_draws(self._plan._index_sampler),
             length=length,
             start=start,
         )

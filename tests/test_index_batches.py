@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from loaderd.index_batches import _CHUNK, index_batches
+from loaderd.index_batches import _CHUNK, index_batches, last_batch_draws
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,3 +114,42 @@ def test_other_samplers_run_as_torch_runs_them(sampler: Any) -> None:
     if generator is not None:
         generator.set_state(state)
     assert list(index_batches(sampler)) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "num_samples", "batch_size", "drop_last"),
+    [(64, None, 8, False), (64, None, 8, True), (70, None, 8, True), (70, None, 8, False), (6, None, 8, False),
+     (64, 128, 8, False), (64, 40, 8, False), (64, 100, 8, True), (7, 7, 7, False), (1, None, 1, False)],
+)
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_last_batch_said_not_to_draw_draws_nothing_in_torch(
+    n: int, num_samples: int | None, batch_size: int, drop_last: bool, seeded: bool
+) -> None:
+    """The iterator plans a last batch early only when ``last_batch_draws`` says no: then torch's own
+    BatchSampler leaves every generator as it was before that batch (and where it says yes, one that
+    draws is among the cases)."""
+    generator = torch.Generator().manual_seed(5) if seeded else None
+    torch.manual_seed(9)
+    index_sampler = BatchSampler(RandomSampler(range(n), num_samples=num_samples, generator=generator), batch_size, drop_last)
+    batches = iter(index_sampler)
+    for _ in range(len(index_sampler) - 1):
+        next(batches)
+    before = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
+    next(batches)
+    after = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
+    unchanged = all(a is None or torch.equal(a, b) for a, b in zip(before, after))
+    if not last_batch_draws(index_sampler):
+        assert unchanged
+    expected = not (num_samples in (None, n) and (n % batch_size == 0 or drop_last) and len(index_sampler) > 1)
+    assert last_batch_draws(index_sampler) is expected
+
+
+def test_a_sequential_last_batch_draws_nothing_and_other_samplers_are_assumed_to() -> None:
+    assert not last_batch_draws(BatchSampler(SequentialSampler(range(10)), 3, False))
+    assert last_batch_draws(BatchSampler(RandomSampler(range(10), replacement=True), 5, False))
+    assert last_batch_draws(RandomSampler(range(10)))  # no batches: each item is planned alone
+
+    class Mine(RandomSampler):
+        pass
+
+    assert last_batch_draws(BatchSampler(Mine(range(10)), 5, False))
