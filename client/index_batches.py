@@ -41,28 +41,38 @@ def index_batches(index_sampler: Any) -> Iterator[Any]:
 
 
 def last_batch_draws(index_sampler: Any) -> bool:
-    """Whether making the plan's last batch may draw from a generator that the batches before it did not.
+    """Whether making the plan's last batch may draw from a generator the user can see, that the
+    batches before it did not.
 
     The iterator plans such a last batch only when the caller asks for it, as torch
     (``num_workers=0``) makes that draw there: an epoch stopped before its last batch
     leaves the generators as torch does. Any other last batch is planned with the
     rest, so the pool does not wait for the caller at each epoch's end. False only
-    where that is known: a ``BatchSampler`` over a ``SequentialSampler`` (no draws),
-    or over a plain ``RandomSampler`` of one permutation (``num_samples`` = n) whose
-    last batch is full (n a multiple of the batch size, or ``drop_last``) and not its
-    first: that permutation's end is drawn only when the consumer asks past it.
+    where that is known, for torch's own samplers (batched by a ``BatchSampler`` or
+    not; subclasses are assumed to draw):
+
+    * a ``SequentialSampler`` draws nothing;
+    * a ``RandomSampler`` without a generator draws a seed from the global RNG for
+      its first batch, and everything after from a generator of its own that nobody
+      else sees (torch's too);
+    * a ``RandomSampler`` with a generator, without replacement, of one permutation
+      (``num_samples`` = n), whose last batch is full (n a multiple of the batch size,
+      or ``drop_last``) draws that permutation's end only when asked past it.
+
+    A last batch that is also the first draws whatever the first draws (it is planned
+    when asked for either way).
     """
-    if type(index_sampler) is not BatchSampler:
-        return True
-    sampler = index_sampler.sampler
+    batches = index_sampler if type(index_sampler) is BatchSampler else None
+    sampler = batches.sampler if batches is not None else index_sampler
     if type(sampler) is SequentialSampler:
         return False
-    if type(sampler) is RandomSampler and not sampler.replacement:
-        n = len(sampler.data_source)
-        full = n % index_sampler.batch_size == 0 or index_sampler.drop_last
-        # (A last batch that is also the first draws the permutation.)
-        return not (sampler.num_samples == n and full and len(index_sampler) > 1)
-    return True
+    if type(sampler) is not RandomSampler or len(index_sampler) <= 1:
+        return True
+    if sampler.generator is None:
+        return False
+    n = len(sampler.data_source)
+    full = batches is None or n % batches.batch_size == 0 or batches.drop_last
+    return sampler.replacement or sampler.num_samples != n or not full
 
 
 def _permutations(sampler: RandomSampler) -> Iterator[torch.Tensor]:

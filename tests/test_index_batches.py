@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler
 
 from loaderd.index_batches import _CHUNK, index_batches, last_batch_draws
 
@@ -116,40 +116,70 @@ def test_other_samplers_run_as_torch_runs_them(sampler: Any) -> None:
     assert list(index_batches(sampler)) == expected
 
 
-@pytest.mark.parametrize(
-    ("n", "num_samples", "batch_size", "drop_last"),
-    [(64, None, 8, False), (64, None, 8, True), (70, None, 8, True), (70, None, 8, False), (6, None, 8, False),
-     (64, 128, 8, False), (64, 40, 8, False), (64, 100, 8, True), (7, 7, 7, False), (1, None, 1, False)],
-)
-@pytest.mark.parametrize("seeded", [True, False])
-def test_a_last_batch_said_not_to_draw_draws_nothing_in_torch(
-    n: int, num_samples: int | None, batch_size: int, drop_last: bool, seeded: bool
+def _state_changes_at_the_last_batch(index_sampler: Any, batches: Iterator[Any], generator: Any) -> bool:
+    """Whether making ``index_sampler``'s last batch (from ``batches``) moved the generator or the global RNG."""
+    for _ in range(len(index_sampler) - 1):
+        next(batches)
+    before = [torch.get_rng_state()] + ([generator.get_state()] if generator is not None else [])
+    next(batches)
+    after = [torch.get_rng_state()] + ([generator.get_state()] if generator is not None else [])
+    return not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# (n, num_samples, batch_size, drop_last, with a generator, whether the last batch may draw)
+_LAST_BATCH_CASES = [
+    (64, None, 8, False, True, False),  # one permutation, full last batch
+    (64, 64, 8, False, True, False),  # num_samples given, the same
+    (70, None, 8, True, True, False),  # drop_last: the partial batch is never made
+    (70, None, 8, False, True, True),  # the partial last batch ends the permutation: the end draws
+    (64, 128, 8, False, True, True),  # two permutations
+    (64, 40, 8, False, True, True),  # one cut permutation
+    (64, 100, 8, True, True, True),
+    (7, None, 7, False, True, True),  # one batch: the last is the first
+    (70, None, 8, False, False, False),  # no generator: all but the first batch's seed is private
+    (64, 128, 8, False, False, False),
+    (7, None, 7, False, False, True),
+]
+
+
+@pytest.mark.parametrize(("n", "num_samples", "batch_size", "drop_last", "seeded", "draws"), _LAST_BATCH_CASES)
+@pytest.mark.parametrize("lister", [iter, index_batches], ids=["torch", "loaderd"])
+def test_a_last_batch_said_not_to_draw_draws_nothing(
+    n: int, num_samples: int | None, batch_size: int, drop_last: bool, seeded: bool, draws: bool, lister: Any
 ) -> None:
-    """The iterator plans a last batch early only when ``last_batch_draws`` says no: then torch's own
-    BatchSampler leaves every generator as it was before that batch (and where it says yes, one that
-    draws is among the cases)."""
+    """The iterator plans a last batch early only when ``last_batch_draws`` says no: then neither torch's
+    BatchSampler nor loaderd's listing of it moves the generator or the global RNG making that batch."""
     generator = torch.Generator().manual_seed(5) if seeded else None
     torch.manual_seed(9)
     index_sampler = BatchSampler(RandomSampler(range(n), num_samples=num_samples, generator=generator), batch_size, drop_last)
-    batches = iter(index_sampler)
-    for _ in range(len(index_sampler) - 1):
-        next(batches)
-    before = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
-    next(batches)
-    after = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
-    unchanged = all(a is None or torch.equal(a, b) for a, b in zip(before, after))
-    if not last_batch_draws(index_sampler):
-        assert unchanged
-    expected = not (num_samples in (None, n) and (n % batch_size == 0 or drop_last) and len(index_sampler) > 1)
-    assert last_batch_draws(index_sampler) is expected
+    assert last_batch_draws(index_sampler) is draws
+    if not draws:
+        assert not _state_changes_at_the_last_batch(index_sampler, lister(index_sampler), generator)
 
 
-def test_a_sequential_last_batch_draws_nothing_and_other_samplers_are_assumed_to() -> None:
+def test_the_cases_said_to_draw_include_ones_that_do() -> None:
+    """Not vacuous: a partial last batch, or the first batch, moves a generator as it is made."""
+    generator = torch.Generator().manual_seed(5)
+    partial = BatchSampler(RandomSampler(range(70), generator=generator), 8, False)
+    assert last_batch_draws(partial) and _state_changes_at_the_last_batch(partial, iter(partial), generator)
+    torch.manual_seed(9)
+    only = BatchSampler(RandomSampler(range(7)), 7, False)
+    assert last_batch_draws(only) and _state_changes_at_the_last_batch(only, iter(only), None)
+
+
+def test_unbatched_and_other_samplers() -> None:
     assert not last_batch_draws(BatchSampler(SequentialSampler(range(10)), 3, False))
-    assert last_batch_draws(BatchSampler(RandomSampler(range(10), replacement=True), 5, False))
-    assert last_batch_draws(RandomSampler(range(10)))  # no batches: each item is planned alone
+    assert not last_batch_draws(SequentialSampler(range(10)))  # batch_size=None
+    assert not last_batch_draws(RandomSampler(range(10)))  # batch_size=None, shuffle=True
+    one_at_a_time = RandomSampler(range(10), generator=(generator := torch.Generator().manual_seed(2)))
+    assert not last_batch_draws(one_at_a_time)
+    assert not _state_changes_at_the_last_batch(one_at_a_time, iter(one_at_a_time), generator)
+    assert last_batch_draws(RandomSampler(range(10), num_samples=11, generator=torch.Generator()))
+    assert last_batch_draws(BatchSampler(RandomSampler(range(10), replacement=True, generator=torch.Generator()), 5, False))
+    assert not last_batch_draws(BatchSampler(RandomSampler(range(10), replacement=True), 5, False))  # private generator
 
     class Mine(RandomSampler):
         pass
 
     assert last_batch_draws(BatchSampler(Mine(range(10)), 5, False))
+    assert last_batch_draws(BatchSampler(SubsetRandomSampler(range(10)), 5, False))

@@ -465,28 +465,30 @@ def test_break_early_then_new_epoch(remote: Any) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_stopping_before_the_last_batch_leaves_the_generators_as_torch_does(remote: Any, drop_last: bool) -> None:
-    """A full last batch is planned with the rest (making it draws nothing); a partial one, whose making
-    ends the permutation and draws once more, only when asked for: either way the generators end up
-    where torch's (num_workers=0) do when the loop stops just before the last batch."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "global-rng"])
+def test_stopping_before_the_last_batch_leaves_the_generators_as_torch_does(remote: Any, drop_last: bool, seeded: bool) -> None:
+    """With a generator, a full last batch is planned with the rest (making it draws nothing) and a
+    partial one, whose making ends the permutation and draws once more, only when asked for; without
+    one, any last batch is planned with the rest (the sampler's own generator is private). Either way
+    the generators end up where torch's (num_workers=0) do when the loop stops just before the last batch."""
     batch_size = 10
     assert SQUARES_N % batch_size  # so the last batch is full only with drop_last
 
-    def run(make: Any) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
+    def run(make: Any) -> tuple[list[Any], list[torch.Tensor]]:
         torch.manual_seed(11)
-        generator = torch.Generator().manual_seed(3)
+        generator = torch.Generator().manual_seed(3) if seeded else None
         loader = make(generator)
         taken = []
         for i, batch in enumerate(loader):
             taken.append(batch)
             if i == len(loader) - 2:
                 break
-        return taken, generator.get_state(), torch.get_rng_state()
+        return taken, [torch.get_rng_state()] + ([generator.get_state()] if generator is not None else [])
 
-    expected, g_torch, global_torch = run(lambda g: DataLoader(squares(), batch_size=batch_size, shuffle=True, drop_last=drop_last, generator=g))
-    got, g_remote, global_remote = run(lambda g: remote("squares", batch_size=batch_size, shuffle=True, drop_last=drop_last, generator=g))
+    expected, torch_states = run(lambda g: DataLoader(squares(), batch_size=batch_size, shuffle=True, drop_last=drop_last, generator=g))
+    got, remote_states = run(lambda g: remote("squares", batch_size=batch_size, shuffle=True, drop_last=drop_last, generator=g))
     assert_same_batches(got, expected)
-    assert torch.equal(g_remote, g_torch) and torch.equal(global_remote, global_torch)
+    assert all(torch.equal(a, b) for a, b in zip(remote_states, torch_states, strict=True))
 
 
 @pytest.mark.timeout(30)
