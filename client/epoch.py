@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loaderd.index_batches import index_batches
+from loaderd.next_epoch import SamplerDraw
 from loaderd.state import LoaderState, decode_rng, encode_rng
 
 
@@ -86,6 +87,9 @@ class EpochStart:
     # The index sampler's iterator, already past the ``start`` batches consumed earlier.
     sampler_iter: Iterator[Any] | None
     start: int
+    # An epoch planned ahead: its sampler's seed was drawn from a copy of the global RNG,
+    # made the user's at the epoch's first batch (``loaderd.next_epoch``).
+    sampler_draw: SamplerDraw | None = None
 
 
 def sized_len(obj: Any) -> int | None:
@@ -139,6 +143,7 @@ def begin_epoch(
     rng: torch.Generator,
     reseed: int | None,
     resume: LoaderState | None,
+    global_rng: torch.Generator | None = None,
 ) -> EpochStart:
     """Make epoch ``epoch``'s RNG draws (replaying ``resume`` if given) and record how.
 
@@ -152,6 +157,8 @@ def begin_epoch(
     right after ``iter(loader)``, it stays where the sampler's first draw
     leaves it, as it would in the uninterrupted run.) An explicit generator
     stays where the replay left it, as an uninterrupted run would.
+    ``global_rng`` (a copy of torch's global RNG, to plan an epoch ahead) is drawn
+    from where the sampler would draw from the global RNG (``index_batches``).
     """
     generators = sampler_generators(plan, rng)
     aware = epoch_aware(plan)
@@ -177,7 +184,7 @@ def begin_epoch(
             sampler_epochs=[sampler_epoch(obj) for obj in aware],
         )
         # torch's order: the sampler's iterator first, then the base seed.
-        sampler_iter = None if iterable else index_batches(plan._index_sampler)
+        sampler_iter = None if iterable else index_batches(plan._index_sampler, global_rng)
         progress.base_seed = draw_base_seed(rng)
         start = 0
         if resume is not None and resume.mid_epoch:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from loaderd.epoch import EpochStart
 from loaderd.fleet import Fleet
+from loaderd.next_epoch import PlanAhead
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.stream_call import StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
@@ -53,3 +54,5 @@ class EpochStream:
     length: int | None
     # The epoch's RNG draws, made fresh or replayed (see loaderd.epoch).
     start: EpochStart
+    # The loader's side of planning its next epoch ahead (``loaderd.next_epoch``); None: it does not.
+    plan_ahead: PlanAhead | None = None

@@ -29,15 +29,40 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 _CHUNK = 2048
 
 
-def index_batches(index_sampler: Any) -> Iterator[Any]:
-    """An iterator over ``index_sampler``'s batches, as ``iter(index_sampler)`` yields them."""
+def index_batches(index_sampler: Any, global_rng: torch.Generator | None = None) -> Iterator[Any]:
+    """An iterator over ``index_sampler``'s batches, as ``iter(index_sampler)`` yields them.
+
+    ``global_rng``: a generator to draw from where torch's sampler would draw from
+    the global RNG (a copy of it, to plan an epoch ahead: ``loaderd.next_epoch``);
+    only for samplers that ``plans_ahead`` accepts.
+    """
     if (
         type(index_sampler) is BatchSampler
         and type(index_sampler.sampler) is RandomSampler
         and not index_sampler.sampler.replacement
     ):
-        return _shuffled_batches(index_sampler.sampler, index_sampler.batch_size, index_sampler.drop_last)
+        return _shuffled_batches(index_sampler.sampler, index_sampler.batch_size, index_sampler.drop_last, global_rng)
+    if global_rng is not None:
+        if not plans_ahead(index_sampler):
+            raise ValueError(f"{type(index_sampler).__name__} cannot draw from another generator than torch's own")
+        if type(index_sampler) is RandomSampler:  # unbatched: its first next() draws the seed
+            return _unbatched(index_sampler, global_rng)
     return iter(index_sampler)
+
+
+def plans_ahead(index_sampler: Any) -> bool:
+    """Whether the sampler's draws are all known at its first batch, and any from torch's global RNG.
+
+    True for torch's ``SequentialSampler`` (no draws) and ``RandomSampler`` without a
+    generator and without replacement (a seed from the global RNG, the rest from a
+    generator of its own), batched by a ``BatchSampler`` or not: the next epoch of such
+    a sampler can be planned on a copy of the global RNG and adopted if the RNG is
+    still where the copy started (``loaderd.next_epoch``).
+    """
+    sampler = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    if type(sampler) is SequentialSampler:
+        return True
+    return type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement
 
 
 def last_batch_draws(index_sampler: Any) -> bool:
@@ -75,11 +100,11 @@ def last_batch_draws(index_sampler: Any) -> bool:
     return sampler.replacement or sampler.num_samples != n or not full
 
 
-def _permutations(sampler: RandomSampler) -> Iterator[torch.Tensor]:
+def _permutations(sampler: RandomSampler, global_rng: torch.Generator | None = None) -> Iterator[torch.Tensor]:
     """The permutations ``sampler`` yields its indices from, each drawn when asked for."""
     n = len(sampler.data_source)
     if sampler.generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=global_rng).item())
         generator = torch.Generator()
         generator.manual_seed(seed)
     else:
@@ -99,10 +124,18 @@ def _listed(permutations: Iterator[torch.Tensor], chunk: int) -> Iterator[list[i
         yield []
 
 
-def _shuffled_batches(sampler: RandomSampler, batch_size: int, drop_last: bool) -> Iterator[list[int]]:
+def _unbatched(sampler: RandomSampler, global_rng: torch.Generator) -> Iterator[int]:
+    """``sampler``'s indices, its seed drawn from ``global_rng``."""
+    for chunk in _listed(_permutations(sampler, global_rng), _CHUNK):
+        yield from chunk
+
+
+def _shuffled_batches(
+    sampler: RandomSampler, batch_size: int, drop_last: bool, global_rng: torch.Generator | None = None
+) -> Iterator[list[int]]:
     """``BatchSampler(sampler, batch_size, drop_last)``'s batches, listed a chunk at a time."""
     # Listing a few thousand indices at once costs ~0.1 ms and keeps the per-batch cost a list slice.
-    chunks = _listed(_permutations(sampler), max(batch_size, _CHUNK))  # nothing is drawn until asked
+    chunks = _listed(_permutations(sampler, global_rng), max(batch_size, _CHUNK))  # nothing is drawn until asked
     current: list[int] = []
     offset = 0
     while True:

@@ -40,6 +40,7 @@ import functools
 import heapq
 import logging
 import operator
+import os
 import queue
 import threading
 import time
@@ -54,10 +55,12 @@ from loaderd.errors import (
     DaemonMismatchError,
     NO_DAEMON_HINT,
     DaemonUnavailableError,
+    LimitExceededError,
     exception_from_remote,
 )
 from loaderd.fleet import FleetMonitor, Usable, rendezvous_order
 from loaderd.lane import Lane, LaneEvent, client_name
+from loaderd.next_epoch import Readiness
 from loaderd.plan import window_size
 from loaderd.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
@@ -114,6 +117,11 @@ class RemoteLoaderIter:
         self._credited = start.start  # iterable: the consumed count last reported to the daemon
         self._stalled_s = 0.0
         self._plan_done = stream.iterable
+        # A planned-ahead epoch's sampler draw, made the caller's at the first next() (loaderd.next_epoch).
+        self._sampler_draw = start.sampler_draw
+        self._planned_ahead = False  # plan_ahead() ran: the first next() catches up with what arrived
+        self._announced = stream.plan_ahead is None  # the loader heard that the whole plan is out
+        self._pid = os.getpid()
         self._finished = False
         self._failure: BaseException | None = None
         # Map-style positions planned and not yet received: their indices, the lanes asked, and
@@ -401,6 +409,75 @@ class RemoteLoaderIter:
         for lane, positions in groups.items():
             lane.send([(p, self._indices[p]) for p in positions], stalled_us)
 
+    @property
+    def over_shared_memory(self) -> bool:
+        """Every lane (there is one at least) receives its batches through shared memory."""
+        return bool(self._lanes) and all(lane.shm for lane in self._lanes.values())
+
+    def plan_ahead(self) -> None:
+        """Plan the epoch's first window now, before the caller asks (the loader's next epoch)."""
+        self._planned_ahead = True
+        self._top_up()
+        for lane in self._lanes.values():
+            lane.hold_ahead()
+
+    def readiness(self) -> Readiness:
+        """Whether an epoch planned ahead can be iterated now (its lanes are then the iterator's again)."""
+        if os.getpid() != self._pid:
+            return Readiness.BROKEN  # a forked child: the lanes' receivers are the parent's
+        lanes = list(self._lanes.values())
+        if not all([lane.take_over() for lane in lanes]):
+            for lane in lanes:
+                if lane.ended_ahead:  # its draining message was not handled: tell the fleet now
+                    self._fleet.mark_draining(lane.address)
+            return Readiness.BROKEN
+        if self._finished or not lanes:
+            return Readiness.BROKEN
+        # Positions were asked for when planned, not now: they are not late (hedging, _steal).
+        now = time.monotonic()
+        for position in self._asked_at:
+            self._asked_at[position] = now
+        self._take_in()
+        return Readiness.REFUSED if self._failure is not None else Readiness.READY
+
+    def _take_in(self) -> None:
+        """Handle every event that arrived, without waiting."""
+        while True:
+            try:
+                self._handle(self._events.get_nowait())
+            except queue.Empty:
+                break
+
+    def _catch_up(self) -> None:
+        """The first next() of an epoch planned ahead: settle its sampler draw, and take in what arrived."""
+        draw, self._sampler_draw = self._sampler_draw, None
+        if draw is not None and not draw.settle():
+            self._missed()
+            self._replan(draw.restart())
+            return
+        self._take_in()
+
+    def _missed(self) -> None:
+        if self._stream.plan_ahead is not None:
+            self._stream.plan_ahead.missed()
+
+    def _replan(self, sampler_iter: Iterator[Any]) -> None:
+        """Drop everything planned (the caller drew from the RNG the plan was drawn from ahead) and plan
+        from ``sampler_iter`` instead, on new lanes. Before the first batch only."""
+        for lane in list(self._lanes.values()):
+            lane.close()
+        self._lanes.clear()
+        self._sampler_iter = sampler_iter
+        self._planned = self._consumed
+        self._plan_done = self._half_closed = False
+        self._indices.clear()
+        self._holders.clear()
+        self._unassigned.clear()
+        self._hedged.clear()
+        self._asked_at.clear()
+        self._received.clear()
+        self._reconcile()
+
     # ------------------------------------------------------------ events
 
     def _handle(self, event: LaneEvent | str) -> None:
@@ -436,6 +513,12 @@ class RemoteLoaderIter:
             self._reconcile()
         elif kind == "lost":
             self._fleet.mark_down(lane.address, str(event.payload))
+            self._drop_lane(lane)
+            self._reconcile()
+        elif kind == "failed" and lane.opened_ahead and not lane.answered and isinstance(event.payload, LimitExceededError):
+            # The call opened ahead was refused (counted beside the previous epoch's, still open then):
+            # its work goes to a lane on the loader's own call, and the loader plans no more ahead.
+            self._missed()
             self._drop_lane(lane)
             self._reconcile()
         elif kind == "failed" and self._failure is None:
@@ -484,11 +567,7 @@ class RemoteLoaderIter:
                 continue
             self._handle(event)
             del event  # a batch it carries must not live on in this frame (a traceback would keep it)
-            while True:  # whatever else already arrived, before looking again
-                try:
-                    self._handle(self._events.get_nowait())
-                except queue.Empty:
-                    break
+            self._take_in()  # whatever else already arrived, before looking again
 
     # ------------------------------------------------------------ iteration
 
@@ -498,7 +577,14 @@ class RemoteLoaderIter:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
+        if self._planned_ahead:
+            self._planned_ahead = False
+            self._catch_up()
         self._top_up()
+        if not self._announced and self._stream.plan_length is not None and self._planned >= self._stream.plan_length:
+            self._announced = True
+            assert self._stream.plan_ahead is not None
+            self._stream.plan_ahead.planned(self)
         if self._monitor is not None:
             self._monitor.thread.start()
             self._monitor = None

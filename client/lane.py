@@ -20,6 +20,7 @@ import itertools
 import os
 import queue
 import socket
+import threading
 import time
 import weakref
 from collections import deque
@@ -62,6 +63,8 @@ def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: str, payl
     """Queue what the lane's call said, while the lane is there (a dropped lane's messages are dropped)."""
     lane = lane_ref()
     if lane is not None:
+        if kind == "draining":
+            lane.end_ahead()
         events.put(LaneEvent(lane, kind, payload))
 
 
@@ -72,7 +75,8 @@ def _abandon(call: StreamCall, session: ShmSession | None, token: int) -> None:
 
 
 class Lane:
-    """One daemon's stream within an epoch. Its methods are called from the iterator's thread only."""
+    """One daemon's stream within an epoch. Its methods are called from the iterator's thread only,
+    except ``end_ahead`` (the receiver's thread), which a lock orders against ``hold_ahead``/``take_over``."""
 
     def __init__(
         self,
@@ -100,6 +104,12 @@ class Lane:
         self.answered = 0  # batches this lane delivered; map-style lanes report it as `consumed`
         self.latency = 0.0  # moving average of seconds from sending a position to its answer
         self.closed = False
+        # An epoch planned ahead that nobody iterates yet (loaderd.next_epoch): set by hold_ahead,
+        # cleared by take_over; the lock orders those against end_ahead on the receiver's thread.
+        self._ahead = False
+        self._ahead_lock = threading.Lock()
+        self.opened_ahead = False  # hold_ahead was called: the lane was opened for an epoch planned ahead
+        self.ended_ahead = False  # end_ahead closed the lane (its daemon drains)
         # The epoch's plan is over on this lane: the client said so, or the daemon ended it.
         self.ended = False
         self.shm = session is not None
@@ -170,6 +180,27 @@ class Lane:
         self.answered += 1
         self.next_position = position + 1
         return position
+
+    def hold_ahead(self) -> None:
+        """The lane's epoch is planned ahead: until ``take_over``, a daemon that drains closes the lane
+        at once (``end_ahead``), since nobody reads its events to react; a stopping daemon then need not
+        wait for a stream nobody will consume."""
+        with self._ahead_lock:
+            self._ahead = self.opened_ahead = True
+
+    def take_over(self) -> bool:
+        """The planned epoch is iterated now: events are the iterator's to handle again. False if
+        ``end_ahead`` closed the lane meanwhile."""
+        with self._ahead_lock:
+            self._ahead = False
+            return not self.ended_ahead
+
+    def end_ahead(self) -> None:
+        """On the receiver's thread, the daemon drains: close the lane if its epoch is still only planned ahead."""
+        with self._ahead_lock:
+            if self._ahead and not self.closed:
+                self.ended_ahead = True
+                self.close()
 
     def finish(self) -> None:
         """The epoch is over: park the call for the loader's next epoch if this lane ended cleanly

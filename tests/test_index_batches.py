@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler
 
-from loaderd.index_batches import _CHUNK, index_batches, last_batch_draws
+from loaderd.index_batches import _CHUNK, index_batches, last_batch_draws, plans_ahead
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -183,3 +183,59 @@ def test_unbatched_and_other_samplers() -> None:
 
     assert last_batch_draws(BatchSampler(Mine(range(10)), 5, False))
     assert last_batch_draws(BatchSampler(SubsetRandomSampler(range(10)), 5, False))
+
+
+# ------------------------------------------------------------ drawing from a copy of the global RNG
+
+
+AHEAD = [
+    # index sampler, planned ahead
+    (BatchSampler(SequentialSampler(range(10)), 3, False), True),
+    (SequentialSampler(range(10)), True),
+    (BatchSampler(RandomSampler(range(10)), 3, False), True),
+    (RandomSampler(range(10)), True),
+    (RandomSampler(range(10), num_samples=25), True),
+    (BatchSampler(RandomSampler(range(10), generator=torch.Generator()), 3, False), False),
+    (BatchSampler(RandomSampler(range(10), replacement=True), 3, False), False),
+    (BatchSampler(SubsetRandomSampler(range(10)), 3, False), False),
+    (SubsetRandomSampler(range(10)), False),
+]
+
+
+@pytest.mark.parametrize("index_sampler, expected", AHEAD)
+def test_plans_ahead(index_sampler: Any, expected: bool) -> None:
+    assert plans_ahead(index_sampler) is expected
+
+
+@pytest.mark.parametrize(
+    "index_sampler",
+    [
+        BatchSampler(RandomSampler(range(100)), 7, False),
+        BatchSampler(RandomSampler(range(100), num_samples=250), 8, True),
+        RandomSampler(range(30)),
+        RandomSampler(range(30), num_samples=70),
+        BatchSampler(SequentialSampler(range(20)), 6, False),
+    ],
+)
+def test_a_copy_of_the_global_rng_draws_what_the_global_rng_would(index_sampler: Any) -> None:
+    """The planned-ahead epoch: the same batches from a copy, the global RNG untouched, the copy left
+    where torch's own iteration leaves the global RNG."""
+    torch.manual_seed(11)
+    expected = list(iter(index_sampler))
+    after_torch = torch.get_rng_state()
+    torch.manual_seed(11)
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    got = list(index_batches(index_sampler, copy))
+    assert got == expected
+    assert torch.equal(copy.get_state(), after_torch)
+    torch.manual_seed(11)
+    untouched = torch.get_rng_state()
+    copy.set_state(untouched)
+    assert list(index_batches(index_sampler, copy)) == expected
+    assert torch.equal(torch.get_rng_state(), untouched), "drawing from the copy moved the global RNG"
+
+
+def test_a_sampler_that_draws_elsewhere_refuses_a_copy() -> None:
+    with pytest.raises(ValueError, match="SubsetRandomSampler"):
+        index_batches(SubsetRandomSampler(range(10)), torch.Generator())

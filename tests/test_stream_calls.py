@@ -22,7 +22,7 @@ import pytest
 import torch
 from cluster import cluster
 from compare import assert_same_batches
-from conftest import RunningDaemon, oracle_loader, running_daemon, wait_for
+from conftest import RunningDaemon, daemon_status, oracle_loader, running_daemon, wait_for
 
 import loaderd.lane
 from loaderd import RemoteDataLoader
@@ -89,7 +89,7 @@ def test_an_iterable_dataset_reuses_its_call(daemon: RunningDaemon, transport: s
 
 @pytest.mark.timeout(60)
 def test_an_epoch_left_early_does_not_lend_its_call(daemon: RunningDaemon, transport: str) -> None:
-    loader = RemoteDataLoader("squares", batch_size=5, address=daemon.address, transport=transport)
+    loader = RemoteDataLoader("squares", batch_size=5, address=daemon.address, transport=transport, plan_ahead=False)
     before = receivers()
     for i, _ in enumerate(loader):
         if i == 3:
@@ -105,7 +105,7 @@ def test_an_epoch_left_early_does_not_lend_its_call(daemon: RunningDaemon, trans
 def test_a_daemon_without_revision_4_gets_a_call_per_epoch(daemon: RunningDaemon, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a client does with an older daemon: it half-closes each epoch's call and opens a new one."""
     monkeypatch.setattr(loaderd.lane, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
-    loader = RemoteDataLoader("squares", batch_size=8, address=daemon.address, transport=transport)
+    loader = RemoteDataLoader("squares", batch_size=8, address=daemon.address, transport=transport, plan_ahead=False)
     got, added = epochs_with_receivers(loader, 2)
     for epoch in got:
         assert_same_batches(epoch, list(oracle_loader(datasets.Squares(N), batch_size=8)))
@@ -173,7 +173,7 @@ def test_a_second_epoch_on_one_raw_call(daemon: RunningDaemon) -> None:
 def test_a_call_idle_too_long_is_replaced_quietly(daemon: RunningDaemon, transport: str, pause_s: float) -> None:
     """Past half the daemon's wait the client no longer trusts the call; past all of it the daemon ended it.
     Either way the next epoch opens a new call, and the daemon logs no cut."""
-    loader = RemoteDataLoader("squares", batch_size=9, address=daemon.address, transport=transport)
+    loader = RemoteDataLoader("squares", batch_size=9, address=daemon.address, transport=transport, plan_ahead=False)
     log_before = len(daemon.log())
     got, added = epochs_with_receivers(loader, 2, pause_s)
     oracle = list(oracle_loader(datasets.Squares(N), batch_size=9))
@@ -201,18 +201,22 @@ def test_a_daemon_killed_and_restarted_between_epochs_is_invisible() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_daemon_stopped_between_epochs_stops_at_once_and_the_other_serves() -> None:
-    """A parked call is no stream to drain: SIGTERM stops its daemon without waiting out drain_timeout,
-    and the loader's next epoch runs on the daemon left."""
+    """A parked call is no stream to drain, nor is an epoch planned ahead (loaderd.next_epoch): SIGTERM
+    stops its daemon without waiting out drain_timeout, and the loader's next epoch runs on the daemon left."""
     with cluster(DATASETS, 2, drain_timeout=20) as group:
         loader = RemoteDataLoader("squares", batch_size=5, address=",".join(group.addresses))
         oracle = list(oracle_loader(datasets.Squares(N), batch_size=5))
+        before = receivers()
         assert_same_batches(list(loader), oracle)
-        parked = receivers()
-        assert len(parked) == 2, parked
+        assert_same_batches(list(loader), oracle)  # it plans the third epoch ahead
+        held = receivers() - before
+        # Each daemon: the second epoch's parked call and the third's, planned ahead over shared memory.
+        assert len(held) == 4, held
+        wait_for(lambda: len(daemon_status(group[0].address).streams) == 1, 10, "the planned epoch's stream on the first daemon")
         started = time.monotonic()
         assert group[0].terminate() == 0
         assert time.monotonic() - started < 10, group[0].log()
-        wait_for(lambda: len(parked & receivers()) == 1, 5, "the stopped daemon's call to end")
+        wait_for(lambda: len(held & receivers()) == 2, 5, "the stopped daemon's calls to end")
         assert_same_batches(list(loader), oracle)
         assert "drain timeout" not in group[0].log()
 

@@ -1,14 +1,16 @@
 """A/B benchmark: this checkout's client and daemon against a commit's, on bench_loaders' workloads.
 
     python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm]
-                                   [--rounds 4] [--seconds 6] [--workers 2] [--quick]
+                                   [--rounds 4] [--seconds 6] [--workers 2] [--step-ms 0] [--quick]
 
 Both sides run from copies laid out the same way (tests/bench/source_trees.py:
 the commit's code from git archive, this checkout's as it is on disk), each in
 its own trainer process with that tree first on PYTHONPATH, which starts its own
 daemon (bench_loaders.start_daemon, same datasets) from the same tree. Every
 trial: one warm-up epoch, then ``--seconds`` of ``RemoteDataLoader(shuffle=True)``
-(default prefetch_factor) reading whole epochs. ``first:shm`` (or ``first:grpc``),
+(default prefetch_factor) reading whole epochs; with ``--step-ms``, the trainer
+sleeps that long after each batch (a training step that leaves the CPU to the
+loader, as a GPU step does, so the loader's waits show). ``first:shm`` (or ``first:grpc``),
 not in the default list, instead times the first batch of a new loader in fresh client processes on the
 warm daemon, as bench_loaders does (``RemoteDataLoader('tiny', 32)``; the client
 processes import the same tree). Rounds alternate the order (ABBA) so both sides
@@ -87,8 +89,9 @@ def first_batches(address: str, trials: int) -> dict[str, float]:
     }
 
 
-def throughput(address: str, workload: str, transport: str, seconds: float, daemon_pid: int) -> dict[str, float]:
-    """batches/s of one loader reading whole epochs for ``seconds`` (after a warm-up epoch), and its costs per batch."""
+def throughput(address: str, workload: str, transport: str, seconds: float, daemon_pid: int, step_s: float) -> dict[str, float]:
+    """batches/s of one loader reading whole epochs for ``seconds`` (after a warm-up epoch), sleeping ``step_s``
+    after each batch, and its costs per batch."""
     from loaderd import RemoteDataLoader
 
     loader = RemoteDataLoader(workload, address=address, batch_size=BATCH_SIZES[workload], shuffle=True, transport=transport)
@@ -101,11 +104,13 @@ def throughput(address: str, workload: str, transport: str, seconds: float, daem
         for batch in loader:
             batches += 1
             del batch
+            if step_s:
+                time.sleep(step_s)
     elapsed = time.perf_counter() - start
     return {"batches/s": batches / elapsed, **_costs(before, _snapshot(daemon_pid), daemon_pid, batches)}
 
 
-def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+def trial(workload: str, transport: str, seconds: float, workers: int, step_s: float) -> dict[str, float]:
     """Runs in the tree's trainer process, against a daemon of the same tree: one measurement."""
     daemon = bl.start_daemon(workers, env=dict(os.environ))
     try:
@@ -114,7 +119,7 @@ def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[s
         if workload == FIRST:  # --quick's 0.5 s trials: 2 client processes
             result = first_batches(address, 2 if seconds < 1 else FIRST_TRIALS)
         else:
-            result = throughput(address, workload, transport, seconds, daemon.process.pid)
+            result = throughput(address, workload, transport, seconds, daemon.process.pid, step_s)
     finally:
         _, problem = daemon.stop()
         shutil.rmtree(daemon.tmp, ignore_errors=True)
@@ -126,9 +131,9 @@ def trial(workload: str, transport: str, seconds: float, workers: int) -> dict[s
 # ---------------------------------------------------------------- the run
 
 
-def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int) -> dict[str, float]:
+def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int, step_s: float) -> dict[str, float]:
     """One trial in a process of ``tree``; one that overruns gets SIGTERM (it stops its daemon), then SIGKILL."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--trial", workload, transport, str(seconds), str(workers)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--trial", workload, transport, str(seconds), str(workers), str(step_s)]
     trial_process = subprocess.Popen(command, env=tree.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = trial_process.communicate(timeout=TRIAL_TIMEOUT_S)
@@ -184,9 +189,10 @@ def _construct_cells(runs: list[dict[str, float]]) -> list[str]:
     return [f"{_median(runs, 'construct ms'):.1f}"]
 
 
-def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results) -> None:
+def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results, step_ms: float = 0.0) -> None:
     this, base = trees
-    print(f"## A/B: {this.label} vs {base.label}\n")
+    step = f", the trainer sleeping {step_ms:g} ms a batch" if step_ms else ""
+    print(f"## A/B: {this.label} vs {base.label}{step}\n")
     loaders = [w for w in workloads if w[0] != FIRST]
     if loaders:
         _table(
@@ -216,8 +222,8 @@ def main(argv: list[str]) -> int:
     # SIGTERM (a test's timeout, an overrun trial) unwinds like Ctrl-C: daemons are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     if argv[:1] == ["--trial"]:
-        workload, transport, seconds, workers = argv[1], argv[2], float(argv[3]), int(argv[4])
-        print(json.dumps(trial(workload, transport, seconds, workers)), flush=True)
+        workload, transport, seconds, workers, step_s = argv[1], argv[2], float(argv[3]), int(argv[4]), float(argv[5])
+        print(json.dumps(trial(workload, transport, seconds, workers, step_s)), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="the commit to compare with (its code, from git archive)")
@@ -225,6 +231,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per trial")
     parser.add_argument("--workers", type=int, default=2, help="the daemon's pool size")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="the trainer sleeps this long after each batch")
     parser.add_argument("--quick", action="store_true", help="1 round of 0.5 s (a smoke run)")
     args = parser.parse_args(argv)
     items = [item.strip() for item in args.workloads.split(",") if item.strip()]
@@ -245,13 +252,13 @@ def main(argv: list[str]) -> int:
             for rnd in range(rounds):
                 for workload, transport in workloads:
                     for tree in trees if rnd % 2 == 0 else trees[::-1]:
-                        result = run_trial(tree, workload, transport, seconds, args.workers)
+                        result = run_trial(tree, workload, transport, seconds, args.workers, args.step_ms / 1000)
                         results.setdefault((tree.label, workload, transport), []).append(result)
                         log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {_headline(result)}")
         except RuntimeError as exc:
             log(f"trial failed: {exc}")
             return 1
-    report(workloads, trees, results)
+    report(workloads, trees, results, args.step_ms)
     return 0
 
 
