@@ -10,7 +10,7 @@ checks on the daemon that the next epoch was (or no longer is) streaming.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -65,6 +65,20 @@ WINDOW = 8
 
 def oracle(**kw: Any) -> DataLoader:
     return DataLoader(datasets.Squares(n=N), **kw)
+
+
+Run = Callable[[Any], tuple[list[list[Any]], torch.Tensor]]
+
+
+def assert_runs_alike(run: Run, remote: Any, batch_size: int) -> None:
+    """``run(loader)`` with torch's DataLoader and with a RemoteDataLoader (shuffled, ``batch_size``): the
+    same epochs, and the global RNG left alike (``run`` returns its epochs and torch.rand(1) after)."""
+    expected, rand_torch = run(oracle(batch_size=batch_size, shuffle=True))
+    got, rand_remote = run(remote(batch_size=batch_size, shuffle=True))
+    assert len(got) == len(expected)
+    for got_epoch, expected_epoch in zip(got, expected):
+        assert_same_batches(got_epoch, expected_epoch)
+    assert torch.equal(rand_remote, rand_torch), "the global RNG was left elsewhere than torch leaves it"
 
 
 def epochs(loader: Any, count: int, between: Any = None) -> tuple[list[list[Any]], torch.Tensor]:
@@ -126,11 +140,7 @@ def test_a_draw_before_the_first_batch_replans(remote: Any) -> None:
         got.append(list(loader))
         return got, torch.rand(1)
 
-    expected, rand_torch = run(oracle(batch_size=16, shuffle=True))
-    got, rand_remote = run(remote(batch_size=16, shuffle=True))
-    for epoch in range(4):
-        assert_same_batches(got[epoch], expected[epoch])
-    assert torch.equal(rand_remote, rand_torch)
+    assert_runs_alike(run, remote, batch_size=16)
 
 
 def test_a_break_then_the_next_epoch(remote: Any) -> None:
@@ -146,11 +156,7 @@ def test_a_break_then_the_next_epoch(remote: Any) -> None:
         got.append(list(loader))
         return got, torch.rand(1)
 
-    expected, rand_torch = run(oracle(batch_size=8, shuffle=True))
-    got, rand_remote = run(remote(batch_size=8, shuffle=True))
-    for epoch in range(4):
-        assert_same_batches(got[epoch], expected[epoch])
-    assert torch.equal(rand_remote, rand_torch)
+    assert_runs_alike(run, remote, batch_size=8)
 
 
 def test_load_state_dict_between_epochs_drops_the_plan(remote: Any) -> None:
