@@ -5,23 +5,24 @@ the caller, the caller calls ``iter(loader)``, and only then do the next
 epoch's ``open`` and first plan reach the daemon. So once an epoch's whole plan
 is out (its last batch planned, about a window before its end), the loader
 plans the next epoch's first window at once, on a second call, and the pool
-goes on working. From a loader's second epoch on: a loader iterated once (an
-evaluation script) would only waste a window of batches. That is only right if the next epoch's batches come out as
+goes on working. That is only right if the next epoch's batches come out as
 they would have at ``iter(loader)``, so the rules:
 
-* Planned ahead only over shared memory (over gRPC a second call costs more
-  than the idle pool it saves, see ``RemoteDataLoader._plan_next_epoch``), and
-  only where every draw the next epoch makes from a generator the
-  user sees comes from torch's global RNG, and all of them happen by its first
-  batch: the loader has no ``generator`` and no ``share``, is map-style with a
-  length, and its sampler is one that ``index_batches.plans_ahead`` accepts
-  (torch's ``SequentialSampler``, or ``RandomSampler`` without a generator).
+* Planned ahead from a loader's second epoch on (a loader iterated once, e.g.
+  by an evaluation script, would only waste a window of batches), over shared
+  memory only (over gRPC a second call costs more than the idle pool it saves,
+  see ``RemoteDataLoader._plan_next_epoch``), and only where every draw the
+  next epoch makes from a generator the user sees comes from torch's global
+  RNG, and all of them happen by its first batch: the loader has no
+  ``generator`` and no ``share``, is map-style with a length, and its sampler
+  is one that ``index_batches.plans_ahead`` accepts (torch's
+  ``SequentialSampler``, or ``RandomSampler`` without a generator).
 * Those draws are made on a copy of the global RNG: the base seed (at
   ``iter(loader)``) and, for a ``RandomSampler``, its seed (at the epoch's first
   ``next()``; every later draw is from its own private generator).
 * They become the user's in two steps, each only if the global RNG is exactly
-  where the copy was at that step: ``iter(loader)`` (``NextEpoch.adopt``: the
-  global RNG moves past the base seed) and the iterator's first ``next()``
+  where the copy was at that step: ``iter(loader)`` (``NextEpoch.drawn_alike``,
+  then ``take_draws``: the global RNG moves past the base seed) and the iterator's first ``next()``
   (``SamplerDraw.settle``: it moves past the sampler's seed). So a caller that
   draws from the global RNG between epochs, or between ``iter()`` and the first
   ``next()``, gets what torch would give it.
