@@ -59,10 +59,20 @@ def plans_ahead(index_sampler: Any) -> bool:
     a sampler can be planned on a copy of the global RNG and adopted if the RNG is
     still where the copy started (``loaderd.next_epoch``).
     """
-    sampler = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    sampler = _sampler(index_sampler)
     if type(sampler) is SequentialSampler:
         return True
     return type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement
+
+
+def first_batch_draws(index_sampler: Any) -> bool:
+    """For a sampler ``plans_ahead`` accepts: whether its first batch draws from the global RNG (a seed)."""
+    return type(_sampler(index_sampler)) is RandomSampler
+
+
+def _sampler(index_sampler: Any) -> Any:
+    """The sampler a ``BatchSampler`` batches, or ``index_sampler`` itself."""
+    return index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
 
 
 def last_batch_draws(index_sampler: Any) -> bool:
@@ -88,7 +98,7 @@ def last_batch_draws(index_sampler: Any) -> bool:
     when asked for either way).
     """
     batches = index_sampler if type(index_sampler) is BatchSampler else None
-    sampler = batches.sampler if batches is not None else index_sampler
+    sampler = _sampler(index_sampler)
     if type(sampler) is SequentialSampler:
         return False
     if type(sampler) is not RandomSampler or len(index_sampler) <= 1:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from loaderd.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
 from loaderd.addresses import parse_target
@@ -28,7 +28,7 @@ from loaderd.epoch import (
 from loaderd.epoch_stream import EpochStream
 from loaderd.fleet import Fleet
 from loaderd.identity import LoaderIdentity, class_name, share_job_name, share_seed
-from loaderd.index_batches import index_batches, last_batch_draws, plans_ahead
+from loaderd.index_batches import first_batch_draws, index_batches, last_batch_draws, plans_ahead
 from loaderd.iterator import RemoteLoaderIter
 from loaderd.next_epoch import NextEpoch, Readiness, SamplerDraw
 from loaderd.plan import build_plan, proxy_dataset
@@ -281,8 +281,7 @@ class RemoteDataLoader:
                 self._plan, iterable=False, epoch=self._epoch, rng=draws, reseed=None, resume=None, global_rng=draws
             )
             after_base = draws.get_state()
-            sampler = getattr(index_sampler, "sampler", index_sampler)
-            if type(sampler) is RandomSampler:  # its seed is drawn at the epoch's first batch
+            if first_batch_draws(index_sampler):
                 start.sampler_draw = SamplerDraw(rng, draws, after_base, functools.partial(index_batches, index_sampler))
             iterator = RemoteLoaderIter(self._epoch_stream(start))
             iterator.plan_ahead()
@@ -292,6 +291,10 @@ class RemoteDataLoader:
                 iterator.close()
             return
         self._next_epoch = NextEpoch(self._epoch, iterator, start.progress, rng, before, after_base)
+
+    def _stop_planning_ahead(self) -> None:
+        """A planned epoch missed: this loader's caller draws from the global RNG between its epochs."""
+        self._plans_ahead = False
 
     def _cancel_next_epoch(self) -> None:
         """Drop the epoch planned ahead, if any (it would not be the next epoch's)."""
@@ -439,7 +442,7 @@ class _LoaderPlansAhead:
     def missed(self) -> None:
         loader = self._loader()
         if loader is not None:
-            loader._plans_ahead = False
+            loader._stop_planning_ahead()
 
 
 # Everything imported by now (torch, numpy, grpc, loaderd) lives as long as the process:

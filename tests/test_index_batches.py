@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler
 
-from loaderd.index_batches import _CHUNK, index_batches, last_batch_draws, plans_ahead
+from loaderd.index_batches import _CHUNK, first_batch_draws, index_batches, last_batch_draws, plans_ahead
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -239,3 +239,21 @@ def test_a_copy_of_the_global_rng_draws_what_the_global_rng_would(index_sampler:
 def test_a_sampler_that_draws_elsewhere_refuses_a_copy() -> None:
     with pytest.raises(ValueError, match="SubsetRandomSampler"):
         index_batches(SubsetRandomSampler(range(10)), torch.Generator())
+
+
+@pytest.mark.parametrize(
+    "index_sampler, draws",
+    [
+        (BatchSampler(SequentialSampler(range(10)), 3, False), False),
+        (SequentialSampler(range(10)), False),
+        (BatchSampler(RandomSampler(range(10)), 3, False), True),
+        (RandomSampler(range(10)), True),
+    ],
+)
+def test_first_batch_draws(index_sampler: Any, draws: bool) -> None:
+    """What torch's iteration does to the global RNG by its first batch, as first_batch_draws says."""
+    torch.manual_seed(2)
+    before = torch.get_rng_state()
+    next(iter(index_sampler))
+    assert (not torch.equal(torch.get_rng_state(), before)) is draws
+    assert first_batch_draws(index_sampler) is draws
