@@ -96,10 +96,11 @@ class _Route:
             self.keep_open_s = keep_open_s
 
     def finish(self) -> list[CallEpoch]:
-        """The call is over: the epochs still waiting on it (the oldest may have had messages)."""
+        """The call is over: the epochs still waiting on it (the oldest may have had messages).
+        The route holds none of them after (``first`` included)."""
         with self.lock:
             self.over = True
-            waiting, self.epochs = list(self.epochs), deque()
+            waiting, self.epochs, self.first = list(self.epochs), deque(), None
             return waiting
 
 
@@ -194,6 +195,11 @@ class StreamCalls:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked: dict[str, StreamCall] = {}
+
+    def __len__(self) -> int:
+        """How many calls are parked (at most one per daemon address)."""
+        with self._lock:
+            return len(self._parked)
 
     def take(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall | None:
         """The call parked for ``address``, if the next epoch can open on it (one that cannot is cancelled)."""
@@ -291,8 +297,9 @@ class _Receiver:
             # Ended (OK) with epochs waiting. One the daemon said nothing for, on a call made for
             # an earlier epoch, was sent as the daemon let the call go (its wait for the next
             # epoch ran out): nothing is wrong, open it again.
+            first = self._route.first
             for waiting in self._route.finish():
-                if waiting is self._heard or waiting is self._route.first:
+                if waiting is self._heard or waiting is first:
                     self._post(waiting, "lost", "ended the stream early")
                 else:
                     self._post(waiting, "retry")
@@ -305,9 +312,16 @@ class _Receiver:
             self._tell_all("failed", exc)
         finally:
             self._route.finish()
-            # The failed call is the exception, whose traceback holds this frame, which holds
-            # self: without this the cycle (and anything it reaches) waits for the collector.
+            # A failed call is its own exception, and gRPC may keep the call object after it
+            # ended (a closure of gRPC's own held it, seen in tests/test_next_epoch.py): its
+            # traceback holds this frame, and so whatever the frame's locals and self reach. An
+            # epoch reached from here keeps its queue, whose events keep their lane, the lane's
+            # loader's parked calls and the slots of their batches, and no finalizer runs while
+            # gRPC holds on. So the frame lets go of them.
             self._call = None
+            self._heard = None
+            epoch = first = waiting = None  # noqa: F841 - cleared for the traceback's sake
+            assembler = None
 
     def _tell_all(self, kind: str, payload: Any) -> None:
         """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed")."""

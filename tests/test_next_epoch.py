@@ -10,6 +10,7 @@ checks on the daemon that the next epoch was (or no longer is) streaming.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,12 +22,17 @@ import datasets
 from compare import assert_same_batches
 from conftest import RunningDaemon, daemon_status, running_daemon, wait_for
 from loaderd import RemoteDataLoader
+from loaderd.lane import Lane
+from loaderd.session import ShmSession
 from loaderd.stream_call import StreamCall
 
 pytestmark = pytest.mark.timeout(60)
 
 N = 103
-DATASETS = {"squares": {"dataset": "datasets:Squares", "kwargs": {"n": N}}}
+DATASETS = {
+    "squares": {"dataset": "datasets:Squares", "kwargs": {"n": N}},
+    "blocks": {"dataset": "datasets:Blocks", "kwargs": {"n": 48}},  # 128 KiB items: every batch is a slot
+}
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +232,31 @@ def test_a_loader_used_once_plans_nothing_ahead(remote: Any, daemon: RunningDaem
     assert len(list(loader)) == 13
     if transport == "shm":  # the second epoch planned the third
         wait_for(lambda: streams(daemon) or None, 10.0, "the third epoch's stream")
+
+
+def test_a_dropped_loader_lets_go_of_its_planned_window(daemon: RunningDaemon) -> None:
+    """A loader dropped once its planned epoch's first window has arrived: its calls end, their threads
+    leave, and nothing keeps that window's batches (their shared-memory leases) alive. Before, the
+    cancelled call, which gRPC keeps and which is its own exception, held its receiver's frame through
+    its traceback, and that frame the planned epoch, its queued batches and their lane."""
+
+    def receivers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "loaderd-receiver")
+
+    def claimed() -> int:  # leases this process holds: batches received and not yet dropped
+        return sum(len(s._leases._claimed) for s in gc.get_objects() if type(s) is ShmSession)
+
+    gc.collect()
+    before = receivers()
+    loader = RemoteDataLoader("blocks", address=daemon.address, transport="shm", batch_size=4, shuffle=True)
+    for _ in range(2):  # the second epoch plans the third
+        assert len(list(loader)) == 12
+    wait_for(lambda: claimed() >= WINDOW, 10.0, "the planned epoch's first window to arrive")
+    del loader
+    gc.collect()
+    wait_for(lambda: receivers() == before and not claimed(), 5.0, "the dropped loader's receivers and leases to go")
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is Lane], "a dropped loader's lanes are still alive"
 
 
 def test_plan_ahead_false(remote: Any, daemon: RunningDaemon) -> None:
