@@ -43,8 +43,10 @@ soak      (a) one client process over daemon 0, --cycles cycles: the killer wait
               the sessions of killed daemons were freed (10 s at most; how long it took is shown): open
               fds besides segment mappings (Python's mmap keeps a descriptor per mapping; the mappings
               follow the daemons' segments in use, a high-water mark after failovers, so they and the
-              raw fd count are shown without a verdict), OS threads, loaderd-* threads, RSS, mapped
-              segments already unlinked, and, after gc.collect(), live Lane, ShmSession (and of those,
+              raw fd count are shown without a verdict), OS threads and loaderd-* threads (less the
+              threads each call parked for the next epoch keeps, 2 or over gRPC 3: one call per
+              daemon the last epoch streamed from, shown without a verdict), RSS, mapped segments
+              already unlinked, and, after gc.collect(), live Lane, ShmSession (and of those,
               sessions with killed daemons) and RemoteLoaderIter objects, and channels;
             - daemons, each a new process after each kill, so compared like with like: a fresh daemon 1 s
               after it answered SERVING with no client connected. The start sample is each daemon's first
@@ -82,7 +84,6 @@ import contextlib
 import faulthandler
 import multiprocessing
 import os
-import platform
 import random
 import shutil
 import signal
@@ -106,7 +107,7 @@ TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))  # cluster, conftest (the oracle), compare, as the other benches
 from bench_datasets import Sleepy  # noqa: E402
-from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, median, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, machine_line, median, print_findings  # noqa: E402
 from bench_soak import _fd_count, _kb, _proc_status, descendants, line_count, log_summary  # noqa: E402
 from cluster import Cluster, Member, cluster  # noqa: E402
 from compare import assert_same  # noqa: E402
@@ -130,6 +131,11 @@ ALL_UP_S = 1.0  # clients are paused only once every daemon has been up this lon
 CLIENT_START_TIMEOUT_S = 120.0
 CLIENT_QUIET_TIMEOUT_S = BATCH_TIMEOUT_S + 60.0  # a client with no epoch for this long (not paused) has hung
 LINGER_S = 2.0  # a paused client waits at most this long for its epoch's threads to leave before sampling
+# OS threads a call parked for the next epoch keeps: its receiver (loaderd-receiver) and gRPC's thread
+# sending its requests; with transport="grpc" also its channel's polling thread, which gRPC runs while
+# the channel has a call (with a shared-memory session, the session's call keeps it running anyway).
+PARKED_CALL_THREADS = 2
+PARKED_GRPC_CALL_THREADS = 3
 SETTLE_S = 10.0  # ... and this long for the sessions of killed daemons to be freed (counted if they are not)
 STEP_S = 0.010  # a soak client's "training step" per batch (keeps 3 clients from saturating 2 cores); --quick: 30 ms
 WARMUP_EPOCHS = 5  # soak clients' epochs before the start sample (the daemons' segments reach their number)
@@ -253,14 +259,15 @@ def daemon_sample(member: Member) -> dict[str, int]:
     }
 
 
-def client_sample() -> dict[str, int]:
-    """This client process, between epochs (run in the client)."""
+def client_sample(transport: str) -> dict[str, int]:
+    """This client process, between epochs (run in the client, whose loader uses ``transport``)."""
     import gc
 
     import loaderd.connection
     from loaderd.iterator import RemoteLoaderIter
     from loaderd.lane import Lane
     from loaderd.session import ShmSession
+    from loaderd.stream_call import StreamCalls
 
     started = time.monotonic()
     # A loader's receiver threads may stay: its calls wait for its next epoch (loaderd.stream_call).
@@ -272,8 +279,10 @@ def client_sample() -> dict[str, int]:
     while True:
         gc.collect()
         counts = dict.fromkeys(kinds, 0)
-        live_sessions = 0
+        live_sessions = parked = 0
         for obj in gc.get_objects():
+            if type(obj) is StreamCalls:
+                parked += len(obj)
             for key, cls in kinds.items():
                 if type(obj) is cls:
                     counts[key] += 1
@@ -288,10 +297,15 @@ def client_sample() -> dict[str, int]:
     maps, unlinked = mapped_segments(pid)
     names = [t.name for t in threading.enumerate()]
     fds = _fd_count(pid)
+    # A parked call (one per daemon the last epoch streamed from, so 0 to the fleet's size) keeps its
+    # threads for the next epoch: bounded, not a leak, so the thread counts leave them out and the
+    # parked calls are shown beside them.
+    per_parked_call = PARKED_GRPC_CALL_THREADS if transport == "grpc" else PARKED_CALL_THREADS
     return {
         "fds": fds,  # segment mappings hold no descriptor (loaderd.wire.mapping)
-        "threads": int(status.get("Threads", "0")),
-        "loaderd_threads": sum(1 for n in names if n.startswith("loaderd-")),
+        "threads": int(status.get("Threads", "0")) - per_parked_call * parked,
+        "loaderd_threads": sum(1 for n in names if n.startswith("loaderd-")) - parked,
+        "parked_calls": parked,
         "rss_kb": _kb(status.get("VmRSS", "")),
         "anon_kb": _kb(status.get("RssAnon", "")),
         "maps": maps,
@@ -314,8 +328,9 @@ DAEMON_METRICS = {
 }
 CLIENT_METRICS = {
     "fds": ("client open fds", 1, "", 8, 0.10),
-    "threads": ("client threads (OS)", 1, "", 4, 0.10),
-    "loaderd_threads": ("client loaderd-* threads", 1, "", 1, 0.0),
+    "threads": ("client threads (OS), less those of parked calls", 1, "", 4, 0.10),
+    "loaderd_threads": ("client loaderd-* threads, less parked calls' receivers", 1, "", 1, 0.0),
+    "parked_calls": ("client calls parked for the next epoch (at most one per daemon)", 1, "", None, 0.0),
     "rss_kb": ("client RSS", 1024, "MiB", 64, 0.20),
     "anon_kb": ("client RSS, anonymous", 1024, "MiB", 64, 0.20),
     "maps": ("client mapped daemon segments (the daemons' segments in use)", 1, "", None, 0.0),
@@ -747,7 +762,7 @@ def soak_client(conn: Any, index: int, addresses: list[str], transport: str, ite
             while conn.poll():
                 command = conn.recv()
                 if command == "pause":
-                    conn.send(("paused", client_sample()))
+                    conn.send(("paused", client_sample(transport)))
                     command = conn.recv()
                 if command == "stop":
                     stop = True
@@ -1306,10 +1321,7 @@ def print_report(bench: Bench, outcome: Outcome, wall_s: float, load_before: tup
     s = bench.settings
     p = print
     p("## loaderd failover benchmark: SIGKILLed and restarted daemons\n")
-    p(
-        f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.platform()}"
-    )
+    p(f"- machine: {machine_line()}")
     p(
         f"- settings: parts={','.join(s.parts)}{' (quick)' if s.quick else ''}, rounds={s.rounds}, cycles={s.cycles}, "
         f"minutes={s.minutes:g}, interval={s.interval:g} s, clients={s.clients}, scale rounds={s.scale_rounds}, "
