@@ -23,8 +23,6 @@ markdown; exits 1 if a loader misbehaved.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shutil
 import sys
 import time
@@ -43,6 +41,7 @@ from bench_loaders import (
     Result,
     check_batch,
     fmt,
+    machine_line,
     measure,
     interleaved_rounds,
     print_findings,
@@ -76,10 +75,7 @@ def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype
 def print_report(args: argparse.Namespace, results: dict[tuple[str, str], Result], findings: list[str], wall_s: float) -> None:
     p = print
     p("## loaderd GPU benchmark: batches to the GPU with pin_memory=True\n")
-    p(
-        f"- machine: {torch.cuda.get_device_name()}, nproc={os.cpu_count()}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.platform()}"
-    )
+    p(f"- machine: {torch.cuda.get_device_name()}, {machine_line()}")
     p(
         f"- settings: workers={args.workers} (torch num_workers and daemon pool), rounds={args.rounds}, "
         f"seconds={args.seconds}; each step: batch.cuda(non_blocking=True), then the host batch is dropped"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import queue
 import shutil
 import subprocess
@@ -54,6 +53,7 @@ from bench_loaders import (  # noqa: E402
     Daemon,
     cpu_seconds,
     fmt,
+    machine_line,
     median,
     note_problem,
     print_findings,
@@ -360,9 +360,8 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     sizes = [JpegImages.decode(ds.read(i)).size for i in range(min(64, len(ds)))]
     kb = median([length / 1e3 for _, length, _ in ds.index])
     p("## Real image pipeline: torch DataLoaders vs one loaderd daemon\n")
-    p(f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
-      f"torchvision {sys.modules['torchvision'].__version__}, Pillow {sys.modules['PIL'].__version__}, "
-      f"Python {platform.python_version()}, {platform.platform()}")  # fmt: skip
+    p(f"- machine: {machine_line()}, torchvision {sys.modules['torchvision'].__version__}, "
+      f"Pillow {sys.modules['PIL'].__version__}")  # fmt: skip
     p(f"- data: {len(ds.index)} JPEGs (quality 90) from scikit-image's photographs, median {kb:.0f} kB, "
       f"median {median([w for w, _ in sizes]):.0f}x{median([h for _, h in sizes]):.0f} px; read from the page cache per item; "
       f"epochs of {args.epoch} items")  # fmt: skip

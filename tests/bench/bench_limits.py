@@ -380,7 +380,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     mb = copies["batch_mb"]
     torch_rate = statistics.median(rates["torch"])
-    out(f"## bench_limits: {cores} cores, {os.uname().machine}, torch {torch.__version__}, load before/after {os.getloadavg()[0]:.2f}\n")
+    out(f"## bench_limits: {bl.machine_line()}; load after {os.getloadavg()[0]:.2f}\n")
     out(f"### 1. The copy a batch of the f32 workload needs (one core, median of 30; a batch is {mb:.1f} MB)\n")
     out("| what | ms per batch | GB/s |")
     out("| --- | ---: | ---: |")

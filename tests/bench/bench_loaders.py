@@ -451,6 +451,26 @@ def cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------- report
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform's guess: figures differ a lot between models."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_line() -> str:
+    """One line naming the machine a benchmark ran on: cores, CPU model, torch, Python, kernel."""
+    return (
+        f"nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), {cpu_model()}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {platform.platform()}"
+    )
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -564,10 +584,7 @@ def print_report(
 ) -> None:
     p = print
     p("## loaderd benchmark: torch DataLoader vs RemoteDataLoader\n")
-    p(
-        f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.platform()}"
-    )
+    p(f"- machine: {machine_line()}")
     p(
         f"- settings: workers={args.workers} (torch num_workers and daemon pool), rounds={args.rounds}, "
         f"seconds={args.seconds} per measurement, persistent_workers=True, shuffle=True; "

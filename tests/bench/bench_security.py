@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from bench_loaders import (
     Daemon,
     Result,
     fmt,
+    machine_line,
     interleaved_rounds,
     measure,
     median,
@@ -161,7 +161,7 @@ def print_report(
 ) -> None:
     p = print
     p("## loaderd security benchmark: TLS and tokens\n")
-    p(f"- machine: nproc={os.cpu_count()}, torch {torch.__version__}, Python {platform.python_version()}, {platform.platform()}")
+    p(f"- machine: {machine_line()}")
     p(f"- settings: workers={args.workers}, rounds={args.rounds}, seconds={args.seconds}; loaders interleaved in each round")
     p(f"- wall time: {wall_s:.0f} s\n")
     p("| workload | loader | batches/s | GB/s | ratio | CPU s per GB (all processes) | per-round batches/s |")

@@ -47,7 +47,6 @@ import contextlib
 import faulthandler
 import multiprocessing
 import os
-import platform
 import random
 import re
 import shutil
@@ -66,7 +65,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, descendants, fmt, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, descendants, fmt, machine_line, print_findings  # noqa: E402
 
 ITEMS = 128
 ITEM_DIM = 16384  # float32: 64 KiB per item
@@ -806,10 +805,7 @@ def print_report(bench: Bench, parts: list[Part], same: list[tuple[str, str]], l
     s = bench.settings
     p = print
     p("## loaderd soak: killed clients and many streams\n")
-    p(
-        f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.platform()}"
-    )
+    p(f"- machine: {machine_line()}")
     p(
         f"- settings: kills={s.kills} (concurrency {s.concurrency}), streams={s.streams_procs} procs x "
         f"{s.streams_per_proc} ({s.at_once} open at once per proc), daemon workers={s.workers}, warm-up={s.warmup}, "

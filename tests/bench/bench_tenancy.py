@@ -43,7 +43,6 @@ import importlib
 import inspect
 import json
 import os
-import platform
 import queue
 import shutil
 import signal
@@ -73,6 +72,7 @@ from bench_loaders import (  # noqa: E402
     BenchError,
     Daemon,
     fmt,
+    machine_line,
     median,
     print_findings,
     start_daemon,
@@ -1045,11 +1045,7 @@ def print_report(bench: Bench, results: dict[str, Any], load_before: tuple[float
     s = bench.settings
     p = print
     p("## loaderd benchmark: multi-tenancy (issue 4)\n")
-    p(
-        f"- machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.platform()}"
-    )
+    p(f"- machine: {machine_line()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
     p(
         f"- settings: parts={','.join(s.parts)}; daemon pool workers={s.workers} (torch num_workers={s.workers}); "
         f"rounds={s.rounds} (shared, fairness), memory rounds={s.memory_rounds}; quick={s.quick}"
