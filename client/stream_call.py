@@ -95,13 +95,14 @@ class _Route:
             self.ended_at = time.monotonic()
             self.keep_open_s = keep_open_s
 
-    def finish(self) -> list[CallEpoch]:
-        """The call is over: the epochs still waiting on it (the oldest may have had messages).
-        The route holds none of them after (``first`` included)."""
+    def finish(self) -> tuple[list[CallEpoch], CallEpoch | None]:
+        """The call is over: the epochs still waiting on it (the oldest may have had messages), and
+        ``first`` as it was. The route holds no epoch after."""
         with self.lock:
             self.over = True
-            waiting, self.epochs, self.first = list(self.epochs), deque(), None
-            return waiting
+            waiting, first = list(self.epochs), self.first
+            self.epochs, self.first = deque(), None
+            return waiting, first
 
 
 def _request_stream(requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event) -> Iterator[pb.StreamRequest]:
@@ -196,10 +197,10 @@ class StreamCalls:
         self._lock = threading.Lock()
         self._parked: dict[str, StreamCall] = {}
 
-    def __len__(self) -> int:
-        """How many calls are parked (at most one per daemon address)."""
+    def open_calls(self) -> list[StreamCall]:
+        """The parked calls that have not ended (at most one per daemon address)."""
         with self._lock:
-            return len(self._parked)
+            return [call for call in self._parked.values() if not call.over]
 
     def take(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall | None:
         """The call parked for ``address``, if the next epoch can open on it (one that cannot is cancelled)."""
@@ -297,8 +298,8 @@ class _Receiver:
             # Ended (OK) with epochs waiting. One the daemon said nothing for, on a call made for
             # an earlier epoch, was sent as the daemon let the call go (its wait for the next
             # epoch ran out): nothing is wrong, open it again.
-            first = self._route.first
-            for waiting in self._route.finish():
+            left, first = self._route.finish()
+            for waiting in left:
                 if waiting is self._heard or waiting is first:
                     self._post(waiting, "lost", "ended the stream early")
                 else:
@@ -308,22 +309,25 @@ class _Receiver:
                 self._tell_all("lost", rpc_summary(exc))
             else:
                 self._tell_all("failed", error_from_rpc(exc, self._address))
+            exc.__traceback__ = None  # see below
         except Exception as exc:  # a decoding error: surface it to the caller
             self._tell_all("failed", exc)
         finally:
             self._route.finish()
-            # A failed call is its own exception, and gRPC may keep the call object after it
-            # ended (a closure of gRPC's own held it, seen in tests/test_next_epoch.py): its
-            # traceback holds this frame, and so whatever the frame's locals and self reach. An
-            # epoch reached from here keeps its queue, whose events keep their lane, the lane's
-            # loader's parked calls and the slots of their batches, and no finalizer runs while
-            # gRPC holds on. So the frame lets go of them.
-            self._call = None
-            self._heard = None
-            epoch = first = waiting = None  # noqa: F841 - cleared for the traceback's sake
-            assembler = None
+            # The call is over: its requests too (gRPC's thread sending them leaves).
+            self._stop.set()
+            # A failed call is its own exception: its traceback holds this frame, which holds
+            # the call (self._call, and gRPC's frames under it), and the frame reaches whatever
+            # its locals and self do. Anything else that holds the call (a closure of gRPC's own
+            # did, seen in tests/test_next_epoch.py) then keeps that alive: an epoch keeps its
+            # queue, whose events keep their lane, the lane's loader's parked calls and the slots
+            # of their batches, and no finalizer of theirs runs. So the traceback is dropped
+            # above, and the frame lets go of all that here.
+            self._call = self._session = self._heard = None
+            epoch = first = waiting = assembler = None
+            raw = frame = header = view = batch = None
 
     def _tell_all(self, kind: str, payload: Any) -> None:
         """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed")."""
-        for waiting in self._route.finish():
+        for waiting in self._route.finish()[0]:
             self._post(waiting, kind, payload)

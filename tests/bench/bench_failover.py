@@ -44,8 +44,9 @@ soak      (a) one client process over daemon 0, --cycles cycles: the killer wait
               fds besides segment mappings (Python's mmap keeps a descriptor per mapping; the mappings
               follow the daemons' segments in use, a high-water mark after failovers, so they and the
               raw fd count are shown without a verdict), OS threads and loaderd-* threads (less the
-              threads each call parked for the next epoch keeps, 2 or over gRPC 3: one call per
-              daemon the last epoch streamed from, shown without a verdict), RSS, mapped segments
+              threads each open call parked for the next epoch keeps, 2, or 3 without a shared-
+              memory session: one call per daemon the last epoch streamed from, shown without a
+              verdict), RSS, mapped segments
               already unlinked, and, after gc.collect(), live Lane, ShmSession (and of those,
               sessions with killed daemons) and RemoteLoaderIter objects, and channels;
             - daemons, each a new process after each kill, so compared like with like: a fresh daemon 1 s
@@ -131,9 +132,9 @@ ALL_UP_S = 1.0  # clients are paused only once every daemon has been up this lon
 CLIENT_START_TIMEOUT_S = 120.0
 CLIENT_QUIET_TIMEOUT_S = BATCH_TIMEOUT_S + 60.0  # a client with no epoch for this long (not paused) has hung
 LINGER_S = 2.0  # a paused client waits at most this long for its epoch's threads to leave before sampling
-# OS threads a call parked for the next epoch keeps: its receiver (loaderd-receiver) and gRPC's thread
-# sending its requests; with transport="grpc" also its channel's polling thread, which gRPC runs while
-# the channel has a call (with a shared-memory session, the session's call keeps it running anyway).
+# OS threads an open call parked for the next epoch keeps: its receiver (loaderd-receiver) and gRPC's
+# thread sending its requests; without a shared-memory session also its channel's polling thread, which
+# gRPC runs while the channel has a call (a session's own call keeps it running anyway).
 PARKED_CALL_THREADS = 2
 PARKED_GRPC_CALL_THREADS = 3
 SETTLE_S = 10.0  # ... and this long for the sessions of killed daemons to be freed (counted if they are not)
@@ -259,8 +260,8 @@ def daemon_sample(member: Member) -> dict[str, int]:
     }
 
 
-def client_sample(transport: str) -> dict[str, int]:
-    """This client process, between epochs (run in the client, whose loader uses ``transport``)."""
+def client_sample() -> dict[str, int]:
+    """This client process, between epochs (run in the client)."""
     import gc
 
     import loaderd.connection
@@ -279,10 +280,11 @@ def client_sample(transport: str) -> dict[str, int]:
     while True:
         gc.collect()
         counts = dict.fromkeys(kinds, 0)
-        live_sessions = parked = 0
+        live_sessions = 0
+        parked: list[Any] = []
         for obj in gc.get_objects():
             if type(obj) is StreamCalls:
-                parked += len(obj)
+                parked += obj.open_calls()
             for key, cls in kinds.items():
                 if type(obj) is cls:
                     counts[key] += 1
@@ -300,12 +302,12 @@ def client_sample(transport: str) -> dict[str, int]:
     # A parked call (one per daemon the last epoch streamed from, so 0 to the fleet's size) keeps its
     # threads for the next epoch: bounded, not a leak, so the thread counts leave them out and the
     # parked calls are shown beside them.
-    per_parked_call = PARKED_GRPC_CALL_THREADS if transport == "grpc" else PARKED_CALL_THREADS
+    parked_threads = sum(PARKED_CALL_THREADS if c.session is not None else PARKED_GRPC_CALL_THREADS for c in parked)
     return {
         "fds": fds,  # segment mappings hold no descriptor (loaderd.wire.mapping)
-        "threads": int(status.get("Threads", "0")) - per_parked_call * parked,
-        "loaderd_threads": sum(1 for n in names if n.startswith("loaderd-")) - parked,
-        "parked_calls": parked,
+        "threads": int(status.get("Threads", "0")) - parked_threads,
+        "loaderd_threads": sum(1 for n in names if n.startswith("loaderd-")) - len(parked),
+        "parked_calls": len(parked),
         "rss_kb": _kb(status.get("VmRSS", "")),
         "anon_kb": _kb(status.get("RssAnon", "")),
         "maps": maps,
@@ -762,7 +764,7 @@ def soak_client(conn: Any, index: int, addresses: list[str], transport: str, ite
             while conn.poll():
                 command = conn.recv()
                 if command == "pause":
-                    conn.send(("paused", client_sample(transport)))
+                    conn.send(("paused", client_sample()))
                     command = conn.recv()
                 if command == "stop":
                     stop = True
