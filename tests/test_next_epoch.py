@@ -237,8 +237,8 @@ def test_a_loader_used_once_plans_nothing_ahead(remote: Any, daemon: RunningDaem
 def test_a_dropped_loader_lets_go_of_its_planned_window(daemon: RunningDaemon) -> None:
     """A loader dropped once its planned epoch's first window has arrived: its calls end, their threads
     leave, and nothing keeps that window's batches (their shared-memory leases) alive. Before, the
-    cancelled call, which gRPC keeps and which is its own exception, held its receiver's frame through
-    its traceback, and that frame the planned epoch, its queued batches and their lane."""
+    cancelled call, which is its own exception, held its receiver's frame through its traceback, and
+    that frame the planned epoch, its queued batches and their lane, while something still held the call."""
 
     def receivers() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "loaderd-receiver")

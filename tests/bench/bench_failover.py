@@ -44,10 +44,9 @@ soak      (a) one client process over daemon 0, --cycles cycles: the killer wait
               fds besides segment mappings (Python's mmap keeps a descriptor per mapping; the mappings
               follow the daemons' segments in use, a high-water mark after failovers, so they and the
               raw fd count are shown without a verdict), OS threads and loaderd-* threads (less the
-              threads each open call parked for the next epoch keeps, 2, or 3 without a shared-
-              memory session: one call per daemon the last epoch streamed from, shown without a
-              verdict), RSS, mapped segments
-              already unlinked, and, after gc.collect(), live Lane, ShmSession (and of those,
+              threads of open calls parked for the next epoch, see PARKED_CALL_THREADS; one call per
+              daemon the last epoch streamed from, their number shown without a verdict), RSS, mapped
+              segments already unlinked, and, after gc.collect(), live Lane, ShmSession (and of those,
               sessions with killed daemons) and RemoteLoaderIter objects, and channels;
             - daemons, each a new process after each kill, so compared like with like: a fresh daemon 1 s
               after it answered SERVING with no client connected. The start sample is each daemon's first
@@ -268,7 +267,7 @@ def client_sample() -> dict[str, int]:
     from loaderd.iterator import RemoteLoaderIter
     from loaderd.lane import Lane
     from loaderd.session import ShmSession
-    from loaderd.stream_call import StreamCalls
+    from loaderd.stream_call import StreamCall, StreamCalls
 
     started = time.monotonic()
     # A loader's receiver threads may stay: its calls wait for its next epoch (loaderd.stream_call).
@@ -281,7 +280,7 @@ def client_sample() -> dict[str, int]:
         gc.collect()
         counts = dict.fromkeys(kinds, 0)
         live_sessions = 0
-        parked: list[Any] = []
+        parked: list[StreamCall] = []
         for obj in gc.get_objects():
             if type(obj) is StreamCalls:
                 parked += obj.open_calls()
@@ -299,9 +298,7 @@ def client_sample() -> dict[str, int]:
     maps, unlinked = mapped_segments(pid)
     names = [t.name for t in threading.enumerate()]
     fds = _fd_count(pid)
-    # A parked call (one per daemon the last epoch streamed from, so 0 to the fleet's size) keeps its
-    # threads for the next epoch: bounded, not a leak, so the thread counts leave them out and the
-    # parked calls are shown beside them.
+    # Parked calls number 0 to the fleet's size (bounded, not a leak): their threads are left out.
     parked_threads = sum(PARKED_CALL_THREADS if c.session is not None else PARKED_GRPC_CALL_THREADS for c in parked)
     return {
         "fds": fds,  # segment mappings hold no descriptor (loaderd.wire.mapping)
