@@ -343,9 +343,11 @@ class WorkerPool:
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.
 
-        Returns its generation; its death comes through ``poll`` like any other.
+        Returns its generation; its death comes through ``poll`` like any other. The worker
+        is no longer ready from this call on: it takes no more tasks.
         """
         worker = self._workers[worker_id]
+        worker.ready = False
         if worker.alive:
             if kill:
                 worker.process.kill()

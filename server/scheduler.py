@@ -88,7 +88,7 @@ class Pool(Protocol):
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker (SIGKILL, or after its queued tasks with ``kill=False``); returns its generation.
 
-        Its death then comes through ``poll`` like any other.
+        It is not ready from this call on; its death then comes through ``poll`` like any other.
         """
         ...
 
@@ -570,6 +570,9 @@ class Scheduler:
                     overdue.append((worker_id, key, record, limit))
             for worker_id, key, record, limit in overdue:
                 assert record.started_at is not None
+                # Killed before its batch fails: a client that saw the error finds the worker gone
+                # from the ready ones (its death and replacement come through the pool's poll).
+                self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
                 del self._inflight[worker_id][key]
                 self._attempts.pop(key, None)
                 self.counters.setdefault(record.task.dataset, DatasetCounters()).errors += 1
@@ -580,13 +583,12 @@ class Scheduler:
                     producer.resolve(Delivery(seq=record.task.seq, error=error, exhausted=isinstance(record.task, IterTask)))
         for worker_id, _, record, limit in overdue:
             log.warning(
-                "batch %d of dataset %r ran past its task_timeout of %gs in worker %d; killing the worker",
+                "batch %d of dataset %r ran past its task_timeout of %gs in worker %d; killed the worker",
                 record.task.seq,
                 record.task.dataset,
                 limit,
                 worker_id,
             )
-            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
 
     @staticmethod
     def _timeout_error(task: BatchTask, limit: float, worker_id: int, ran: float) -> bytes:
