@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -122,7 +121,6 @@ def trial(workload: str, transport: str, seconds: float, workers: int, step_s: f
             result = throughput(address, workload, transport, seconds, daemon.process.pid, step_s)
     finally:
         _, problem = daemon.stop()
-        shutil.rmtree(daemon.tmp, ignore_errors=True)
     if problem:
         raise bl.BenchError(f"{problem}:\n{daemon.log()[-3000:]}")
     return result

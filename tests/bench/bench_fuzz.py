@@ -128,7 +128,6 @@ def run(settings: Settings) -> int:
         code, problem = daemon.stop()
         if problem:
             print(f"\nERROR: {problem}")
-        shutil.rmtree(daemon.tmp, ignore_errors=True)
 
 
 def fuzz(settings: Settings, daemon: Daemon) -> int:

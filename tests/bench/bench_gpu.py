@@ -23,7 +23,6 @@ markdown; exits 1 if a loader misbehaved.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from typing import Any
@@ -148,11 +147,8 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     loaders.clear()
     _, problem = daemon.stop()
     state["daemon"] = None
-    if problem:
-        findings.append(f"shutdown: {problem}\n--- daemon log (tail) ---\n{daemon.log()[-4000:]}")
-    elif "Traceback" in daemon.log():
-        findings.append(f"daemon log contains a traceback:\n{daemon.log()[-4000:]}")
-    shutil.rmtree(daemon.tmp, ignore_errors=True)
+    if finding := daemon.finding(problem):
+        findings.append(finding)
     print_report(args, results, findings, time.perf_counter() - from_start)
     return 1 if findings else 0
 

@@ -109,15 +109,38 @@ class Daemon:
     log_path: Path
     unix_address: str
     tcp_address: str = ""
+    # The log's text once ``stop`` removed the temp dir that held it.
+    final_log: str | None = None
 
     def log(self) -> str:
+        if self.final_log is not None:
+            return self.final_log
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
     def stop(self) -> tuple[int | None, str]:
-        """SIGTERM and wait; returns (exit code, problem or '')."""
+        """SIGTERM and wait, then remove the temp dir (``log()`` still answers); returns (exit code, problem or '')."""
+        try:
+            return self._stop()
+        finally:
+            if self.final_log is None:
+                self.final_log = self.log()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def finding(self, problem: str) -> str:
+        """What a bench reports of this daemon after ``stop``: its shutdown ``problem``, or a traceback
+        in its log, with the log's tail; '' when neither."""
+        text = self.log()
+        if problem:
+            return f"shutdown: {problem}\n--- daemon log (tail) ---\n{text[-4000:]}"
+        if "Traceback" in text:
+            first = text.index("Traceback")
+            return f"daemon log contains a traceback:\n{text[max(0, first - 500) : first + 3500]}"
+        return ""
+
+    def _stop(self) -> tuple[int | None, str]:
         if self.process.poll() is not None:
             return self.process.returncode, f"daemon had already exited with {self.process.returncode}"
         self.process.send_signal(signal.SIGTERM)
@@ -813,13 +836,10 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
 
     loaders.clear()
     torch_loaders.clear()
-    code, problem = daemon.stop()
+    _, problem = daemon.stop()
     state["daemon"] = None
-    if problem:
-        findings.append(f"shutdown: {problem}\n--- daemon log (tail) ---\n{daemon.log()[-4000:]}")
-    elif any("Traceback" in line for line in daemon.log().splitlines()):
-        findings.append(f"daemon log contains a traceback:\n{daemon.log()[-4000:]}")
-    shutil.rmtree(daemon.tmp, ignore_errors=True)
+    if finding := daemon.finding(problem):
+        findings.append(finding)
     samplers = sampler_trials(trials)
     print_report(args, results, first, first_errors, samplers, epoch_start, epoch_errors, findings, load_before, time.perf_counter() - from_start)
     return 1 if findings else 0
@@ -891,7 +911,6 @@ def run_with_daemon(budget: float, body: Callable[[dict[str, Any]], int]) -> int
             _, problem = daemon.stop()
             if problem:
                 print(f"[bench] {problem}\n{daemon.log()[-4000:]}", file=sys.stderr, flush=True)
-            shutil.rmtree(daemon.tmp, ignore_errors=True)
 
     def daemon_log() -> None:
         daemon = state.get("daemon")

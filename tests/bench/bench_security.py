@@ -147,7 +147,6 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         state["daemons"].remove(daemon)
         if problem:
             findings.append(f"shutdown: {problem}\n{daemon.log()[-4000:]}")
-        shutil.rmtree(daemon.tmp, ignore_errors=True)
     print_report(args, results, cpu_per_gb, findings, time.perf_counter() - from_start)
     return 1 if findings else 0
 
@@ -195,7 +194,6 @@ def main() -> int:
     def cleanup() -> None:
         for daemon in state["daemons"]:
             daemon.stop()
-            shutil.rmtree(daemon.tmp, ignore_errors=True)
         state["daemons"].clear()
         for directory in state["dirs"]:
             shutil.rmtree(directory, ignore_errors=True)

@@ -49,7 +49,6 @@ import multiprocessing
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
@@ -879,12 +878,8 @@ def stop(bench: Bench) -> str:
     text = daemon.log()
     if bench.settings.log_copy:
         Path(bench.settings.log_copy).write_text(text)
-    if problem:
-        bench.problem(f"shutdown: {problem}\n--- daemon log (tail) ---\n{text[-4000:]}")
-    elif "Traceback" in text:
-        first = text.index("Traceback")
-        bench.problem(f"daemon log contains a traceback:\n{text[max(0, first - 500) : first + 3000]}")
-    shutil.rmtree(daemon.tmp, ignore_errors=True)
+    if finding := daemon.finding(problem):
+        bench.problem(finding)
     return text
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -54,11 +53,10 @@ def serve(tree: Tree, workers: int) -> Daemon:
 
 
 def stop(serving: Daemon) -> None:
-    """SIGTERM and wait (killed if it hangs), then its temp dir goes; a problem is logged, not raised."""
+    """SIGTERM and wait (killed if it hangs; its temp dir goes); a problem is logged, not raised."""
     _, problem = serving.stop()
     if problem:
         log(f"{problem}:\n{serving.log()[-3000:]}")
-    shutil.rmtree(serving.tmp, ignore_errors=True)
 
 
 def until(condition: Callable[[], bool], serving: Daemon, what: str) -> None:

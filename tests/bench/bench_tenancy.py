@@ -410,12 +410,8 @@ def serving(datasets: dict[str, Any], workers: int, findings: list[str]) -> Iter
         yield daemon
     finally:
         _, problem = daemon.stop()
-        text = daemon.log()
-        if problem:
-            findings.append(f"shutdown: {problem}\n--- daemon log (tail) ---\n{text[-4000:]}")
-        elif "Traceback" in text:
-            findings.append(f"daemon log contains a traceback:\n{text[-4000:]}")
-        shutil.rmtree(daemon.tmp, ignore_errors=True)
+        if finding := daemon.finding(problem):
+            findings.append(finding)
 
 
 def samples_fetched(address: str) -> dict[str, int] | None:
