@@ -25,9 +25,13 @@ import time
 import pytest
 from conftest import running_daemon, wait_for
 from fuzzing import (
+    FD_MARGIN,
+    FOOTPRINT_SETTLE_S,
     FUZZ_DAEMON_OPTIONS,
     FUZZ_DATASETS,
     FUZZ_WORKERS,
+    RSS_GROWTH_KB,
+    THREAD_MARGIN,
     RPCS,
     FuzzRun,
     ProcStats,
@@ -41,29 +45,12 @@ from fuzzing import (
     shm_entries,
 )
 
-from loaderd.server import heap
-
 SEED = int(os.environ.get("LOADERD_FUZZ_SEED", "20240611"))
 REQUESTS = 10_000
 WARMUP = 1_000
 CONCURRENCY = 8  # client threads for unary calls
 STREAM_CONCURRENCY = 32  # and for streaming calls (one the daemon keeps open holds its thread ~2 s)
 CALLS_SETTLE_S = 30.0  # for the daemon to see every fuzz call gone (Status: no stream, no fuzz session)
-# For the footprint to come back: the daemon lets a handler thread idle 30 s
-# before it exits, and gives free heap pages back every 30 s while idle.
-SETTLE_S = 75.0
-FD_MARGIN = 4  # a channel of this test's own Status or health calls, still closing
-THREAD_MARGIN = 4  # a stream's plan reader or a session's reader, on its way out
-# RSS after the warm-up already holds the allocator's high-water mark for the
-# largest messages (a few MiB each, on up to 40 handler threads at once). 30 MB
-# more over 9,000 further calls is ~3.4 KB a call: RSS that stays above that
-# once the daemon is idle is memory kept per call, i.e. a leak (or allocator
-# caching that grows with the calls). On top of that, the free memory glibc keeps
-# at the top of the daemon's thread arena by design (server/heap.py: up to
-# TRIM_THRESHOLD_BYTES, which malloc_trim does not give back for thread arenas):
-# whether it is there when the warm-up is measured, or at the end, is chance (a
-# run failed at +30.5 MB, anon 41.5 -> 72.1 MB, with the same code passing flat).
-RSS_GROWTH_KB = 30 * 1024 + heap.TRIM_THRESHOLD_BYTES * (heap.ARENAS - 1) // 1024
 
 
 def settle(address: str, pid: int, sessions: int) -> str:
@@ -144,16 +131,16 @@ def test_fuzzed_requests_get_allowed_codes_and_the_daemon_stays_flat() -> None:
 
             settled = time.monotonic()
             try:
-                final = wait_for(flat, SETTLE_S, "the daemon's fds, threads and RSS to come back")
+                final = wait_for(flat, FOOTPRINT_SETTLE_S, "the daemon's fds, threads and RSS to come back")
             except AssertionError:
                 final = ProcStats.read(pid)
                 if final.fds > baseline.fds + FD_MARGIN or final.threads > baseline.threads + THREAD_MARGIN:
-                    problems.append(f"fds/threads did not come back within {SETTLE_S:g} s: warm-up {baseline}, now {final}")
+                    problems.append(f"fds/threads did not come back within {FOOTPRINT_SETTLE_S:g} s: warm-up {baseline}, now {final}")
                 if final.rss_kb - baseline.rss_kb >= RSS_GROWTH_KB:
                     growth = (final.rss_kb - baseline.rss_kb) / 1024
                     problems.append(
                         f"RSS grew {growth:.1f} MB after the warm-up (bound {RSS_GROWTH_KB // 1024} MB, "
-                        f"{SETTLE_S:g} s to settle): warm-up {baseline}, now {final}"
+                        f"{FOOTPRINT_SETTLE_S:g} s to settle): warm-up {baseline}, now {final}"
                     )
             print(f"after {tally.calls} calls: {final} (warm-up: {baseline}), {time.monotonic() - settled:.1f} s to come back")
             shm_after = shm_entries(pid)

@@ -36,12 +36,6 @@ from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402
 import fuzzing  # noqa: E402
 
 SETTLE_S = 60.0  # for the daemon to close every fuzz call
-# For the footprint to come back: idle handler threads exit after 30 s, and an
-# idle daemon gives free heap pages back every 30 s (see tests/test_fuzz.py).
-FOOTPRINT_SETTLE_S = 75.0
-FD_MARGIN = 4
-THREAD_MARGIN = 4
-RSS_GROWTH_BOUND_MB = 30.0  # over the warm-up level (see tests/test_fuzz.py)
 
 
 @dataclass
@@ -193,13 +187,13 @@ def fuzz(settings: Settings, daemon: Daemon) -> int:
         end = fuzzing.ProcStats.read(pid)
         if baseline is not None:
             end = come_back(pid, baseline) or fuzzing.ProcStats.read(pid)
-            if end.fds > baseline.fds + FD_MARGIN or end.threads > baseline.threads + THREAD_MARGIN:
-                problems.append(f"fds/threads did not come back within {FOOTPRINT_SETTLE_S:g}s: warm-up {baseline}, end {end}")
+            if end.fds > baseline.fds + fuzzing.FD_MARGIN or end.threads > baseline.threads + fuzzing.THREAD_MARGIN:
+                problems.append(f"fds/threads did not come back within {fuzzing.FOOTPRINT_SETTLE_S:g}s: warm-up {baseline}, end {end}")
             growth = (end.rss_kb - baseline.rss_kb) / 1024
-            if growth >= RSS_GROWTH_BOUND_MB:
+            if end.rss_kb - baseline.rss_kb >= fuzzing.RSS_GROWTH_KB:
                 problems.append(
-                    f"RSS grew {growth:.1f} MB after the warm-up (bound {RSS_GROWTH_BOUND_MB:g} MB, "
-                    f"{FOOTPRINT_SETTLE_S:g}s to settle): {end}"
+                    f"RSS grew {growth:.1f} MB after the warm-up (bound {fuzzing.RSS_GROWTH_KB // 1024} MB, "
+                    f"{fuzzing.FOOTPRINT_SETTLE_S:g}s to settle): {end}"
                 )
         stats.append(("end (settled)", end))
     else:
@@ -240,13 +234,13 @@ def come_back(pid: int, baseline: fuzzing.ProcStats) -> fuzzing.ProcStats | None
 
     def flat() -> fuzzing.ProcStats | None:
         now = fuzzing.ProcStats.read(pid)
-        fds_ok = now.fds <= baseline.fds + FD_MARGIN
-        threads_ok = now.threads <= baseline.threads + THREAD_MARGIN
-        rss_ok = (now.rss_kb - baseline.rss_kb) / 1024 < RSS_GROWTH_BOUND_MB
+        fds_ok = now.fds <= baseline.fds + fuzzing.FD_MARGIN
+        threads_ok = now.threads <= baseline.threads + fuzzing.THREAD_MARGIN
+        rss_ok = now.rss_kb - baseline.rss_kb < fuzzing.RSS_GROWTH_KB
         return now if fds_ok and threads_ok and rss_ok else None
 
     try:
-        return wait_for(flat, FOOTPRINT_SETTLE_S, "the daemon's fds, threads and RSS to come back")
+        return wait_for(flat, fuzzing.FOOTPRINT_SETTLE_S, "the daemon's fds, threads and RSS to come back")
     except AssertionError:
         return None
 
