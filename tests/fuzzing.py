@@ -42,7 +42,7 @@ from loaderd.server import heap
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
 
-# ------------------------------------------------------------------ what the daemon serves
+# ------------------------------------------------------------------ the footprint a run must come back to
 
 # What a fuzz run's daemon footprint must come back to once idle, after a warm-up round
 # (tests/test_fuzz.py and tests/bench/bench_fuzz.py).
@@ -53,7 +53,7 @@ FD_MARGIN = 4  # a channel of the run's own Status or health calls, still closin
 THREAD_MARGIN = 4  # a stream's plan reader or a session's reader, on its way out
 # RSS after the warm-up already holds the allocator's high-water mark for the
 # largest messages (a few MiB each, on up to 40 handler threads at once). 30 MB
-# more over 9,000 further calls is ~3.4 KB a call: RSS that stays above that
+# more over test_fuzz's 9,000 further calls is ~3.4 KB a call: RSS that stays above that
 # once the daemon is idle is memory kept per call, i.e. a leak (or allocator
 # caching that grows with the calls). On top of that, the free memory glibc keeps
 # at the top of the daemon's thread arena by design (server/heap.py: up to
@@ -62,6 +62,8 @@ THREAD_MARGIN = 4  # a stream's plan reader or a session's reader, on its way ou
 # run failed at +30.5 MB, anon 41.5 -> 72.1 MB, with the same code passing flat;
 # bench_fuzz's smoke run at +30.3 MB, anon 26.4 -> 56.7 MB, before it used this bound).
 RSS_GROWTH_KB = 30 * 1024 + heap.TRIM_THRESHOLD_BYTES * (heap.ARENAS - 1) // 1024
+
+# ------------------------------------------------------------------ what the daemon serves
 
 SQUARES_N = 64
 BIG_N = 20480  # 16 bytes a sample: a batch of 5120 is 80 KiB, over the 64 KiB inline threshold (a slot)
