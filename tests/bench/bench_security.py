@@ -145,8 +145,8 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     for daemon in list(state["daemons"]):
         _, problem = daemon.stop()
         state["daemons"].remove(daemon)
-        if problem:
-            findings.append(f"shutdown: {problem}\n{daemon.log()[-4000:]}")
+        if finding := daemon.finding(problem):
+            findings.append(finding)
     print_report(args, results, cpu_per_gb, findings, time.perf_counter() - from_start)
     return 1 if findings else 0
 
