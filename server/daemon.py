@@ -31,6 +31,7 @@ their parent gone, and the next daemon to start sweeps its segments.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
@@ -56,7 +57,16 @@ from loaderd.server.pool import PoolStartError, WorkerPool
 from loaderd.server.executor import ElasticExecutor
 from loaderd.server.heap import give_back_free_pages, tune_heap
 from loaderd.server.import_check import ImportCheck
-from loaderd.server.listeners import Listener, ListenError, bind, log_listening, prepare, secure_sockets
+from loaderd.server.listeners import (
+    Listener,
+    ListenError,
+    bind,
+    check_free,
+    log_listening,
+    prepare,
+    secure_sockets,
+    tcp_in_use,
+)
 from loaderd.server.rpc import SERVICE_NAME, add_parsing, generic_handler
 from loaderd.server.scheduler import Scheduler, SchedulerPolicy
 from loaderd.server.servicer import LoaderServicer
@@ -129,6 +139,11 @@ class Daemon:
         try:
             # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
             self._listeners = prepare(config.listen)
+            # An address another daemon serves fails now, not after the pool has built the datasets.
+            check_free(self._listeners)
+            if config.metrics is not None and tcp_in_use(config.metrics.host, config.metrics.port):
+                host, port = config.metrics.host, config.metrics.port
+                raise ListenError(f"cannot serve metrics on {host}:{port}: {os.strerror(errno.EADDRINUSE)}")
             try:
                 authenticator = Authenticator(TokenFile(config.auth.token_file) if config.auth is not None else None)
             except TokenFileError as exc:

@@ -14,6 +14,7 @@ then it is logged as a warning.
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -95,21 +96,73 @@ def prepare(specs: tuple[ListenSpec, ...]) -> list[Listener]:
     return listeners
 
 
+def _answers(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _in_use_message(where: str) -> str:
+    return f"{where} is in use by a running process (another loaderd?)"
+
+
+def tcp_in_use(host: str, port: int) -> bool:
+    """Whether a socket already listens on TCP ``host``:``port`` (``host`` "" is every interface).
+
+    False where it cannot tell (port 0, a name that does not resolve, an address
+    family this host lacks): the bind itself then decides, as before.
+    """
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port whose old connections linger in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def check_free(listeners: list[Listener]) -> None:
+    """Refuse an address another process serves, before the pool starts (``bind`` would find it only after warm-up).
+
+    A unix socket that answers is in use (one that does not is stale, removed at
+    ``bind``); a TCP address is in use if a socket listens on it. An address taken
+    between this check and ``bind`` still fails there, with the same kind of error.
+    """
+    for listener in listeners:
+        path = listener.path
+        if path is not None:
+            if os.path.exists(path) and _answers(path):
+                raise ListenError(_in_use_message(path))
+            continue
+        host, sep, port = listener.spec.address.rpartition(":")
+        if sep and port.isdigit() and tcp_in_use(host.strip("[]"), int(port)):
+            raise ListenError(_in_use_message(listener.spec.address))
+
+
 def _claim_unix_path(path: str) -> None:
     """Remove a stale socket file left by a killed daemon; refuse a live one."""
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody answers: stale
-        return
-    finally:
-        probe.close()
-    raise ListenError(f"{path} is in use by a running process (another loaderd?)")
+    if _answers(path):
+        raise ListenError(_in_use_message(path))
+    os.unlink(path)  # nobody answers: stale
 
 
 def bind(server: grpc.Server, listeners: list[Listener], created: list[str]) -> list[str]:

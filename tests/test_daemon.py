@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
 from loaderd import RemoteDataLoader
+from loaderd.server.listeners import tcp_in_use
 
 REPO = Path(__file__).resolve().parent.parent
 # Config errors are found before any worker starts: the time is Python's and torch's import.
@@ -33,6 +34,8 @@ CONFIG_ERROR_EXIT_S = 20.0
 SHUTDOWN_S = 5.0
 
 SQUARES = {"sq": {"dataset": "datasets:Squares", "kwargs": {"n": 50}}}
+# What the daemon logs once its pool has built the datasets (server/daemon.py).
+POOL_READY = "workers ready with datasets"
 
 
 # ------------------------------------------------------------------ helpers
@@ -501,6 +504,7 @@ def test_second_daemon_on_live_socket_exits_nonzero(
     culprit = [line for line in stderr.splitlines() if "in use" in line]
     assert culprit, stderr
     assert str(first.socket_path) in culprit[0]
+    assert POOL_READY not in stderr, "refused only after building the pool"
     # The first daemon is untouched: same socket file, still serving.
     assert first.socket_path.is_socket()
     assert first.process.poll() is None
@@ -509,6 +513,29 @@ def test_second_daemon_on_live_socket_exits_nonzero(
 
 
 # ------------------------------------------------------------------ TCP
+
+
+def test_tcp_in_use_sees_a_listener_and_nothing_else() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert tcp_in_use("127.0.0.1", port)
+        assert tcp_in_use("", port), "every interface includes loopback"
+    assert not tcp_in_use("127.0.0.1", port), "closed: free again"
+    assert not tcp_in_use("127.0.0.1", 0), "port 0 is always free"
+    assert not tcp_in_use("no-such-host.invalid", 7070), "cannot tell: the bind decides"
+
+
+@pytest.mark.timeout(120)
+def test_tcp_address_in_use_is_refused_before_the_pool_starts(short_tmp: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config_path = write_config(short_tmp, SQUARES, workers=1, listen=[f"unix://{short_tmp}/d.sock", address])
+        rc, _, stderr, _ = run_serve(config_path, timeout=60)
+    assert rc == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"loaderd: cannot start: {address} is in use by a running process (another loaderd?)"
+    assert POOL_READY not in stderr, "refused only after building the pool"
+    assert not (short_tmp / "d.sock").exists()
 
 
 @pytest.mark.timeout(120)

@@ -317,6 +317,7 @@ def test_metrics_port_option_and_bind_failure(short_tmp: Path) -> None:
                 process.wait(10)
     last = log_path.read_text().strip().splitlines()[-1]
     assert last.startswith(f"loaderd: cannot start: cannot serve metrics on 127.0.0.1:{port}: "), last
+    assert "workers ready" not in log_path.read_text(), "refused only after building the pool"
 
 
 # ------------------------------------------------------------------ worker restarts
