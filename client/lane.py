@@ -126,7 +126,10 @@ class Lane:
         call = calls.take(address, connection, session) if reusable else None
         if call is None or not call.open(opening, epoch):  # none parked, or it ended just now
             call = StreamCall(address, connection, session, reusable)
-            call.open(opening, epoch)
+            if not call.open(opening, epoch):
+                # Over before the epoch was on it (the daemon refused the call at once, e.g. at its
+                # max_streams): its receiver told nobody, so the epoch hears it here.
+                epoch.post(*call.outcome())
         self._call = call
         # Cancels the call if the lane is dropped without close() or finish() (a finalizer, not __del__).
         self._closer = weakref.finalize(self, _abandon, self._call, session, token)

@@ -72,6 +72,9 @@ class _Route:
         self.over = False  # the call ended, broke, or the daemon said it drains: no further epoch
         self.ended_at: float | None = None  # when the last StreamEnd arrived
         self.keep_open_s = 0.0  # how long the daemon waits after it for another open
+        # What the call ended with ((kind, payload) as posted to the epochs waiting then): for an
+        # epoch that comes too late to wait on it (see StreamCall.outcome). Ended without a word: retry.
+        self.outcome: tuple[str, Any] = ("retry", None)
 
     def add(self, epoch: CallEpoch) -> bool:
         """``epoch`` waits for messages after those before it; False if the call is over."""
@@ -95,10 +98,13 @@ class _Route:
             self.ended_at = time.monotonic()
             self.keep_open_s = keep_open_s
 
-    def finish(self) -> tuple[list[CallEpoch], CallEpoch | None]:
+    def finish(self, outcome: tuple[str, Any] | None = None) -> tuple[list[CallEpoch], CallEpoch | None]:
         """The call is over: the epochs still waiting on it (the oldest may have had messages), and
-        ``first`` as it was. The route holds no epoch after."""
+        ``first`` as it was. The route holds no epoch after. ``outcome``: what it ended with, if it
+        broke (kept from the first call that ends it)."""
         with self.lock:
+            if outcome is not None and not self.over:
+                self.outcome = outcome
             self.over = True
             waiting, first = list(self.epochs), self.first
             self.epochs, self.first = deque(), None
@@ -155,6 +161,12 @@ class StreamCall:
             return False
         self._requests.put(pb.StreamRequest(open=opening))
         return True
+
+    def outcome(self) -> tuple[str, Any]:
+        """What the call ended with, (kind, payload) as its epochs heard it: for an epoch whose ``open``
+        came after (a call the daemon refused at once, before its first epoch was added)."""
+        with self._route.lock:
+            return self._route.outcome
 
     def send(self, request: pb.StreamRequest) -> None:
         self._requests.put(request)
@@ -328,6 +340,7 @@ class _Receiver:
             raw = frame = header = view = batch = None
 
     def _tell_all(self, kind: str, payload: Any) -> None:
-        """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed")."""
-        for waiting in self._route.finish()[0]:
+        """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed"),
+        and so does one that opens on it too late (``StreamCall.outcome``)."""
+        for waiting in self._route.finish((kind, payload))[0]:
             self._post(waiting, kind, payload)

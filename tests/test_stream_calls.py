@@ -28,7 +28,8 @@ import loaderd.lane
 from loaderd import RemoteDataLoader
 from loaderd.server.call_requests import CallRequests
 from loaderd.receive_buffers import ReceiveBuffers
-from loaderd.stream_call import CallEpoch, _Receiver, _Route
+from loaderd.errors import LimitExceededError
+from loaderd.stream_call import CallEpoch, StreamCall, _Receiver, _Route
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
@@ -314,3 +315,58 @@ def test_a_call_that_ends_before_its_next_epoch_begins_asks_for_a_retry_only_if_
     assert heard == [["end"]] * epochs_before + [["retry"] if epochs_before else ["lost"]]
     assert route.over and not route.epochs
     assert not route.add(_epoch([])), "an epoch opened on a call that is over must hear of it: refused"
+
+
+class _Refusal(grpc.RpcError, grpc.Call):
+    """What gRPC raises for a call the daemon refused at its start (admission)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "too many open streams (limits.max_streams)"
+
+    def initial_metadata(self) -> None:
+        return None
+
+    def trailing_metadata(self) -> None:
+        return None
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+
+@pytest.mark.timeout(30)
+def test_a_call_refused_before_its_epoch_opens_tells_that_epoch_why() -> None:
+    """The receiver can see the refusal before the lane adds its epoch: the call is over, and
+    ``outcome`` is what the epoch must hear (the lane posts it), not silence (a loader that hung)."""
+
+    class Call:
+        def __init__(self) -> None:
+            self.cancelled = False
+
+        def __iter__(self) -> Iterator[bytes]:
+            raise _Refusal()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    connection = SimpleNamespace(stream_batches=lambda requests: Call(), track_stream=lambda closer: None)
+    call = StreamCall("test", connection, None, reusable=True)  # type: ignore[arg-type]
+    wait_for(lambda: call.over, 5, "the refusal to end the call")
+    kinds: list[str] = []
+    assert not call.open(pb.OpenStream(dataset="squares"), _epoch(kinds))
+    kind, payload = call.outcome()
+    assert (kind, type(payload)) == ("failed", LimitExceededError) and "max_streams" in str(payload)
+    assert kinds == [], "nobody was waiting when the call ended"
+    call.cancel()
+
