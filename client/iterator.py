@@ -521,8 +521,21 @@ class RemoteLoaderIter:
             self._missed()
             self._drop_lane(lane)
             self._reconcile()
+        elif kind == "failed" and self._full_elsewhere(lane, event.payload):
+            # A daemon at its admission limits (max_streams, ...) refused the call before it
+            # answered: the others take its work, and it is asked again later (with the backoff
+            # of one whose streams break). With no other daemon the refusal is the loader's.
+            log.info("loaderd: %s refused a stream of %r (%s); the other daemons take its work",
+                     lane.address, self._stream.dataset, event.payload)
+            self._fleet.mark_down(lane.address, f"refused a stream: {event.payload}")
+            self._drop_lane(lane)
+            self._reconcile()
         elif kind == "failed" and self._failure is None:
             self._failure = event.payload
+
+    def _full_elsewhere(self, lane: Lane, error: object) -> bool:
+        """Whether ``error`` is a limit that refused ``lane`` before it answered, with another daemon usable."""
+        return isinstance(error, LimitExceededError) and not lane.answered and bool(self._usable - {lane.address})
 
     def _epoch_over(self) -> bool:
         if self._mode is _Mode.ITERABLE:

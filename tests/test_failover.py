@@ -24,7 +24,7 @@ from cluster import Cluster, cluster, free_port, inject_dns
 from compare import assert_same_batches
 from conftest import daemon_status, oracle_loader
 from datasets import Slow, Squares
-from loaderd import DaemonMismatchError, DaemonUnavailableError, LoaderdError, RemoteDataLoader
+from loaderd import DaemonMismatchError, DaemonUnavailableError, LimitExceededError, LoaderdError, RemoteDataLoader
 
 DATASETS = {
     "squares": {"dataset": "datasets:Squares", "kwargs": {"n": 240}},
@@ -199,6 +199,30 @@ def test_a_sole_daemon_draining_on_sigterm_is_invisible(one: Cluster) -> None:
 
 
 # ---------------------------------------------------------------- several daemons
+
+
+def delivered_of(address: str, dataset: str) -> int:
+    """Batches of ``dataset`` the daemon at ``address`` delivered (Status)."""
+    return next(d.batches_delivered for d in daemon_status(address).datasets if d.info.name == dataset)
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_at_its_stream_limit_leaves_its_share_to_the_others() -> None:
+    with cluster(DATASETS, 2, limits={"max_streams": 1}) as group:
+        full, other = group[0].address, group[1].address
+        blocker = iter(RemoteDataLoader("squares", batch_size=4, address=full))
+        try:
+            # It holds the first daemon's only stream.
+            assert_same_batches([next(blocker)], [next(iter(oracle_loader(Squares(240), batch_size=4)))])
+            want = list(oracle_loader(Slow(600, 0.004), batch_size=4, shuffle=True, generator=seeded(7)))
+            loader = RemoteDataLoader("slow", batch_size=4, shuffle=True, generator=seeded(7), address=group.addresses)
+            assert_same_batches(list(loader), want)
+            assert delivered_of(full, "slow") == 0 and delivered_of(other, "slow") == len(want)
+            # With no other daemon to go to, the refusal is the loader's, naming the limit.
+            with pytest.raises(LimitExceededError, match="max_streams"):
+                next(iter(RemoteDataLoader("slow", batch_size=4, address=full)))
+        finally:
+            blocker.close()
 
 
 @pytest.mark.timeout(120)
