@@ -216,12 +216,15 @@ class Fleet:
             due = [m for m in self.members.values() if m.listed and m.next_probe <= now]
         changed = False
         for member in due:
-            was_up = member.up
-            changed |= self._probe(member) != was_up
+            changed |= self._probe(member)
         return changed
 
     def _probe(self, member: Member) -> bool:
-        """Ask ``member`` for the dataset (and open its session); True if it is up now."""
+        """Ask ``member`` for the dataset (and open its session); True if that changed whether it is usable.
+
+        The change is judged when the answer is written, under the lock: a stream that broke
+        while the probe was out (``mark_down``) makes an answering probe a change, so the
+        iterator hears that the daemon is back."""
         try:
             describing = member.connection.describe_later(self.dataset)
             session: ShmSession | None = None
@@ -238,13 +241,12 @@ class Fleet:
                     session_error = exc
             described = describing.result()
             if described.protocol_revision < MIN_PROTOCOL_REVISION:
-                self._probed(
+                return self._probed(
                     member,
                     f"runs an older loaderd (protocol revision {described.protocol_revision}; this client needs "
                     f"{MIN_PROTOCOL_REVISION}): upgrade the daemons before the clients",
                     refused=True,
                 )
-                return False
             if session_error is not None:
                 raise session_error
             if not together:
@@ -252,22 +254,17 @@ class Fleet:
         except grpc.RpcError as exc:
             refused = refusal(exc, member.address, member.connection.credentials)
             if refused is not None:
-                self._probed(member, str(refused), refused=True, error=refused)
-                return False
+                return self._probed(member, str(refused), refused=True, error=refused)
             transient = is_transient(exc)
             # Not transient: it answered, and said no (no such dataset, ...).
             reason = explain_unreachable(exc, member.address) if transient else rpc_summary(exc)
-            self._probed(member, reason, refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
-            return False
+            return self._probed(member, reason, refused=not transient, error=None if transient else error_from_rpc(exc, member.address))
         except AuthenticationError as exc:  # the session was refused
-            self._probed(member, str(exc), refused=True, error=exc)
-            return False
+            return self._probed(member, str(exc), refused=True, error=exc)
         except TransportError as exc:  # transport="shm" and this daemon's shared memory is out of reach
-            self._probed(member, str(exc), refused=True, error=exc)
-            return False
+            return self._probed(member, str(exc), refused=True, error=exc)
         except LoaderdError as exc:
-            self._probed(member, str(exc), refused=False)
-            return False
+            return self._probed(member, str(exc), refused=False)
         info = described.dataset
         with self._lock:
             if self.reference is None:
@@ -281,12 +278,13 @@ class Fleet:
                 member.reason = f"serves {self.dataset!r} as {dataset_shape(info)}"
                 member.next_probe = time.monotonic() + 1.0
                 return False
+            changed = not member.up or member.draining
             member.pool_workers = max(1, described.pool_workers)
             member.protocol_revision = described.protocol_revision
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
-        return True
+        return changed
 
     def denied(self) -> AuthenticationError | None:
         """The refusal to raise when no daemon is up and one refused this loader's credentials
@@ -297,12 +295,15 @@ class Fleet:
                 return None
             return next((m.refused for m in listed if isinstance(m.refused, AuthenticationError)), None)
 
-    def _probed(self, member: Member, reason: str, *, refused: bool, error: LoaderdError | None = None) -> None:
-        """``member`` did not come up: why, and when to ask again (a daemon that answered no: less often)."""
+    def _probed(self, member: Member, reason: str, *, refused: bool, error: LoaderdError | None = None) -> bool:
+        """``member`` did not come up: why, and when to ask again (a daemon that answered no: less often).
+        True if it was up until now."""
         with self._lock:
+            changed = member.up
             member.up, member.reason = False, reason
             member.refused = (error or LoaderdError(f"loaderd at {member.address} {reason}")) if refused else None
             member.next_probe = time.monotonic() + (1.0 if refused else PROBE_INTERVAL_S)
+        return changed
 
     def connection(self, address: str) -> DaemonConnection:
         with self._lock:

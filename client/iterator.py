@@ -171,8 +171,9 @@ class RemoteLoaderIter:
         address = member.address
         try:
             session = self._fleet.session_for(address)
-        except Exception as exc:  # its session cannot open now: treat it as down; the monitor asks again
-            self._fleet.mark_down(address, str(exc))
+            connection = self._fleet.connection(address)
+        except Exception as exc:  # its session cannot open now (or DNS just dropped it): down; the monitor asks again
+            self._fleet.mark_down(address, str(exc) or type(exc).__name__)
             return None
         contiguous = self._mode is not _Mode.SPREAD
         opening = pb.OpenStream(
@@ -190,7 +191,7 @@ class RemoteLoaderIter:
         )
         lane = Lane(
             address,
-            self._fleet.connection(address),
+            connection,
             session,
             opening,
             self._events,
@@ -494,7 +495,10 @@ class RemoteLoaderIter:
             position = lane.answer()
             if self._mode is not _Mode.ITERABLE:
                 if self._holders.pop(position, None) is None:
-                    return  # the other answer to a hedged position: the first one counts
+                    # The other answer to a hedged position: the first one counts. Its lane has room
+                    # now, and work may wait for it (a lane that took the rest was dropped meanwhile).
+                    self._dispatch()
+                    return
                 self._indices.pop(position, None)
                 self._asked_at.pop(position, None)
                 self._hedged.discard(position)

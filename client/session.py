@@ -198,7 +198,8 @@ class ShmSession:
                     self.reason, self.shm = response.ready.reason, response.ready.shm
         except grpc.RpcError:
             pass
-        self._stop.set()
+        finally:  # whatever ended the watch (an unexpected error too), the session's request stream ends with it
+            self._stop.set()
 
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
         tick_at: float | None = None  # while releases are pending: when to send those no plan took

@@ -268,7 +268,10 @@ class _Receiver:
                 if epoch is None:  # between epochs: only a draining daemon speaks
                     if kind != "draining":
                         raise LoaderdError(f"daemon sent a {kind!r} message between epochs")
-                    self._route.finish()
+                    # An epoch that opened on the call just now (after current() above) was sent
+                    # before the daemon could read its open: it asks again, on a new call.
+                    for late in self._route.finish()[0]:
+                        self._post(late, "retry")
                     continue
                 if kind == "batch" and header is not None and header.HasField("slot"):
                     if self._session is None:

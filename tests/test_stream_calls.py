@@ -370,3 +370,23 @@ def test_a_call_refused_before_its_epoch_opens_tells_that_epoch_why() -> None:
     assert kinds == [], "nobody was waiting when the call ended"
     call.cancel()
 
+
+@pytest.mark.timeout(30)
+def test_an_epoch_that_opens_as_the_daemon_says_draining_between_epochs_asks_again() -> None:
+    """A parked call: the daemon says it drains (no epoch open on the call), and the next epoch's
+    open lands right after the receiver looked. That epoch must hear "retry", not nothing."""
+    heard: list[str] = []
+    route = _Route()
+    looked = route.current
+
+    def current() -> CallEpoch | None:
+        found = looked()
+        if found is None:
+            assert route.add(_epoch(heard))  # the lane's thread, in that window
+        return found
+
+    route.current = current  # type: ignore[method-assign]
+    _Receiver(iter([framing.draining_message(1.0)]), None, "test", route, threading.Event()).run()
+    assert heard == ["retry"]
+    assert route.over and not route.epochs
+

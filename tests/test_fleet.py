@@ -1,0 +1,163 @@
+"""The fleet's bookkeeping and the iterator's spreading, against fake daemons (no processes).
+
+Each test pins an interleaving of the loader's threads that once lost a wake-up
+and left ``next()`` waiting for ever; the real daemons' side of the same
+behaviour is in tests/test_failover.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import types
+from collections import deque
+from typing import Any
+
+import pytest
+
+import loaderd.fleet as fleet_module
+from loaderd.addresses import Target
+from loaderd.fleet import Fleet, Usable
+from loaderd.iterator import RemoteLoaderIter, _Mode
+from loaderd.lane import Lane, LaneEvent
+from loaderd.v1 import loaderd_pb2 as pb
+
+INFO = pb.DatasetInfo(kind=pb.DatasetInfo.MAP, has_length=True, length=10)
+
+
+class _HeldDescribe:
+    """A Describe whose answer waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.answer = threading.Event()
+
+    def result(self) -> pb.DescribeDatasetResponse:
+        self.asked.set()
+        assert self.answer.wait(10)
+        return pb.DescribeDatasetResponse(protocol_revision=99, pool_workers=2, dataset=INFO)
+
+
+@pytest.mark.timeout(30)
+def test_a_recheck_that_finds_a_daemon_back_after_its_stream_broke_is_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor rechecks a daemon that is up; meanwhile its stream breaks (the iterator marks it
+    down and finds no daemon). The recheck's answer must count as a change, or nobody wakes the
+    iterator and the daemon, up all along, is never used again (DaemonUnavailableError later)."""
+    describe = _HeldDescribe()
+    connection = types.SimpleNamespace(credentials=None, describe_later=lambda dataset: describe)
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: connection)
+    fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "grpc")
+    member = fleet.members["A:1"]
+    member.up, member.protocol_revision, member.next_probe = True, 99, 0.0  # up, its recheck due
+    fleet.reference = ("A:1", INFO)
+    changed: list[bool] = []
+    monitor = threading.Thread(target=lambda: changed.append(fleet.probe_due()))
+    monitor.start()
+    assert describe.asked.wait(10)
+    fleet.mark_down("A:1", "UNAVAILABLE: the stream broke")  # the iterator's thread
+    assert fleet.usable() == []
+    describe.answer.set()
+    monitor.join(10)
+    assert changed == [True]
+    assert [u.address for u in fleet.usable()] == ["A:1"]
+
+
+# ------------------------------------------------------------------ spreading over fake lanes
+
+
+class _Call:
+    reusable = True
+
+    def send(self, request: Any) -> None:
+        pass
+
+    def plan_ended(self) -> None:
+        pass
+
+
+def _lane(address: str, window: int) -> Lane:
+    """A lane that records what it is sent and never answers by itself (the test answers for it)."""
+    lane = Lane.__new__(Lane)
+    lane.address, lane.window, lane.sent, lane._sent_at = address, window, deque(), deque()
+    lane.next_position, lane.answered, lane.latency = 0, 0, 0.0
+    lane.closed = lane.ended = lane.shm = False
+    lane._positioned, lane._plan_releases, lane._call, lane._closer = True, None, _Call(), lambda: None
+    return lane
+
+
+class _Fleet:
+    mismatch = None
+
+    def __init__(self, addresses: set[str]) -> None:
+        self.up = addresses
+
+    def usable(self) -> list[Usable]:
+        return [Usable(a, 1, 5) for a in sorted(self.up)]
+
+    def mark_answering(self, address: str) -> None:
+        pass
+
+    def mark_down(self, address: str, reason: str) -> None:
+        self.up.discard(address)
+
+    def report(self) -> str:
+        return ""
+
+    def denied(self) -> None:
+        return None
+
+
+def _spreading_iterator(lanes: list[Lane]) -> RemoteLoaderIter:
+    it = RemoteLoaderIter.__new__(RemoteLoaderIter)
+    it._mode, it._fleet = _Mode.SPREAD, _Fleet({lane.address for lane in lanes})
+    it._stream = types.SimpleNamespace(dataset="d", failover_timeout=30)
+    it._indices, it._holders, it._unassigned, it._hedged, it._asked_at, it._received = {}, {}, [], set(), {}, {}
+    it._consumed = it._planned = 0
+    it._plan_done = it._half_closed = it._outage = it._finished = False
+    it._stalled_s = it._outage_s = 0.0
+    it._outage_since = it._failure = it._end_at = None
+    it._events, it._timeout = queue.Queue(), 2.0
+    it._lanes = {lane.address: lane for lane in lanes}
+    it._usable = set(it._lanes)
+    return it
+
+
+def _plan(it: RemoteLoaderIter, count: int) -> None:
+    for _ in range(count):
+        position = it._planned
+        it._indices[position], it._holders[position] = [position], []
+        heapq.heappush(it._unassigned, position)
+        it._planned += 1
+    it._dispatch()
+
+
+@pytest.mark.timeout(30)
+def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> None:
+    """A slow daemon's window is full of positions a fast one also answered (hedged); the fast one
+    is lost, and its positions wait. The slow one's late answers free its window: the waiting
+    positions must go out then, or nothing ever sends them (next() hung)."""
+    slow, fast = _lane("A", 2), _lane("C", 2)
+    it = _spreading_iterator([slow, fast])
+    _plan(it, 4)  # 0, 1 to A; 2, 3 to C
+
+    def answer(lane: Lane, position: int) -> None:
+        it._handle(LaneEvent(lane, "batch", f"batch {position}"))
+
+    for position in list(fast.sent):
+        answer(fast, position)
+    slow_owes = list(slow.sent)
+    for position in slow_owes:
+        it._asked_at[position] -= 1.0  # late now
+    it._steal()
+    assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
+    for position in list(fast.sent):
+        answer(fast, position)
+    _plan(it, 2)  # 4, 5: only C has room
+    assert list(fast.sent) == [4, 5]
+    it._consumed = 4
+    it._handle(LaneEvent(fast, "lost", "UNAVAILABLE"))
+    assert list(it._lanes) == ["A"] and it._unassigned == [4, 5]
+    for position in slow_owes:
+        answer(slow, position)  # the first answers counted: these only free A's window
+    assert list(slow.sent) == [4, 5] and it._unassigned == []
