@@ -17,6 +17,10 @@ The rules between the reader and the call's handler thread:
   so a plan always reaches the epoch it was sent for; an ``open`` while the
   attached stream's plan is still open is a bad request, which goes to the
   stream like a plan (whose check refuses it);
+* a later message that does not parse (``BadRequestError`` from the request
+  iterator) goes to ``on_bad`` with the stream attached then, and the reader
+  ends: the client hears why, and the handler does not wait on a reader that
+  is gone;
 * ``stop`` (idempotent) ends the reader's waits; the reader returns by itself
   when the client half-closes or the call ends.
 """
@@ -29,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from loaderd.server.requests import BadRequestError
 from loaderd.server.stream import BatchStream
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -44,10 +49,14 @@ class CallRequests:
         requests: Iterator[pb.StreamRequest],
         on_plan: Callable[[BatchStream, pb.StreamRequest], None],
         name: str,
+        *,
+        on_bad: Callable[[BatchStream, BadRequestError], None],
     ) -> None:
-        """``on_plan(stream, request)`` takes a plan for the attached stream (on the reader thread)."""
+        """``on_plan(stream, request)`` takes a plan for the attached stream, ``on_bad(stream, error)``
+        a message that did not parse (both on the reader thread)."""
         self._requests = requests
         self._on_plan = on_plan
+        self._on_bad = on_bad
         self._name = name
         self._cond = threading.Condition()
         self._stream: BatchStream | None = None
@@ -113,6 +122,11 @@ class CallRequests:
                     self._on_plan(stream, request)
         except grpc.RpcError:
             pass  # the call ended; the handler sees it
+        except BadRequestError as exc:
+            with self._cond:
+                stream = self._stream
+            assert stream is not None
+            self._on_bad(stream, exc)
         finally:
             with self._cond:
                 self._done = True

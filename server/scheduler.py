@@ -189,6 +189,7 @@ class Scheduler:
         os.set_blocking(self._wake_fd, False)
         self._woken = False
         self._stop = threading.Event()
+        self._stop_reason = ""  # stop's reason: the status of every stream failed by it, later ones too
         self._thread = threading.Thread(target=self._run, name="loaderd-scheduler", daemon=True)
 
     # ------------------------------------------------------------ public
@@ -202,8 +203,9 @@ class Scheduler:
         return self._stop.is_set()
 
     def stop(self, reason: str = "the daemon is shutting down") -> None:
-        """Fail every stream and end the scheduler thread. Idempotent."""
+        """Fail every stream, and any opened later, and end the scheduler thread. Idempotent."""
         with self.lock:
+            self._stop_reason = self._stop_reason or reason
             for stream in self._streams.values():
                 stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, reason))
         self._stop.set()
@@ -222,6 +224,8 @@ class Scheduler:
             else:
                 self._producers[stream.producer_id] = stream
             self._streams[stream.stream_id] = stream
+            if self._stop.is_set():  # opened as the daemon stops (no thread serves it): the client goes elsewhere now
+                stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, self._stop_reason))
         self.wake()
         return stream
 

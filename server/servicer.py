@@ -170,7 +170,7 @@ class LoaderServicer:
         first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
-        reader = CallRequests(request_iterator, self._plan_request, f"loaderd-plan-{next(_call_ids)}")
+        reader = CallRequests(request_iterator, self._plan_request, f"loaderd-plan-{next(_call_ids)}", on_bad=self._fail_stream)
         epoch = _EpochHold()
 
         def cancelled() -> None:  # the client went away: end whatever epoch is open
@@ -338,8 +338,12 @@ class LoaderServicer:
             plan = items.plan
             self._scheduler.add_plan(stream, items.batches, plan.end, plan.consumed, plan.stalled_us, items.positions)
         except (BadRequestError, LimitExceededError) as exc:
-            self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
-            self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))
+            self._fail_stream(stream, exc)
+
+    def _fail_stream(self, stream: BatchStream, exc: BadRequestError | LimitExceededError) -> None:
+        """A request of ``stream``'s the daemon will not serve: the stream ends with it (the client hears why)."""
+        self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
+        self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))
 
 
 class _EpochHold:

@@ -240,6 +240,12 @@ def test_stop_fails_every_stream_with_unavailable(scheduler: Scheduler) -> None:
     with pytest.raises(StreamFailed) as failed:
         stream.next_delivery(0)
     assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
+    # A stream opened after (a call that got past the drain check as the daemon stopped) fails alike,
+    # instead of waiting for a scheduler thread that is gone until gRPC's grace ends the call.
+    late = scheduler.open_stream(map_spec())
+    with pytest.raises(StreamFailed) as failed:
+        late.next_delivery(0)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
 
 
 def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:

@@ -27,6 +27,8 @@ from conftest import RunningDaemon, daemon_status, oracle_loader, running_daemon
 import loaderd.lane
 from loaderd import RemoteDataLoader
 from loaderd.server.call_requests import CallRequests
+from loaderd.server.requests import BadRequestError
+from loaderd.server.rpc import parse_each
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.errors import LimitExceededError
 from loaderd.stream_call import CallEpoch, StreamCall, _Receiver, _Route
@@ -244,11 +246,34 @@ def _open(dataset: str) -> pb.StreamRequest:
     return pb.StreamRequest(open=pb.OpenStream(dataset=dataset))
 
 
+def _unexpected(stream: Any, error: BadRequestError) -> None:
+    raise AssertionError(f"no bad request in this test: {error}")
+
+
+@pytest.mark.timeout(30)
+def test_call_requests_hand_a_message_that_does_not_parse_to_the_attached_stream_and_stop() -> None:
+    """Before, the reader thread died with the error and nobody failed the stream: the client
+    waited for batches its unheard plans never asked for, holding a handler thread."""
+    raw = [_plan(1).SerializeToString(), b"\xff\xff\xff\xff\x0f"]  # the second is not a StreamRequest
+    got: list[int] = []
+    bad: list[tuple[str, str]] = []
+    reader = CallRequests(
+        parse_each(pb.StreamRequest, iter(raw)),
+        lambda stream, request: got.append(request.plan.consumed),
+        "test-plan-bad",
+        on_bad=lambda stream, error: bad.append((stream.name, str(error))),
+    )
+    reader.attach(SimpleNamespace(name="epoch", closed=False, finished=False, plan_end=False))  # type: ignore[arg-type]
+    assert reader.next_open(5, lambda: True) is None, "the reader ended: no next epoch on this call"
+    assert got == [1]
+    assert len(bad) == 1 and bad[0][0] == "epoch" and "StreamRequest" in bad[0][1], bad
+
+
 @pytest.mark.timeout(30)
 def test_call_requests_hand_plans_to_the_epoch_they_were_sent_for() -> None:
     requests = _Requests()
     got: list[tuple[str, int]] = []
-    reader = CallRequests(iter(requests), lambda stream, request: got.append((stream.name, request.plan.consumed)), "test-plan")
+    reader = CallRequests(iter(requests), lambda stream, request: got.append((stream.name, request.plan.consumed)), "test-plan", on_bad=_unexpected)
     first = SimpleNamespace(name="first", closed=False, finished=False, plan_end=True)
     reader.attach(first)  # type: ignore[arg-type]
     requests.queue.put(_plan(1))
@@ -270,7 +295,7 @@ def test_call_requests_hand_plans_to_the_epoch_they_were_sent_for() -> None:
 def test_call_requests_drop_plans_for_a_closed_epoch_and_give_up_waiting() -> None:
     requests = _Requests()
     got: list[int] = []
-    reader = CallRequests(iter(requests), lambda stream, request: got.append(request.plan.consumed), "test-plan")
+    reader = CallRequests(iter(requests), lambda stream, request: got.append(request.plan.consumed), "test-plan", on_bad=_unexpected)
     stream = SimpleNamespace(closed=True, finished=True, plan_end=True)
     reader.attach(stream)  # type: ignore[arg-type]
     requests.queue.put(_plan(7))  # a credit that arrives after the epoch ended
@@ -286,7 +311,7 @@ def test_call_requests_drop_plans_for_a_closed_epoch_and_give_up_waiting() -> No
 @pytest.mark.timeout(30)
 def test_call_requests_stop_ends_a_reader_waiting_for_its_epoch() -> None:
     requests = _Requests()
-    reader = CallRequests(iter(requests), lambda stream, request: None, "test-plan-stop")
+    reader = CallRequests(iter(requests), lambda stream, request: None, "test-plan-stop", on_bad=_unexpected)
     reader.attach(SimpleNamespace(closed=False, finished=True, plan_end=True))  # type: ignore[arg-type]
     requests.queue.put(_open("next"))
     assert reader.next_open(5, lambda: True) is not None  # the reader now waits for the attach
