@@ -57,6 +57,9 @@ PER_WORKER = 2
 MAX_ATTEMPTS = 3
 # A worker slot whose replacement fails to start this many times in a row is given up.
 MAX_RESPAWN_FAILURES = 5
+# A worker asked to exit (recycling) that is still alive this long after is SIGKILLed: a thread or
+# process its dataset started (not a daemon one) keeps it from ending, and it would hold its slot for good.
+RECYCLE_GRACE_S = 10.0
 # Seconds before retrying a failed start: doubling from the first, up to the last.
 RESPAWN_BACKOFF_S = (0.5, 30.0)
 # The scheduler thread survives a failing round; this many within FATAL_WINDOW_S
@@ -181,6 +184,7 @@ class Scheduler:
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
         self._draining: set[int] = set()  # to be recycled once idle: no new work
+        self._asked_to_exit: dict[int, tuple[int, float]] = {}  # worker -> (generation, when it was asked)
         self._tasks_done: dict[int, int] = {}
         self._failures: deque[float] = deque()
         # A pipe rather than an Event: the scheduler thread waits on it together with the workers' pipes.
@@ -365,6 +369,7 @@ class Scheduler:
                 if isinstance(event, WorkerMessage):
                     self._fail_producer(getattr(event.result, "stream_id", None), exc)
         self._check_timeouts()
+        self._check_recycled()
         self._start_due_workers()
 
     def _drain_wake(self) -> bool:
@@ -507,6 +512,7 @@ class Scheduler:
             log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
         with self.lock:
             self._draining.discard(event.worker_id)
+            self._asked_to_exit.pop(event.worker_id, None)
             self._tasks_done.pop(event.worker_id, None)
             lost = self._inflight[event.worker_id]
             self._inflight[event.worker_id] = {}
@@ -622,8 +628,25 @@ class Scheduler:
                 return
             log.info("recycling worker %d: %s", worker_id, why)
             self._draining.add(worker_id)
-        if not self._inflight[worker_id]:
-            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=False)))
+        if not self._inflight[worker_id] and worker_id not in self._asked_to_exit:
+            generation = self._pool.stop_worker(worker_id, kill=False)
+            self._expected_deaths.add((worker_id, generation))
+            self._asked_to_exit[worker_id] = (generation, time.monotonic())
+
+    def _check_recycled(self) -> None:
+        """SIGKILL a worker that was asked to exit ``RECYCLE_GRACE_S`` ago and has not (its death replaces it)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [(w, generation) for w, (generation, asked) in self._asked_to_exit.items() if now - asked > RECYCLE_GRACE_S]
+            for worker_id, generation in late:
+                log.warning(
+                    "worker %d has not exited %gs after it was asked to (a non-daemon thread or process its dataset "
+                    "started?); killing it",
+                    worker_id,
+                    RECYCLE_GRACE_S,
+                )
+                self._asked_to_exit[worker_id] = (generation, float("inf"))  # killed once
+                self._pool.stop_worker(worker_id, kill=True)
 
     @staticmethod
     def _crash_error(task: BatchTask, attempts: int, event: WorkerDied) -> bytes:

@@ -38,6 +38,7 @@ class FakePool:
         self.respawned: list[int] = []
         self.stopped: list[tuple[int, bool]] = []  # (worker, killed) as the scheduler asked
         self.rss = {w: 0 for w in range(size)}
+        self.lingering: set[int] = set()  # workers that do not exit when asked to (see stop_worker)
         self.respawn_error: OSError | None = None  # set: respawn raises it (e.g. EMFILE)
         self._events: list[PoolEvent] = []
 
@@ -65,9 +66,13 @@ class FakePool:
         self.ready[worker_id] = True
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
-        """Recorded; the death follows at the next poll, as a real worker's would."""
+        """Recorded; the death follows at the next poll, as a real worker's would (asked to exit,
+        a worker in ``lingering`` does not: its dataset's non-daemon thread keeps it alive)."""
         self.stopped.append((worker_id, kill))
-        self.die(worker_id, -9 if kill else 0)
+        if kill or worker_id not in self.lingering:
+            self.die(worker_id, -9 if kill else 0)
+        else:
+            self.ready[worker_id] = False
         return self.generation[worker_id]
 
     def rss_bytes(self, worker_id: int) -> int:

@@ -171,6 +171,27 @@ def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
     assert pool.respawned == [0]
 
 
+def test_a_recycled_worker_that_does_not_exit_is_killed_after_a_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = FakePool()
+    pool.lingering.add(0)
+    sched = make(pool, SchedulerPolicy(max_tasks_per_worker=2))
+    stream = sched.open_stream(map_spec(window=8))
+    plan(sched, stream, 8)
+    sched.step(0)
+    for w, task in pool.batch_tasks():
+        if w == 0:
+            pool.finish(task)
+    sched.step(0)
+    sched.step(0)
+    assert pool.stopped == [(0, False)] and pool.respawned == [], "asked once; it lingers"
+    monkeypatch.setattr(scheduler_module, "RECYCLE_GRACE_S", 0.0)
+    sched.step(0)
+    assert pool.stopped == [(0, False), (0, True)], "killed after the grace"
+    sched.step(0)
+    sched.step(0)
+    assert pool.respawned == [0] and pool.stopped == [(0, False), (0, True)]
+
+
 def test_a_worker_over_its_memory_limit_is_recycled() -> None:
     pool = FakePool()
     sched = make(pool, SchedulerPolicy(worker_max_rss_bytes=1 << 30))
