@@ -390,11 +390,14 @@ class Scheduler:
         """The daemon could not handle a result for ``producer_id``: end its streams with INTERNAL, not silence."""
         failure = StreamFailed(grpc.StatusCode.INTERNAL, f"the daemon failed handling a batch: {type(exc).__name__}: {clip(str(exc), 300)}")
         with self.lock:
-            job = next((j for j in self._jobs.values() if j.producer_id == producer_id), None)
-            streams = list(job.consumers) if job is not None else [self._streams.get(producer_id or 0)]
-            for stream in streams:
-                if isinstance(stream, BatchStream):
-                    stream.fail(failure)
+            for stream in self._streams_of(producer_id):
+                stream.fail(failure)
+
+    def _streams_of(self, producer_id: int | None) -> list[BatchStream]:
+        """The streams a producer serves: a shared job's consumers, or the stream itself. Under the lock."""
+        job = next((j for j in self._jobs.values() if j.producer_id == producer_id), None)
+        streams = list(job.consumers) if job is not None else [self._streams.get(producer_id or 0)]
+        return [s for s in streams if isinstance(s, BatchStream)]
 
     def _submit(self, worker_id: int, task: Task) -> None:
         try:
@@ -419,6 +422,18 @@ class Scheduler:
                 if not producer.wants_dispatch():
                     continue
                 task, required = producer.next_task(size)
+                if required is not None and required in self._given_up:
+                    # An iterable's replica lives on one worker slot, and that slot cannot start any more.
+                    # UNAVAILABLE: the client opens the stream again (another daemon, or a new stream
+                    # here, whose replicas map to other slots) from its first missing batch.
+                    failure = StreamFailed(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"dataset {task.dataset!r}: this stream's work runs on pool worker {required}, which cannot "
+                        "start any more (see the daemon's log)",
+                    )
+                    for stream in self._streams_of(producer.producer_id):
+                        stream.fail(failure)
+                    continue
                 if required is None:
                     worker = max(capacity, key=lambda w: (capacity[w], -w), default=None)
                 else:

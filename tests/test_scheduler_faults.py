@@ -13,13 +13,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import pytest
-from fakes import FakePool, LedgerLog, catalog, drain, map_spec
+from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 import loaderd.server.scheduler as scheduler_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
 from loaderd.server.arena import SlotRef
 from loaderd.server.pool import PoolEvent
+from loaderd.server.producer import StreamFailed
 from loaderd.server.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey
 from loaderd.server.stream import BatchStream
@@ -130,6 +132,31 @@ def test_when_no_worker_can_start_the_scheduler_says_it_cannot_serve(monkeypatch
     while not fatal and time.monotonic() < deadline:
         sched.step(0.002)
     assert fatal and "no pool worker can start" in fatal[0]
+
+
+def test_an_iterable_pinned_to_a_slot_that_cannot_start_fails_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, its tasks waited for that slot for ever (no error; the other slot kept serving the rest)."""
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    pool = FakePool()
+    sched = make(pool)
+    stream = sched.open_stream(iter_spec(replicas=2))
+    sched.step(0)
+    victim = next(w for w, task in pool.batch_tasks(stream.stream_id) if task.replica == 1)
+    pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
+    pool.die(victim)
+    deadline = time.monotonic() + 5
+    with pytest.raises(StreamFailed) as failed:
+        finished: set[int] = set()
+        while time.monotonic() < deadline:  # the other worker serves what it can, and the client reads it
+            for worker, task in pool.batch_tasks(stream.stream_id):
+                if worker != victim and id(task) not in finished:
+                    finished.add(id(task))
+                    pool.finish(task)
+            sched.step(0.002)
+            while stream.next_delivery(0) is not None:
+                pass
+    assert victim in sched._given_up
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and f"pool worker {victim}" in str(failed.value)
 
 
 def test_a_batch_past_its_task_timeout_kills_its_worker_and_fails_alone() -> None:
