@@ -538,7 +538,10 @@ class RemoteLoaderIter:
             self._failure = event.payload
 
     def _full_elsewhere(self, lane: Lane, error: object) -> bool:
-        """Whether ``error`` is a limit that refused ``lane`` before it answered, with another daemon usable."""
+        """Whether ``error`` is a limit that refused ``lane`` before it answered, with another daemon usable.
+
+        The client cannot tell an admission limit from a per-request one (both RESOURCE_EXHAUSTED):
+        a request every daemon refuses alike reaches the caller once no other daemon is usable."""
         return isinstance(error, LimitExceededError) and not lane.answered and bool(self._usable - {lane.address})
 
     def _epoch_over(self) -> bool:

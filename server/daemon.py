@@ -101,6 +101,10 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def _metrics_unavailable(host: str, port: int, reason: str) -> ListenError:
+    return ListenError(f"cannot serve metrics on {host}:{port}: {reason}")
+
+
 @dataclass
 class Daemon:
     config: LoaderConfig
@@ -142,8 +146,7 @@ class Daemon:
             # An address another daemon serves fails now, not after the pool has built the datasets.
             check_free(self._listeners)
             if config.metrics is not None and tcp_in_use(config.metrics.host, config.metrics.port):
-                host, port = config.metrics.host, config.metrics.port
-                raise ListenError(f"cannot serve metrics on {host}:{port}: {os.strerror(errno.EADDRINUSE)}")
+                raise _metrics_unavailable(config.metrics.host, config.metrics.port, os.strerror(errno.EADDRINUSE))
             try:
                 authenticator = Authenticator(TokenFile(config.auth.token_file) if config.auth is not None else None)
             except TokenFileError as exc:
@@ -196,7 +199,7 @@ class Daemon:
             try:
                 url = self.metrics.serve(host, port)
             except OSError as exc:
-                raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+                raise _metrics_unavailable(host, port, exc.strerror or str(exc)) from None
             log.info("metrics on %s", url)
             if not is_loopback(f"{host}:{port}") and not config.metrics.require_token:
                 log.warning("metrics on %s answer anyone who can reach them (client and dataset names); "

@@ -114,10 +114,12 @@ def _in_use_message(where: str) -> str:
 
 
 def tcp_in_use(host: str, port: int) -> bool:
-    """Whether a socket already listens on TCP ``host``:``port`` (``host`` "" is every interface).
+    """Whether sockets already listen on TCP ``host``:``port`` at every address ``host`` names
+    (``host`` "" is every interface): then no bind there can succeed.
 
     False where it cannot tell (port 0, a name that does not resolve, an address
-    family this host lacks): the bind itself then decides, as before.
+    family this host lacks) or where one address is free (gRPC serves on the
+    addresses it could bind): the bind itself then decides, as before.
     """
     if port == 0:
         return False
@@ -125,16 +127,23 @@ def tcp_in_use(host: str, port: int) -> bool:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:
         return False
+    taken = 0
     for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this host lacks (IPv6 turned off)
+            continue
+        with probe:
             # As gRPC binds: a port whose old connections linger in TIME_WAIT is free.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(sockaddr)
+                return False
             except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
+                if exc.errno != errno.EADDRINUSE:
+                    continue  # cannot tell from this address
+                taken += 1
+    return taken > 0
 
 
 def check_free(listeners: list[Listener]) -> None:

@@ -210,9 +210,9 @@ class Scheduler:
         """Fail every stream, and any opened later, and end the scheduler thread. Idempotent."""
         with self.lock:
             self._stop_reason = self._stop_reason or reason
+            self._stop.set()  # under the lock: a stream opened after this finds it set (open_stream)
             for stream in self._streams.values():
                 stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, reason))
-        self._stop.set()
         self.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5.0)

@@ -525,6 +525,18 @@ def test_tcp_in_use_sees_a_listener_and_nothing_else() -> None:
     assert not tcp_in_use("no-such-host.invalid", 7070), "cannot tell: the bind decides"
 
 
+def test_tcp_in_use_cannot_tell_on_a_host_without_the_address_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = socket.socket
+
+    def without_ipv6(family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", without_ipv6)
+    assert not tcp_in_use("::1", 7071), "the bind decides, as before (no traceback from serve)"
+
+
 @pytest.mark.timeout(120)
 def test_tcp_address_in_use_is_refused_before_the_pool_starts(short_tmp: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
