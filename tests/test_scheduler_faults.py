@@ -183,8 +183,8 @@ def test_a_batch_past_its_task_timeout_kills_its_worker_and_fails_alone() -> Non
     assert "'m'" in str(error) and f"indices [{on_0[0].seq}, {on_0[0].seq + 1}]" in str(error) and "task_timeout" in str(error)
 
 
-def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
-    pool = FakePool()
+def recycling_worker_0(pool: FakePool) -> Scheduler:
+    """A scheduler (max_tasks_per_worker=2) whose worker 0 has just done its share and been asked to exit."""
     sched = make(pool, SchedulerPolicy(max_tasks_per_worker=2))
     stream = sched.open_stream(map_spec(window=8))
     plan(sched, stream, 8)
@@ -193,6 +193,12 @@ def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
         if w == 0:
             pool.finish(task)
     sched.step(0)
+    return sched
+
+
+def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
+    pool = FakePool()
+    sched = recycling_worker_0(pool)
     assert pool.stopped == [(0, False)], "asked to exit once idle, not killed"
     sched.step(0)
     assert pool.respawned == [0]
@@ -201,14 +207,7 @@ def test_a_worker_is_recycled_after_its_share_of_batches() -> None:
 def test_a_recycled_worker_that_does_not_exit_is_killed_after_a_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = FakePool()
     pool.lingering.add(0)
-    sched = make(pool, SchedulerPolicy(max_tasks_per_worker=2))
-    stream = sched.open_stream(map_spec(window=8))
-    plan(sched, stream, 8)
-    sched.step(0)
-    for w, task in pool.batch_tasks():
-        if w == 0:
-            pool.finish(task)
-    sched.step(0)
+    sched = recycling_worker_0(pool)
     sched.step(0)
     assert pool.stopped == [(0, False)] and pool.respawned == [], "asked once; it lingers"
     monkeypatch.setattr(scheduler_module, "RECYCLE_GRACE_S", 0.0)
