@@ -643,7 +643,9 @@ def test_segments_are_private_to_the_user(roomy: SharedDaemon) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_mixed_batch_sizes_evict_idle_small_segments(start_daemon: Callable[..., RunningDaemon]) -> None:
+def test_mixed_batch_sizes_evict_idle_small_segments(
+    start_daemon: Callable[..., RunningDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cap = 16 * MiB
     daemon = start_daemon(
         {"small": ramp_cfg(MID_SHAPE, 512), "big": ramp_cfg(BIG_SHAPE, BIG_N)},
@@ -654,19 +656,27 @@ def test_mixed_batch_sizes_evict_idle_small_segments(start_daemon: Callable[...,
     small, want_small = shuffled(daemon.address, "small", mid_dataset(512), MID_BATCH, seed=1, epochs=2)
     big, want_big = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=2, epochs=2)
 
+    by_plan, by_session = release_routes(monkeypatch)
     for round_ in range(2):
         # 64 small batches (128 KiB) kept at once: each worker fills its cap with 1 MiB segments.
         got = iterate_epoch(small, 30)
         assert_same_batches(got, want_small[round_], f"small epoch {round_}")
-        assert count_shm(got, pid) >= 1
+        small_in_shm = count_shm(got, pid)
+        assert small_in_shm >= 1
         usage = bytes_per_worker(pid)
         assert len(usage) == 2 and all(used <= cap for used in usage.values()), usage
         if round_ == 0:
             sizes = segment_sizes(pid)
             assert set(sizes.values()) == {MiB}, sizes
             assert all(used == cap for used in usage.values()), f"held small batches did not fill the arena: {usage}"
+        given_back = len(by_plan) + len(by_session)
         del got
         gc.collect()
+        # The daemon evicts only what it knows is idle: a big epoch whose whole window went out before
+        # the small batches' leases came back would be made over gRPC (as it should), unseen here.
+        wait_for(
+            lambda: len(by_plan) + len(by_session) >= given_back + small_in_shm, 5, "the small batches' leases to go back"
+        )
 
         # Now the idle 1 MiB segments must make room for bigger ones.
         got = iterate_epoch(big, 30)
