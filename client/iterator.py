@@ -516,9 +516,7 @@ class RemoteLoaderIter:
             self._drop_lane(lane)
             self._reconcile()
         elif kind == "lost":
-            self._fleet.mark_down(lane.address, str(event.payload))
-            self._drop_lane(lane)
-            self._reconcile()
+            self._leave(lane, str(event.payload))
         elif kind == "failed" and lane.opened_ahead and not lane.answered and isinstance(event.payload, LimitExceededError):
             # The call opened ahead was refused (counted beside the previous epoch's, still open then):
             # its work goes to a lane on the loader's own call, and the loader plans no more ahead.
@@ -531,11 +529,15 @@ class RemoteLoaderIter:
             # of one whose streams break). With no other daemon the refusal is the loader's.
             log.info("loaderd: %s refused a stream of %r (%s); the other daemons take its work",
                      lane.address, self._stream.dataset, event.payload)
-            self._fleet.mark_down(lane.address, f"refused a stream: {event.payload}")
-            self._drop_lane(lane)
-            self._reconcile()
+            self._leave(lane, f"refused a stream: {event.payload}")
         elif kind == "failed" and self._failure is None:
             self._failure = event.payload
+
+    def _leave(self, lane: Lane, reason: str) -> None:
+        """``lane``'s daemon cannot serve it now (``reason``): down until a probe finds it again; its work moves."""
+        self._fleet.mark_down(lane.address, reason)
+        self._drop_lane(lane)
+        self._reconcile()
 
     def _full_elsewhere(self, lane: Lane, error: object) -> bool:
         """Whether ``error`` is a limit that refused ``lane`` before it answered, with another daemon usable.

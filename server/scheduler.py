@@ -184,7 +184,7 @@ class Scheduler:
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
         self._draining: set[int] = set()  # to be recycled once idle: no new work
-        self._asked_to_exit: dict[int, tuple[int, float]] = {}  # worker -> (generation, when it was asked)
+        self._asked_to_exit: dict[int, float] = {}  # recycled worker -> when it was asked to exit
         self._tasks_done: dict[int, int] = {}
         self._failures: deque[float] = deque()
         # A pipe rather than an Event: the scheduler thread waits on it together with the workers' pipes.
@@ -644,23 +644,23 @@ class Scheduler:
             log.info("recycling worker %d: %s", worker_id, why)
             self._draining.add(worker_id)
         if not self._inflight[worker_id] and worker_id not in self._asked_to_exit:
-            generation = self._pool.stop_worker(worker_id, kill=False)
-            self._expected_deaths.add((worker_id, generation))
-            self._asked_to_exit[worker_id] = (generation, time.monotonic())
+            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=False)))
+            self._asked_to_exit[worker_id] = time.monotonic()
 
     def _check_recycled(self) -> None:
         """SIGKILL a worker that was asked to exit ``RECYCLE_GRACE_S`` ago and has not (its death replaces it)."""
+        if not self._asked_to_exit:  # every round: no lock when no worker is on its way out
+            return
         now = time.monotonic()
         with self.lock:
-            late = [(w, generation) for w, (generation, asked) in self._asked_to_exit.items() if now - asked > RECYCLE_GRACE_S]
-            for worker_id, generation in late:
+            for worker_id in [w for w, asked in self._asked_to_exit.items() if now - asked > RECYCLE_GRACE_S]:
                 log.warning(
                     "worker %d has not exited %gs after it was asked to (a non-daemon thread or process its dataset "
                     "started?); killing it",
                     worker_id,
                     RECYCLE_GRACE_S,
                 )
-                self._asked_to_exit[worker_id] = (generation, float("inf"))  # killed once
+                del self._asked_to_exit[worker_id]  # killed once; its death (same generation) is expected already
                 self._pool.stop_worker(worker_id, kill=True)
 
     @staticmethod

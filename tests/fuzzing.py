@@ -1265,6 +1265,31 @@ class ProcStats:
         return f"fds={self.fds} threads={self.threads} rss={self.rss_kb / 1024:.1f}MB (anon {self.anon_kb / 1024:.1f}MB)"
 
 
+def footprint_problems(baseline: ProcStats, now: ProcStats) -> list[str]:
+    """Why the daemon's footprint ``now`` is not back near ``baseline`` (the bounds above); none when it is."""
+    problems = []
+    if now.fds > baseline.fds + FD_MARGIN or now.threads > baseline.threads + THREAD_MARGIN:
+        problems.append(f"fds/threads did not come back within {FOOTPRINT_SETTLE_S:g} s: warm-up {baseline}, now {now}")
+    if now.rss_kb - baseline.rss_kb >= RSS_GROWTH_KB:
+        problems.append(
+            f"RSS grew {(now.rss_kb - baseline.rss_kb) / 1024:.1f} MB after the warm-up (bound {RSS_GROWTH_KB // 1024} MB, "
+            f"{FOOTPRINT_SETTLE_S:g} s to settle): warm-up {baseline}, now {now}"
+        )
+    return problems
+
+
+def come_back(pid: int, baseline: ProcStats) -> tuple[ProcStats, list[str]]:
+    """Wait up to FOOTPRINT_SETTLE_S for the daemon's footprint to come back near ``baseline``:
+    its stats then, and what did not come back (empty once it did)."""
+    deadline = time.monotonic() + FOOTPRINT_SETTLE_S
+    while True:
+        now = ProcStats.read(pid)
+        problems = footprint_problems(baseline, now)
+        if not problems or time.monotonic() > deadline:
+            return now, problems
+        time.sleep(0.2)
+
+
 def shm_entries(pid: int) -> list[str]:
     """The daemon's files in /dev/shm (segments and session probes): ``loaderd-<pid>-*``."""
     try:

@@ -25,19 +25,16 @@ import time
 import pytest
 from conftest import running_daemon, wait_for
 from fuzzing import (
-    FD_MARGIN,
-    FOOTPRINT_SETTLE_S,
     FUZZ_DAEMON_OPTIONS,
     FUZZ_DATASETS,
     FUZZ_WORKERS,
-    RSS_GROWTH_KB,
-    THREAD_MARGIN,
     RPCS,
     FuzzRun,
     ProcStats,
     RequestFuzzer,
     cap_address_space,
     check_epochs,
+    come_back,
     daemon_alive,
     health_serving,
     log_findings,
@@ -123,25 +120,9 @@ def test_fuzzed_requests_get_allowed_codes_and_the_daemon_stays_flat() -> None:
                 problems.append(unsettled)
             assert baseline is not None
 
-            def flat() -> ProcStats | None:
-                now = ProcStats.read(pid)
-                fds_ok = now.fds <= baseline.fds + FD_MARGIN
-                threads_ok = now.threads <= baseline.threads + THREAD_MARGIN
-                return now if fds_ok and threads_ok and now.rss_kb - baseline.rss_kb < RSS_GROWTH_KB else None
-
             settled = time.monotonic()
-            try:
-                final = wait_for(flat, FOOTPRINT_SETTLE_S, "the daemon's fds, threads and RSS to come back")
-            except AssertionError:
-                final = ProcStats.read(pid)
-                if final.fds > baseline.fds + FD_MARGIN or final.threads > baseline.threads + THREAD_MARGIN:
-                    problems.append(f"fds/threads did not come back within {FOOTPRINT_SETTLE_S:g} s: warm-up {baseline}, now {final}")
-                if final.rss_kb - baseline.rss_kb >= RSS_GROWTH_KB:
-                    growth = (final.rss_kb - baseline.rss_kb) / 1024
-                    problems.append(
-                        f"RSS grew {growth:.1f} MB after the warm-up (bound {RSS_GROWTH_KB // 1024} MB, "
-                        f"{FOOTPRINT_SETTLE_S:g} s to settle): warm-up {baseline}, now {final}"
-                    )
+            final, unsettled_footprint = come_back(pid, baseline)
+            problems += unsettled_footprint
             print(f"after {tally.calls} calls: {final} (warm-up: {baseline}), {time.monotonic() - settled:.1f} s to come back")
             shm_after = shm_entries(pid)
             if len(shm_after) > len(shm_before) or any("probe" in name for name in shm_after):

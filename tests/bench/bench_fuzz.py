@@ -184,17 +184,11 @@ def fuzz(settings: Settings, daemon: Daemon) -> int:
         unsettled = settle(daemon, client_sessions)
         if unsettled:
             problems.append(unsettled)
-        end = fuzzing.ProcStats.read(pid)
         if baseline is not None:
-            end = come_back(pid, baseline) or fuzzing.ProcStats.read(pid)
-            if end.fds > baseline.fds + fuzzing.FD_MARGIN or end.threads > baseline.threads + fuzzing.THREAD_MARGIN:
-                problems.append(f"fds/threads did not come back within {fuzzing.FOOTPRINT_SETTLE_S:g}s: warm-up {baseline}, end {end}")
-            growth = (end.rss_kb - baseline.rss_kb) / 1024
-            if end.rss_kb - baseline.rss_kb >= fuzzing.RSS_GROWTH_KB:
-                problems.append(
-                    f"RSS grew {growth:.1f} MB after the warm-up (bound {fuzzing.RSS_GROWTH_KB // 1024} MB, "
-                    f"{fuzzing.FOOTPRINT_SETTLE_S:g}s to settle): {end}"
-                )
+            end, unsettled_footprint = fuzzing.come_back(pid, baseline)
+            problems += unsettled_footprint
+        else:
+            end = fuzzing.ProcStats.read(pid)
         stats.append(("end (settled)", end))
     else:
         problems.append(f"the daemon died (exit code {daemon.process.poll()})")
@@ -226,23 +220,6 @@ def fuzz(settings: Settings, daemon: Daemon) -> int:
         return 1
     print("\nno findings")
     return 0
-
-
-def come_back(pid: int, baseline: fuzzing.ProcStats) -> fuzzing.ProcStats | None:
-    """Wait until the daemon's fds, threads and RSS are back near ``baseline``; its stats then, or None."""
-    from conftest import wait_for
-
-    def flat() -> fuzzing.ProcStats | None:
-        now = fuzzing.ProcStats.read(pid)
-        fds_ok = now.fds <= baseline.fds + fuzzing.FD_MARGIN
-        threads_ok = now.threads <= baseline.threads + fuzzing.THREAD_MARGIN
-        rss_ok = now.rss_kb - baseline.rss_kb < fuzzing.RSS_GROWTH_KB
-        return now if fds_ok and threads_ok and rss_ok else None
-
-    try:
-        return wait_for(flat, fuzzing.FOOTPRINT_SETTLE_S, "the daemon's fds, threads and RSS to come back")
-    except AssertionError:
-        return None
 
 
 def main() -> int:

@@ -108,7 +108,6 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     state["daemons"].append(auth_daemon)
     for daemon in (open_daemon, auth_daemon):
         wait_serving(daemon, STARTUP_TIMEOUT_S)
-    daemons = {"open": open_daemon, "auth": auth_daemon}
     addresses = {
         "open": {"tcp_address": open_daemon.tcp_address, "unix_address": open_daemon.unix_address, "tls_address": tls_address(open_daemon)},
         "auth": {"tcp_address": auth_daemon.tcp_address, "unix_address": auth_daemon.unix_address},
