@@ -180,7 +180,7 @@ class Daemon:
             pool,
             ledger,
             catalog,
-            SchedulerPolicy.from_config(config),
+            SchedulerPolicy.from_config(config, start_timeout=self.startup_timeout),
             on_batch=latency.observe if latency is not None else None,
             on_fatal=self._on_fatal,
         )

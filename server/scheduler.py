@@ -109,14 +109,18 @@ class SchedulerPolicy:
     task_timeouts: Mapping[str, float] = field(default_factory=dict)
     max_tasks_per_worker: int = 0  # 0: never recycle by count
     worker_max_rss_bytes: int = 0  # 0: never recycle by memory
+    # Seconds a replacement worker may take to build its datasets before it is killed (a failed
+    # start): the daemon's --startup-timeout, which bounds the pool's first start the same way.
+    start_timeout: float = 600.0
 
     @classmethod
-    def from_config(cls, config: LoaderConfig) -> SchedulerPolicy:
+    def from_config(cls, config: LoaderConfig, start_timeout: float = 600.0) -> SchedulerPolicy:
         return cls(
             share_buffer=config.share_buffer,
             task_timeouts={n: d.task_timeout for n, d in config.datasets.items() if d.task_timeout is not None},
             max_tasks_per_worker=config.max_tasks_per_worker,
             worker_max_rss_bytes=config.worker_max_rss_mb << 20,
+            start_timeout=start_timeout,
         )
 
 
@@ -180,6 +184,7 @@ class Scheduler:
         self._attempts: dict[tuple[int, int], int] = {}
         self._respawn_failures: dict[int, int] = {}
         self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
+        self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
         self._given_up: set[int] = set()
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
@@ -370,6 +375,7 @@ class Scheduler:
                     self._fail_producer(getattr(event.result, "stream_id", None), exc)
         self._check_timeouts()
         self._check_recycled()
+        self._check_starts()
         self._start_due_workers()
 
     def _drain_wake(self) -> bool:
@@ -454,12 +460,14 @@ class Scheduler:
         result = message.result
         if isinstance(result, WorkerReady):
             self._respawn_failures.pop(message.worker_id, None)
+            self._starting.pop(message.worker_id, None)
             log.info("worker %d ready", message.worker_id)
             return
         if isinstance(result, SlotsRetired):
             self._ledger.forget(result.retired)
             return
         if isinstance(result, WorkerStartFailed):
+            self._starting.pop(message.worker_id, None)
             log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
             self._respawn(message.worker_id)
             return
@@ -525,6 +533,7 @@ class Scheduler:
             log.info("worker %d exited as asked; replacing it", event.worker_id)
         else:
             log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
+        self._starting.pop(event.worker_id, None)
         with self.lock:
             self._draining.discard(event.worker_id)
             self._asked_to_exit.pop(event.worker_id, None)
@@ -575,6 +584,29 @@ class Scheduler:
             except Exception as exc:  # out of file descriptors, a fork server that died: try again later
                 log.error("cannot start a replacement for worker %d: %s: %s", worker_id, type(exc).__name__, exc)
                 self._respawn(worker_id)
+            else:
+                self._starting[worker_id] = time.monotonic()
+
+    def _check_starts(self) -> None:
+        """SIGKILL a replacement still building its datasets ``start_timeout`` after it started.
+
+        A constructor that hangs (a stuck network mount, a lock its dataset never gets)
+        would hold the slot for good; killed, it counts as a failed start: its death
+        brings the next try after the backoff, and ``MAX_RESPAWN_FAILURES`` gives it up.
+        """
+        if not self._starting:  # every round: nothing to do unless a replacement is on its way
+            return
+        limit = self._policy.start_timeout
+        now = time.monotonic()
+        for worker_id in [w for w, started in self._starting.items() if now - started > limit]:
+            log.error(
+                "replacement worker %d did not build its datasets within %gs (--startup-timeout); killing it",
+                worker_id,
+                limit,
+            )
+            del self._starting[worker_id]  # killed once; its death comes through the pool's poll
+            with self.lock:
+                self._pool.stop_worker(worker_id, kill=True)
 
     # ------------------------------------------------------------ task timeouts and recycling
 

@@ -172,12 +172,13 @@ def running_daemon(
     tcp: bool = False,
     socket_path: Path | None = None,
     expect_running: bool = True,
+    serve_args: tuple[str, ...] = (),
     **top: Any,
 ) -> Iterator[RunningDaemon]:
     """A `loaderd serve` on a unix socket (and 127.0.0.1:0 with ``tcp``), SERVING when yielded.
 
     Config and log live in a fresh temp dir named ``prefix``...; the socket too,
-    unless ``socket_path`` is given. ``top`` adds top-level config keys. When the
+    unless ``socket_path`` is given. ``serve_args`` go to `loaderd serve`; ``top`` adds top-level config keys. When the
     block ends without an exception the daemon must still run (unless
     ``expect_running`` is false: a test may stop or kill it itself), and if it
     runs it is stopped with SIGTERM and must exit 0 and remove its socket file.
@@ -190,7 +191,7 @@ def running_daemon(
         listen = [f"unix://{socket_path}"] + (["127.0.0.1:0"] if tcp else [])
         config_path = write_config(tmp, datasets, workers=workers, listen=listen, **top)
         log_path = tmp / "daemon.log"
-        process = popen_serve(config_path, log_path)
+        process = popen_serve(config_path, log_path, *serve_args)
         daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
         wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
         if tcp:

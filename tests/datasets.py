@@ -337,6 +337,15 @@ def hang_on_build() -> Dataset:
     raise AssertionError("unreachable")
 
 
+class HangIfMarked(Squares):
+    """Squares whose constructor never returns while ``marker`` exists (a replacement worker that hangs)."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        if os.path.exists(marker):
+            time.sleep(3600)
+        super().__init__(n)
+
+
 def exit_on_build() -> Dataset:
     """A constructor that ends its process without Python's cleanup (as the OOM killer would)."""
     os._exit(3)

@@ -23,7 +23,7 @@ from loaderd.server.ledger import FinishedBatch, SlotLedger
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
 from loaderd.server.producer import Delivery, Upstream
 from loaderd.server.stream import BatchStream, StreamSpec
-from loaderd.server.tasks import BatchDone, BatchFailed, DatasetMeta, FetchTask, IterTask, ReplicaExhausted, Task
+from loaderd.server.tasks import BatchDone, BatchFailed, DatasetMeta, FetchTask, IterTask, ReplicaExhausted, Task, WorkerReady
 from loaderd.wire.limits import SHM_DIR
 
 
@@ -40,6 +40,7 @@ class FakePool:
         self.rss = {w: 0 for w in range(size)}
         self.lingering: set[int] = set()  # workers that do not exit when asked to (see stop_worker)
         self.respawn_error: OSError | None = None  # set: respawn raises it (e.g. EMFILE)
+        self.hanging_starts: set[int] = set()  # replacements that never finish building (no WorkerReady)
         self._events: list[PoolEvent] = []
 
     # -- the Pool protocol
@@ -63,7 +64,11 @@ class FakePool:
             raise self.respawn_error
         self.respawned.append(worker_id)
         self.generation[worker_id] += 1
+        if worker_id in self.hanging_starts:
+            self.ready[worker_id] = False
+            return
         self.ready[worker_id] = True
+        self._events.append(WorkerMessage(worker_id, self.generation[worker_id], WorkerReady(worker_id, {})))
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """Recorded; the death follows at the next poll, as a real worker's would (asked to exit,

@@ -334,6 +334,21 @@ def test_workers_are_recycled_after_max_tasks_per_worker() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_replacement_worker_that_hangs_while_building_is_killed_and_replaced(tmp_path: Path) -> None:
+    """Before, only the pool's first start had a deadline: a replacement whose constructor hung held its slot for good."""
+    marker = tmp_path / "hang"
+    squares = {"dataset": "datasets:HangIfMarked", "kwargs": {"n": 64, "marker": str(marker)}}
+    with running_daemon({"squares": squares}, prefix="loaderd-hangstart-", serve_args=("--startup-timeout", "8")) as d:
+        marker.touch()  # from now on, a worker that starts hangs in the constructor
+        os.kill(next(w.pid for w in daemon_status(d.address).workers if w.worker_id == 0), signal.SIGKILL)
+        wait_for(lambda: "replacement worker 0 did not build its datasets within 8s" in d.log(), 40, "the hung replacement to be killed")
+        marker.unlink()
+        wait_for(lambda: all(w.ready for w in daemon_status(d.address).workers), 30, "the next replacement to be ready")
+        assert [w.restarts for w in daemon_status(d.address).workers] == [2, 0], d.log()
+        squares_epoch_is_right(d)
+
+
+@pytest.mark.timeout(90)
 def test_an_idle_pool_gives_its_shared_memory_back(daemon: RunningDaemon) -> None:
     kept = list(RemoteDataLoader("blocks", batch_size=None, address=daemon.address, transport="shm", timeout=30))
     prefix = f"loaderd-{daemon.process.pid}-"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from
 from loaderd.server.arena import SlotRef
 from loaderd.server.pool import PoolEvent
 from loaderd.server.producer import StreamFailed
-from loaderd.server.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
+from loaderd.server.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey
 from loaderd.server.stream import BatchStream
 from loaderd.v1 import loaderd_pb2 as pb
@@ -132,6 +132,43 @@ def test_when_no_worker_can_start_the_scheduler_says_it_cannot_serve(monkeypatch
     while not fatal and time.monotonic() < deadline:
         sched.step(0.002)
     assert fatal and "no pool worker can start" in fatal[0]
+
+
+def step_until(sched: Scheduler, done: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        sched.step(0.005)
+    assert done(), "not within the test's deadline"
+
+
+def test_a_replacement_that_hangs_while_building_is_killed_and_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a replacement whose dataset constructor hung held its slot for good (only the first start had a deadline)."""
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    pool = FakePool()
+    pool.hanging_starts.add(0)
+    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.2))
+    pool.die(0)
+    sched.step(0)
+    assert pool.respawned == [0] and pool.stopped == [], "started, and given its start timeout"
+    step_until(sched, lambda: pool.stopped != [])
+    assert pool.stopped == [(0, True)], "killed once past its start timeout"
+    pool.hanging_starts.clear()
+    step_until(sched, lambda: pool.respawned == [0, 0])  # its death brings the next start
+    sched.step(0)  # that one reports ready
+    time.sleep(0.3)
+    sched.step(0)
+    assert pool.stopped == [(0, True)] and pool.ready[0], "a replacement that got ready is left alone"
+    assert 0 not in sched._given_up
+
+
+def test_a_slot_whose_replacements_always_hang_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    pool = FakePool()
+    pool.hanging_starts.add(1)
+    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.01))
+    pool.die(1)
+    step_until(sched, lambda: 1 in sched._given_up)
+    assert pool.stopped == [(1, True)] * MAX_RESPAWN_FAILURES and pool.respawned == [1] * MAX_RESPAWN_FAILURES
 
 
 def test_an_iterable_pinned_to_a_slot_that_cannot_start_fails_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
