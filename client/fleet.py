@@ -33,6 +33,7 @@ from loaderd.errors import (
     DaemonMismatchError,
     NO_DAEMON_HINT,
     DaemonUnavailableError,
+    LimitExceededError,
     LoaderdError,
     TransportError,
     error_from_rpc,
@@ -93,6 +94,8 @@ class Member:
     losses: int = 0
     # Why it cannot serve the loader although it answered (no such dataset, too old, transport); None: it could.
     refused: LoaderdError | None = None
+    # It refused a session (max_sessions) and "auto" streams from it over gRPC: said once, not every probe.
+    sessionless: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,10 @@ class Fleet:
             member.protocol_revision = described.protocol_revision
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
-            member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
+            if member.sessionless:
+                member.reason = "up (gRPC transport: it refused a session, limits.max_sessions)"
+            else:
+                member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
         return changed
 
     def denied(self) -> AuthenticationError | None:
@@ -312,11 +318,24 @@ class Fleet:
     def session_for(self, address: str) -> ShmSession | None:
         """The shared-memory session to stream from ``address`` through, or None for plain gRPC.
 
-        TransportError where ``transport="shm"`` cannot work with it.
+        TransportError where ``transport="shm"`` cannot work with it; LimitExceededError where
+        it refuses a session (``max_sessions``) to ``transport="shm"``.
         """
         if self.transport == "grpc":
             return None
-        session = self.members[address].connection.session()
+        member = self.members[address]
+        try:
+            session = member.connection.session()
+        except LimitExceededError as exc:
+            if self.transport == "shm":
+                raise
+            # A daemon at max_sessions still serves streams without one, as it does transport="grpc";
+            # a later probe or lane asks for a session again.
+            if not member.sessionless:
+                log.warning("loaderd at %s refused a session (%s): streaming over gRPC, without shared memory", address, exc)
+            member.sessionless = True
+            return None
+        member.sessionless = False
         if session.shm:
             return session
         if self.transport == "shm":

@@ -510,6 +510,35 @@ def test_with_a_daemon_before_revision_5_the_session_gives_every_lease_back(room
 # ------------------------------------------------------------------ 6. transport choice
 
 
+SESSION_HOLDER = r"""
+import sys, time
+from loaderd import RemoteDataLoader
+
+loader = RemoteDataLoader("squares", batch_size=8, address=sys.argv[1], transport="shm")
+next(iter(loader))
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_auto_streams_over_grpc_from_a_sole_daemon_at_max_sessions(start_daemon: Callable[..., RunningDaemon]) -> None:
+    """Before, such a loader waited for the daemon like one that is down, then raised DaemonUnavailableError."""
+    daemon = start_daemon(
+        {"squares": SQUARES_CFG, "mid": ramp_cfg(MID_SHAPE, MID_N)}, python_path=PYTHON_PATH, limits={"max_sessions": 1}
+    )
+    pid = daemon_pid(daemon)
+    with client_process(SESSION_HOLDER, daemon.address) as holder:
+        holder.read_until(lambda line: line.startswith("holding"), 60, "the other client did not take the only session")
+        loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=3, epochs=2, transport="auto", failover_timeout=5)
+        for epoch in range(2):
+            got = iterate_epoch(loader, 30)
+            assert_same_batches(got, want[epoch], f"auto epoch {epoch}")
+            assert count_shm(got, pid) == 0, "the daemon refused this process a session: no batch can be in its shared memory"
+        with pytest.raises(loaderd.DaemonUnavailableError, match="max_sessions"):
+            RemoteDataLoader("mid", batch_size=MID_BATCH, address=daemon.address, transport="shm", failover_timeout=1)
+
+
 @pytest.mark.timeout(60)
 def test_shm_transport_refused_when_daemon_serves_no_shared_memory(start_daemon: Callable[..., RunningDaemon]) -> None:
     daemon = start_daemon(
