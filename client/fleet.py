@@ -404,12 +404,19 @@ class FleetMonitor:
 
     def _run(self) -> None:
         fleet = self._fleet
+        failing = ""  # the failure already logged, while it repeats every round
         while not self._stop.wait(PROBE_INTERVAL_S) and not EXITING.is_set():
             try:
                 changed = fleet.refresh()
                 changed |= fleet.probe_due()
+                failing = ""
             except Exception as exc:  # a probe must never take the epoch down with it
-                log.debug("probing daemons failed: %s", exc)
+                # Probes map what daemons say themselves: what gets here is unexpected (a bug, say),
+                # so it is logged with its traceback, once per spell rather than every 0.1 s.
+                failure = f"{type(exc).__name__}: {exc}"
+                if failure != failing:
+                    log.warning("probing daemons failed; the loader goes on with those it has: %s", failure, exc_info=True)
+                failing = failure
                 changed = True  # let the iterator look (a TransportError shows there)
             if changed or fleet.mismatch is not None:
                 self._wake()

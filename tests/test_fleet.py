@@ -18,7 +18,7 @@ import pytest
 
 import loaderd.fleet as fleet_module
 from loaderd.addresses import Target
-from loaderd.fleet import Fleet, Usable
+from loaderd.fleet import Fleet, FleetMonitor, Usable
 from loaderd.iterator import RemoteLoaderIter, _Mode
 from loaderd.lane import Lane, LaneEvent
 from loaderd.v1 import loaderd_pb2 as pb
@@ -61,6 +61,33 @@ def test_a_recheck_that_finds_a_daemon_back_after_its_stream_broke_is_a_change(m
     monitor.join(10)
     assert changed == [True]
     assert [u.address for u in fleet.usable()] == ["A:1"]
+
+
+@pytest.mark.timeout(30)
+def test_a_probe_that_keeps_failing_is_logged_once_with_its_traceback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """It was logged at debug level only: a bug in probing hid behind a loader that never found a daemon again."""
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: types.SimpleNamespace(credentials=None))
+    fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "grpc")
+    rounds = 0
+
+    def broken_refresh() -> bool:
+        nonlocal rounds
+        rounds += 1
+        raise KeyError("A:1")
+
+    monkeypatch.setattr(fleet, "refresh", broken_refresh)
+    woken = threading.Event()
+    stop = threading.Event()
+    monitor = FleetMonitor(fleet, woken.set, stop)
+    with caplog.at_level("DEBUG", logger="loaderd.fleet"):
+        monitor.thread.start()
+        assert woken.wait(10), "a failed round wakes the iterator"
+        while rounds < 4:
+            stop.wait(0.05)
+        stop.set()
+        monitor.thread.join(10)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "KeyError: 'A:1'" in warnings[0].getMessage() and warnings[0].exc_info, caplog.text
 
 
 # ------------------------------------------------------------------ spreading over fake lanes
