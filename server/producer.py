@@ -6,7 +6,8 @@ consumer streams. The scheduler sees only this contract. Its rules:
 
 - Every method runs with the scheduler's lock held.
 - ``next_task`` only looks; the task is the producer's again until ``commit``
-  says a worker took it. A task that a dying worker held comes back through
+  says a worker took it. Work pinned to one worker (an iterable replica) names
+  its slot through ``WorkerSlots.owner``. A task that a dying worker held comes back through
   ``retry`` and is dispatched again, before any new work, in position order.
 - ``resolve`` receives each position's result once; a second result for the
   same position (a worker presumed dead that finished after all) is released
@@ -50,6 +51,29 @@ class Delivery:
 END = Delivery(seq=-1)
 
 
+@dataclass(frozen=True)
+class WorkerSlots:
+    """The pool's worker slots as producers see them: how many, and which were given up for good."""
+
+    size: int
+    given_up: frozenset[int] = frozenset()
+
+    def owner(self, key: int) -> int:
+        """The slot that runs the work pinned by ``key`` (an iterable replica): ``key % size``, or, if
+        that slot was given up, one of the others, spread by ``key``.
+
+        A given-up slot never comes back, so an owner changes only when its slot is given up, and
+        that slot's worker (with the replica it held) is gone: the new owner builds the replica and
+        replays it to where it was, as a replacement worker does. With every slot given up there is
+        none to move to (the daemon is shutting down).
+        """
+        slot = key % self.size
+        if slot not in self.given_up:
+            return slot
+        left = [w for w in range(self.size) if w not in self.given_up]
+        return left[key % len(left)] if left else slot
+
+
 class StreamFailed(Exception):
     """The stream cannot go on; carries the gRPC status to end it with."""
 
@@ -70,8 +94,8 @@ class Producer(Protocol):
         """Whether a task is ready to run (and its window has room)."""
         ...
 
-    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
-        """The next task and the worker it must run on (None: any). Does not consume it."""
+    def next_task(self, slots: WorkerSlots) -> tuple[BatchTask, int | None]:
+        """The next task and the worker slot it must run on (None: any). Does not consume it."""
         ...
 
     def commit(self, task: BatchTask) -> None:

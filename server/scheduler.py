@@ -31,7 +31,7 @@ from loaderd.server.client_tally import ClientTally
 from loaderd.server.config import LoaderConfig
 from loaderd.server.ledger import SlotLedger
 from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
-from loaderd.server.producer import Delivery, Producer, StreamFailed
+from loaderd.server.producer import Delivery, Producer, StreamFailed, WorkerSlots
 from loaderd.server.share import ShareKey, SharedJob
 from loaderd.server.stream import BatchStream, StreamSpec
 from loaderd.server.tasks import (
@@ -185,7 +185,7 @@ class Scheduler:
         self._respawn_failures: dict[int, int] = {}
         self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
         self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
-        self._given_up: set[int] = set()
+        self._slots = WorkerSlots(pool.size)  # and which were given up (after MAX_RESPAWN_FAILURES)
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
         self._draining: set[int] = set()  # to be recycled once idle: no new work
@@ -305,7 +305,7 @@ class Scheduler:
                     self._producers.pop(job.producer_id, None)
                     self._jobs.pop((job.name, job.epoch), None)
                     log.info("share %r epoch %d ended: %d batches produced", job.name, job.epoch, job.produced)
-            owners = stream.replica_workers(self._pool.size)
+            owners = stream.replica_workers(self._slots)
         for worker_id in owners:
             self._submit(worker_id, ReleaseStream(stream.stream_id))
         self.wake()
@@ -427,19 +427,7 @@ class Scheduler:
             for producer in producers[self._turn :] + producers[: self._turn]:
                 if not producer.wants_dispatch():
                     continue
-                task, required = producer.next_task(size)
-                if required is not None and required in self._given_up:
-                    # An iterable's replica lives on one worker slot, and that slot cannot start any more.
-                    # UNAVAILABLE: the client opens the stream again (another daemon, or a new stream
-                    # here, whose replicas map to other slots) from its first missing batch.
-                    failure = StreamFailed(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"dataset {task.dataset!r}: this stream's work runs on pool worker {required}, which cannot "
-                        "start any more (see the daemon's log)",
-                    )
-                    for stream in self._streams_of(producer.producer_id):
-                        stream.fail(failure)
-                    continue
+                task, required = producer.next_task(self._slots)
                 if required is None:
                     worker = max(capacity, key=lambda w: (capacity[w], -w), default=None)
                 else:
@@ -563,9 +551,9 @@ class Scheduler:
         """Start a replacement for worker slot ``worker_id`` now, or later if its last starts failed."""
         failures = self._respawn_failures.get(worker_id, 0)
         if failures >= MAX_RESPAWN_FAILURES:
-            log.error("giving up on worker slot %d after %d failed starts", worker_id, failures)
-            self._given_up.add(worker_id)
-            if len(self._given_up) == self._pool.size:
+            log.error("giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures)
+            self._slots = dataclasses.replace(self._slots, given_up=self._slots.given_up | {worker_id})
+            if len(self._slots.given_up) == self._pool.size:
                 self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
             return
         first, most = RESPAWN_BACKOFF_S

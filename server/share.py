@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import Backlog, Consumer, Delivery, StreamFailed
+from loaderd.server.producer import Backlog, Consumer, Delivery, StreamFailed, WorkerSlots
 from loaderd.server.stream import fetch_task
 from loaderd.server.tasks import BatchTask, Indices
 
@@ -147,7 +147,7 @@ class SharedJob:
     def wants_dispatch(self) -> bool:
         return not self.closed and bool(self.backlog.retries or self.queue)
 
-    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
+    def next_task(self, slots: WorkerSlots) -> tuple[BatchTask, int | None]:
         retry = self.backlog.next_retry()
         if retry is not None:
             return retry, None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from loaderd.server.client_tally import StreamUse
 from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import END, Backlog, Delivery, StreamFailed, Upstream
+from loaderd.server.producer import END, Backlog, Delivery, StreamFailed, Upstream, WorkerSlots
 from loaderd.server.seeding import derive_seed
 from loaderd.server.tasks import BatchTask, FetchTask, Indices, IterTask
 
@@ -192,18 +192,18 @@ class BatchStream:
             return in_credit and self._active_replica() is not None
         return bool(self.pending)
 
-    def _replica_owner(self, replica: int, pool_size: int) -> int:
+    def _replica_owner(self, replica: int, slots: WorkerSlots) -> int:
         """Iterable replicas live in one worker each, spread over the pool."""
-        return (self.stream_id + replica) % pool_size
+        return slots.owner(self.stream_id + replica)
 
-    def replica_workers(self, pool_size: int) -> set[int]:
+    def replica_workers(self, slots: WorkerSlots) -> set[int]:
         """The workers that hold this stream's iterable replicas."""
-        return {self._replica_owner(r, pool_size) for r in range(len(self.replicas))}
+        return {self._replica_owner(r, slots) for r in range(len(self.replicas))}
 
-    def next_task(self, pool_size: int) -> tuple[BatchTask, int | None]:
+    def next_task(self, slots: WorkerSlots) -> tuple[BatchTask, int | None]:
         retry = self.backlog.next_retry()
         if retry is not None:
-            return retry, (self._replica_owner(retry.replica, pool_size) if isinstance(retry, IterTask) else None)
+            return retry, (self._replica_owner(retry.replica, slots) if isinstance(retry, IterTask) else None)
         spec = self.spec
         if spec.iterable:
             r = self._active_replica()
@@ -219,7 +219,7 @@ class BatchStream:
                 drop_last=spec.drop_last,
                 base_seed=spec.base_seed,
             )
-            return task, self._replica_owner(r, pool_size)
+            return task, self._replica_owner(r, slots)
         seq, indices = self.pending[0]
         task = fetch_task(
             self.stream_id, spec.dataset, seq, indices, spec.auto_collation, spec.base_seed, self.positions.get(seq)

@@ -346,6 +346,13 @@ class HangIfMarked(Squares):
         super().__init__(n)
 
 
+def stream_unless_marked(n: int, marker: str) -> IterableDataset:
+    """A Stream whose construction fails while ``marker`` exists (a worker slot that cannot start)."""
+    if os.path.exists(marker):
+        raise RuntimeError(f"{marker} exists")
+    return Stream(n)
+
+
 def exit_on_build() -> Dataset:
     """A constructor that ends its process without Python's cleanup (as the OOM killer would)."""
     os._exit(3)

@@ -94,7 +94,8 @@ class FakePool:
         ]
 
     def worker_of(self, task: Task) -> int:
-        return next(w for w, t in self.submitted if t is task)
+        """The worker ``task`` went to last (a retried task is the same object, sent again)."""
+        return next(w for w, t in reversed(self.submitted) if t is task)
 
     def finish(self, task: FetchTask | IterTask, value: bytes = b"v", slot: SlotRef | None = None) -> None:
         done = BatchDone(stream_id=task.stream_id, seq=task.seq, value=value, payload_bytes=0, slot=slot)

@@ -348,6 +348,20 @@ def test_a_replacement_worker_that_hangs_while_building_is_killed_and_replaced(t
         squares_epoch_is_right(d)
 
 
+@pytest.mark.timeout(120)
+def test_an_iterable_is_served_by_the_other_workers_once_a_slot_is_given_up(tmp_path: Path) -> None:
+    """Before, its replicas stayed pinned to the given-up slot: with num_workers >= the pool size every
+    stream had one there and failed UNAVAILABLE (earlier still, it waited for ever)."""
+    marker = tmp_path / "fail"
+    stream = {"dataset": "datasets:stream_unless_marked", "kwargs": {"n": 40, "marker": str(marker)}}
+    with running_daemon({"stream": stream}, prefix="loaderd-givenup-") as d:
+        marker.touch()  # from now on, a worker that starts fails to build the dataset
+        os.kill(next(w.pid for w in daemon_status(d.address).workers if w.worker_id == 0), signal.SIGKILL)
+        wait_for(lambda: "giving up on worker slot 0" in d.log(), 60, "worker slot 0 to be given up")
+        got = list(RemoteDataLoader("stream", batch_size=4, num_workers=2, address=d.address, timeout=30))
+        assert_same_batches(got, list(oracle_loader(datasets.Stream(40), batch_size=4, num_workers=2)))
+
+
 @pytest.mark.timeout(90)
 def test_an_idle_pool_gives_its_shared_memory_back(daemon: RunningDaemon) -> None:
     kept = list(RemoteDataLoader("blocks", batch_size=None, address=daemon.address, transport="shm", timeout=30))

@@ -6,7 +6,7 @@ import pytest
 from fakes import batch_delivery, drain, held_lock, lone_stream, map_spec
 
 from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import Delivery, StreamFailed
+from loaderd.server.producer import Delivery, StreamFailed, WorkerSlots
 from loaderd.server.share import ShareKey, SharedJob, ShareMismatchError
 
 pytestmark = pytest.mark.timeout(10)
@@ -43,7 +43,7 @@ def run(job: SharedJob) -> list[int]:
     """Dispatch everything the job wants and resolve it; returns the positions produced."""
     seqs = []
     while job.wants_dispatch():
-        task, worker = job.next_task(2)
+        task, worker = job.next_task(WorkerSlots(2))
         assert worker is None
         job.commit(task)
         job.resolve(batch_delivery(task.seq, stream_id=job.producer_id))
@@ -111,10 +111,10 @@ def test_a_detached_consumer_waits_for_nothing() -> None:
 def test_a_retried_position_runs_again_first() -> None:
     job, (a,), _ = job_with(1)
     a.add_plan([(0,), (1,)], end=True)
-    task, _ = job.next_task(2)
+    task, _ = job.next_task(WorkerSlots(2))
     job.commit(task)
     job.retry(task)
-    again, _ = job.next_task(2)
+    again, _ = job.next_task(WorkerSlots(2))
     assert again is task
     job.commit(again)
     job.resolve(Delivery(seq=0, error=b"x"))

@@ -10,7 +10,7 @@ import pytest
 from fakes import batch_delivery, drain, iter_spec, lone_stream, map_spec
 
 from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import END, Delivery, StreamFailed
+from loaderd.server.producer import END, Delivery, StreamFailed, WorkerSlots
 from loaderd.server.tasks import FetchTask, IterTask
 
 pytestmark = pytest.mark.timeout(10)
@@ -20,7 +20,7 @@ def dispatch_all(stream, pool_size: int = 2) -> list:
     """Commit every task the stream wants dispatched now, as the scheduler would."""
     tasks = []
     while stream.wants_dispatch():
-        task, _ = stream.next_task(pool_size)
+        task, _ = stream.next_task(WorkerSlots(pool_size))
         stream.commit(task)
         tasks.append(task)
     return tasks
