@@ -38,9 +38,13 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
     # A daemon that stops answering without closing the connection (frozen, its host gone)
-    # is found out within 15 s: the connection breaks and the loader fails over.
+    # is found out within 15 s: the connection breaks and the loader fails over. gRPC core
+    # waits for a ping's ack ping_timeout_ms, not keepalive_timeout_ms, and that defaults to
+    # a minute (chttp2 transport; the name is not in grpc's public headers): without it a
+    # frozen daemon was noticed after ~65 s.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import logging
+import signal
 import socket
 import threading
 import time
@@ -366,6 +367,29 @@ def test_a_daemon_gone_longer_than_failover_timeout_stops_the_epoch_with_a_clear
         assert time.monotonic() - started < 5
         assert group[0].address in str(caught.value)
         assert status_is_gone(group[0].address)
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_daemon_is_noticed_within_the_keepalive() -> None:
+    """A daemon that stops answering without closing its connections (SIGSTOP here; a host gone
+    without a reset alike). gRPC waits ``ping_timeout_ms`` for a keepalive ping's ack, a minute
+    unless set: the loader gave up ~65 s after the freeze, where its settings say ~15 s + failover."""
+    with cluster(DATASETS, 1, start=True) as group:
+        loader = RemoteDataLoader("slow", batch_size=4, address=group[0].address, failover_timeout=2, timeout=120)
+        iterator = iter(loader)
+        next(iterator)
+        assert group[0].process is not None
+        group[0].process.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            with pytest.raises(DaemonUnavailableError) as caught:
+                for _ in iterator:
+                    pass
+            took = time.monotonic() - frozen_at
+        finally:
+            group[0].process.send_signal(signal.SIGCONT)  # the cluster then stops it as usual
+        assert took < 30, f"noticed {took:.0f} s after the freeze"
+        assert group[0].address in str(caught.value)
 
 
 def status_is_gone(address: str) -> bool:
