@@ -94,8 +94,8 @@ class Member:
     losses: int = 0
     # Why it cannot serve the loader although it answered (no such dataset, too old, transport); None: it could.
     refused: LoaderdError | None = None
-    # It refused a session (max_sessions) and "auto" streams from it over gRPC: said once, not every probe.
-    sessionless: bool = False
+    # Why it refused a session (max_sessions) while "auto" streams from it over gRPC; "": it did not.
+    sessionless: str = ""
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ class Fleet:
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             if member.sessionless:
-                member.reason = "up (gRPC transport: it refused a session, limits.max_sessions)"
+                member.reason = f"up (gRPC transport: it refused a session: {member.sessionless})"
             else:
                 member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
         return changed
@@ -331,11 +331,11 @@ class Fleet:
                 raise
             # A daemon at max_sessions still serves streams without one, as it does transport="grpc";
             # a later probe or lane asks for a session again.
-            if not member.sessionless:
+            if not member.sessionless:  # said once, not at every probe
                 log.warning("loaderd at %s refused a session (%s): streaming over gRPC, without shared memory", address, exc)
-            member.sessionless = True
+            member.sessionless = str(exc)
             return None
-        member.sessionless = False
+        member.sessionless = ""
         if session.shm:
             return session
         if self.transport == "shm":
@@ -411,6 +411,8 @@ class FleetMonitor:
                 changed |= fleet.probe_due()
                 failing = ""
             except Exception as exc:  # a probe must never take the epoch down with it
+                if self._stop.is_set() or EXITING.is_set():
+                    return  # e.g. the channels closed under the round at interpreter exit
                 # Probes map what daemons say themselves: what gets here is unexpected (a bug, say),
                 # so it is logged with its traceback, once per spell rather than every 0.1 s.
                 failure = f"{type(exc).__name__}: {exc}"

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--workers", type=int, help="pool size; replaces the config's workers")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-format", choices=list(LOG_FORMATS), help="replaces the config's log_format (text or json)")
-    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds, from the start, for the config's imports and for the workers to build the datasets")
+    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds, from the start, for the config's imports and for the workers to build the datasets; later, for each replacement worker to build them")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     check = sub.add_parser("check", help="validate a config and build, sample and collate each dataset here")
     check.add_argument("--config", required=True, help="path to the YAML config")

@@ -136,6 +136,7 @@ class _Worker:
     fds: tuple[int, int]  # what the selector watches: its results pipe and its process sentinel
     ready: bool = False
     alive: bool = True
+    stopped: bool = False  # stop_worker was called: never ready again, even if its WorkerReady comes after
     waiting_room: bool = False  # its task pipe's descriptor is watched for room
 
 
@@ -348,6 +349,7 @@ class WorkerPool:
         """
         worker = self._workers[worker_id]
         worker.ready = False
+        worker.stopped = True
         if worker.alive:
             if kill:
                 worker.process.kill()
@@ -455,7 +457,7 @@ class WorkerPool:
         if isinstance(result, BatchDone) and result.slot is None:
             buffers = tuple((offset, worker.results.recv_bytes()) for offset in result.buffer_offsets)
         elif isinstance(result, WorkerReady):
-            worker.ready = True
+            worker.ready = not worker.stopped
             self.datasets = self.datasets or result.datasets
         return WorkerMessage(worker.worker_id, worker.generation, result, buffers)
 

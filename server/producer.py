@@ -60,18 +60,20 @@ class WorkerSlots:
 
     def owner(self, key: int) -> int:
         """The slot that runs the work pinned by ``key`` (an iterable replica): ``key % size``, or, if
-        that slot was given up, one of the others, spread by ``key``.
+        that slot was given up, one of the others (rendezvous hashing: spread over the slots left,
+        and the same whatever else is given up).
 
-        A given-up slot never comes back, so an owner changes only when its slot is given up, and
-        that slot's worker (with the replica it held) is gone: the new owner builds the replica and
-        replays it to where it was, as a replacement worker does. With every slot given up there is
-        none to move to (the daemon is shutting down).
+        A given-up slot never comes back, so an owner changes only when its own slot is given up,
+        and that slot's worker (with the replica it held) is gone: the new owner builds the replica
+        and replays it to where it was, as a replacement worker does, and ``ReleaseStream`` reaches
+        every worker that holds one. With every slot given up there is none to move to (the
+        daemon is shutting down).
         """
         slot = key % self.size
         if slot not in self.given_up:
             return slot
         left = [w for w in range(self.size) if w not in self.given_up]
-        return left[key % len(left)] if left else slot
+        return min(left, key=lambda w: hash((key, w))) if left else slot
 
 
 class StreamFailed(Exception):

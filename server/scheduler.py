@@ -185,6 +185,7 @@ class Scheduler:
         self._respawn_failures: dict[int, int] = {}
         self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
         self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
+        self._start_killed: set[tuple[int, int]] = set()  # (slot, generation) killed by _check_starts
         self._slots = WorkerSlots(pool.size)  # and which were given up (after MAX_RESPAWN_FAILURES)
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
@@ -447,6 +448,8 @@ class Scheduler:
     def _on_result(self, message: WorkerMessage) -> None:
         result = message.result
         if isinstance(result, WorkerReady):
+            if (message.worker_id, message.generation) in self._start_killed:
+                return  # ready as it was killed (the message was in its pipe): still a failed start
             self._respawn_failures.pop(message.worker_id, None)
             self._starting.pop(message.worker_id, None)
             log.info("worker %d ready", message.worker_id)
@@ -522,6 +525,7 @@ class Scheduler:
         else:
             log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
         self._starting.pop(event.worker_id, None)
+        self._start_killed.discard((event.worker_id, event.generation))
         with self.lock:
             self._draining.discard(event.worker_id)
             self._asked_to_exit.pop(event.worker_id, None)
@@ -594,7 +598,7 @@ class Scheduler:
             )
             del self._starting[worker_id]  # killed once; its death comes through the pool's poll
             with self.lock:
-                self._pool.stop_worker(worker_id, kill=True)
+                self._start_killed.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
 
     # ------------------------------------------------------------ task timeouts and recycling
 

@@ -338,12 +338,15 @@ def hang_on_build() -> Dataset:
 
 
 class HangIfMarked(Squares):
-    """Squares whose constructor never returns while ``marker`` exists (a replacement worker that hangs)."""
+    """Squares whose constructor never returns if ``marker`` exists; it takes the marker, so one start hangs."""
 
     def __init__(self, n: int, marker: str) -> None:
-        if os.path.exists(marker):
-            time.sleep(3600)
-        super().__init__(n)
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            super().__init__(n)
+            return
+        time.sleep(3600)
 
 
 def stream_unless_marked(n: int, marker: str) -> IterableDataset:

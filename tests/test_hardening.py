@@ -339,10 +339,9 @@ def test_a_replacement_worker_that_hangs_while_building_is_killed_and_replaced(t
     marker = tmp_path / "hang"
     squares = {"dataset": "datasets:HangIfMarked", "kwargs": {"n": 64, "marker": str(marker)}}
     with running_daemon({"squares": squares}, prefix="loaderd-hangstart-", serve_args=("--startup-timeout", "8")) as d:
-        marker.touch()  # from now on, a worker that starts hangs in the constructor
+        marker.touch()  # the next worker to start hangs in the constructor (and takes the marker)
         os.kill(next(w.pid for w in daemon_status(d.address).workers if w.worker_id == 0), signal.SIGKILL)
         wait_for(lambda: "replacement worker 0 did not build its datasets within 8s" in d.log(), 40, "the hung replacement to be killed")
-        marker.unlink()
         wait_for(lambda: all(w.ready for w in daemon_status(d.address).workers), 30, "the next replacement to be ready")
         assert [w.restarts for w in daemon_status(d.address).workers] == [2, 0], d.log()
         squares_epoch_is_right(d)

@@ -19,11 +19,12 @@ from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 import loaderd.server.scheduler as scheduler_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
 from loaderd.server.arena import SlotRef
-from loaderd.server.pool import PoolEvent
+from loaderd.server.pool import PoolEvent, WorkerMessage
+from loaderd.server.producer import WorkerSlots
 from loaderd.server.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey
 from loaderd.server.stream import BatchStream
-from loaderd.server.tasks import IterTask
+from loaderd.server.tasks import IterTask, WorkerReady
 from loaderd.v1 import loaderd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
@@ -168,6 +169,39 @@ def test_a_slot_whose_replacements_always_hang_is_given_up(monkeypatch: pytest.M
     pool.die(1)
     step_until(sched, lambda: 1 in sched._slots.given_up)
     assert pool.stopped == [(1, True)] * MAX_RESPAWN_FAILURES and pool.respawned == [1] * MAX_RESPAWN_FAILURES
+
+
+def test_a_replica_owner_changes_only_when_its_own_slot_is_given_up() -> None:
+    """Else a replica would move off a live worker (replayed from its start elsewhere) and its state
+    there would outlive the stream: ReleaseStream goes to the owners of the day."""
+    keys = range(60)
+    slots = WorkerSlots(5)
+    owners = {k: slots.owner(k) for k in keys}
+    assert owners == {k: k % 5 for k in keys}
+    for dead in (3, 0, 4, 1):
+        slots = WorkerSlots(5, slots.given_up | {dead})
+        now = {k: slots.owner(k) for k in keys}
+        assert {k: now[k] for k in keys if owners[k] != dead} == {k: owners[k] for k in keys if owners[k] != dead}
+        assert not set(now.values()) & slots.given_up
+        if dead == 3:
+            assert len({now[k] for k in keys if k % 5 == 3}) > 1, "the replicas of a given-up slot spread"
+        owners = now
+    assert set(owners.values()) == {2}
+
+
+def test_a_replacement_that_got_ready_as_it_was_killed_still_counts_as_a_failed_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its WorkerReady was in the pipe when _check_starts killed it: reading it after must not reset the
+    failure count, or a slot whose build always takes about start_timeout would never be given up."""
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (60.0, 60.0))
+    pool = FakePool()
+    pool.hanging_starts.add(0)
+    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.05))
+    pool.die(0)
+    sched.step(0)
+    step_until(sched, lambda: pool.stopped != [])  # killed; its death waits in the pool's events
+    pool._events.insert(0, WorkerMessage(0, pool.generation[0], WorkerReady(0, {})))  # read first
+    sched.step(0)
+    assert sched._respawn_failures.get(0) == 1 and 0 in sched._respawn_due, "a failed start, retried after the backoff"
 
 
 def test_an_iterable_replica_on_a_slot_that_cannot_start_moves_to_another(monkeypatch: pytest.MonkeyPatch) -> None:
