@@ -141,13 +141,19 @@ def step_until(sched: Scheduler, done: Callable[[], bool], seconds: float = 5.0)
     assert done(), "not within the test's deadline"
 
 
+def hanging_replacement(monkeypatch: pytest.MonkeyPatch, worker: int, start_timeout: float, backoff: float = 0.001) -> tuple[FakePool, Scheduler]:
+    """A scheduler whose ``worker`` just died; its replacements hang while building until the test says."""
+    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (backoff, backoff))
+    pool = FakePool()
+    pool.hanging_starts.add(worker)
+    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=start_timeout))
+    pool.die(worker)
+    return pool, sched
+
+
 def test_a_replacement_that_hangs_while_building_is_killed_and_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, a replacement whose dataset constructor hung held its slot for good (only the first start had a deadline)."""
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
-    pool = FakePool()
-    pool.hanging_starts.add(0)
-    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.2))
-    pool.die(0)
+    pool, sched = hanging_replacement(monkeypatch, 0, start_timeout=0.2)
     sched.step(0)
     assert pool.respawned == [0] and pool.stopped == [], "started, and given its start timeout"
     step_until(sched, lambda: pool.stopped != [])
@@ -162,11 +168,7 @@ def test_a_replacement_that_hangs_while_building_is_killed_and_started_again(mon
 
 
 def test_a_slot_whose_replacements_always_hang_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
-    pool = FakePool()
-    pool.hanging_starts.add(1)
-    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.01))
-    pool.die(1)
+    pool, sched = hanging_replacement(monkeypatch, 1, start_timeout=0.01)
     step_until(sched, lambda: 1 in sched._slots.given_up)
     assert pool.stopped == [(1, True)] * MAX_RESPAWN_FAILURES and pool.respawned == [1] * MAX_RESPAWN_FAILURES
 
@@ -192,11 +194,7 @@ def test_a_replica_owner_changes_only_when_its_own_slot_is_given_up() -> None:
 def test_a_replacement_that_got_ready_as_it_was_killed_still_counts_as_a_failed_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its WorkerReady was in the pipe when _check_starts killed it: reading it after must not reset the
     failure count, or a slot whose build always takes about start_timeout would never be given up."""
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (60.0, 60.0))
-    pool = FakePool()
-    pool.hanging_starts.add(0)
-    sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=0.05))
-    pool.die(0)
+    pool, sched = hanging_replacement(monkeypatch, 0, start_timeout=0.05, backoff=60.0)
     sched.step(0)
     step_until(sched, lambda: pool.stopped != [])  # killed; its death waits in the pool's events
     pool._events.insert(0, WorkerMessage(0, pool.generation[0], WorkerReady(0, {})))  # read first
