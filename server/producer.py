@@ -6,9 +6,10 @@ consumer streams. The scheduler sees only this contract. Its rules:
 
 - Every method runs with the scheduler's lock held.
 - ``next_task`` only looks; the task is the producer's again until ``commit``
-  says a worker took it. Work pinned to one worker (an iterable replica) names
-  its slot through ``WorkerSlots.owner``. A task that a dying worker held comes back through
+  says a worker took it. A task that a dying worker held comes back through
   ``retry`` and is dispatched again, before any new work, in position order.
+  Work pinned to one worker (an iterable replica) names its slot with
+  ``WorkerSlots.owner``.
 - ``resolve`` receives each position's result once; a second result for the
   same position (a worker presumed dead that finished after all) is released
   and dropped. ``Backlog`` keeps that bookkeeping for every producer alike.

@@ -186,7 +186,7 @@ class Scheduler:
         self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
         self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
         self._start_killed: set[tuple[int, int]] = set()  # (slot, generation) killed by _check_starts
-        self._slots = WorkerSlots(pool.size)  # and which were given up (after MAX_RESPAWN_FAILURES)
+        self._slots = WorkerSlots(pool.size)  # the pool's slots, and those given up (MAX_RESPAWN_FAILURES)
         # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
         self._expected_deaths: set[tuple[int, int]] = set()
         self._draining: set[int] = set()  # to be recycled once idle: no new work
