@@ -58,6 +58,8 @@ log = logging.getLogger("loaderd.worker")
 _PARENT_CHECK_S = 0.5
 # A worker idle this long gives its idle shared-memory segments back to the system.
 _TRIM_IDLE_S = 10.0
+# Added to a worker's oom_score_adj (see ``_prefer_oom_kill``).
+OOM_SCORE_ADJ_BOOST = 300
 
 
 @dataclass
@@ -413,9 +415,27 @@ def _drop_fork_server_handle() -> None:
         server._forkserver_alive_fd = None
 
 
+def _prefer_oom_kill() -> None:
+    """Make this worker the kernel OOM killer's first pick among the daemon's processes.
+
+    A worker holds about what the fork server holds (the datasets, torch), so by size
+    the killer may take either; but a killed worker is replaced and its batch retried,
+    while the fork server's death ends every worker (and a ``build: once`` pool for
+    good). Raising one's own score needs no privilege; where /proc refuses, nothing changes.
+    """
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as adj:
+            current = int(adj.read())
+            adj.seek(0)
+            adj.write(str(min(1000, current + OOM_SCORE_ADJ_BOOST)))
+    except (OSError, ValueError):
+        pass
+
+
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process's life (started through ``loaderd.server.worker_entry.worker_main``)."""
     _drop_fork_server_handle()
+    _prefer_oom_kill()
     # What the fork server imported and built is shared copy-on-write: out of the collector's
     # way, or the first full collection writes to (copies) every page holding those objects.
     gc.freeze()

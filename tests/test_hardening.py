@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
 from loaderd import RemoteDataLoader
+from loaderd.server.worker import OOM_SCORE_ADJ_BOOST
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 
@@ -359,6 +360,19 @@ def test_an_iterable_is_served_by_the_other_workers_once_a_slot_is_given_up(tmp_
         wait_for(lambda: "giving up on worker slot 0" in d.log(), 60, "worker slot 0 to be given up")
         got = list(RemoteDataLoader("stream", batch_size=4, num_workers=2, address=d.address, timeout=30))
         assert_same_batches(got, list(oracle_loader(datasets.Stream(40), batch_size=4, num_workers=2)))
+
+
+@pytest.mark.timeout(30)
+def test_the_oom_killer_would_take_a_pool_worker_before_the_fork_server_or_the_daemon(daemon: RunningDaemon) -> None:
+    def adj(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+
+    workers = [w.pid for w in daemon_status(daemon.address).workers]
+    fork_servers = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in workers}
+    assert len(fork_servers) == 1 and daemon.process.pid not in fork_servers, "workers are the fork server's children"
+    (fork_server,) = fork_servers
+    assert adj(fork_server) == adj(daemon.process.pid)
+    assert [adj(pid) for pid in workers] == [min(1000, adj(fork_server) + OOM_SCORE_ADJ_BOOST)] * len(workers)
 
 
 @pytest.mark.timeout(90)
