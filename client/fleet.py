@@ -53,6 +53,9 @@ RECHECK_INTERVAL_S = 2.0
 RESOLVE_INTERVAL_S = 1.0
 # A daemon whose streams break again and again is asked again later each time, up to this.
 MAX_BACKOFF_S = 2.0
+# The same for a daemon that keeps refusing streams for its limits (max_streams): it answers probes,
+# so only a stream finds it full, and each try costs a share's consumers a move there and back.
+MAX_FULL_BACKOFF_S = 30.0
 
 
 def dataset_shape(info: pb.DatasetInfo) -> str:
@@ -179,15 +182,17 @@ class Fleet:
             member = self.members.get(address)
             return member is not None and member.up and member.listed and not member.draining
 
-    def mark_down(self, address: str, reason: str) -> None:
-        """A stream to ``address`` broke: probe it again until it answers, later each time it breaks again
-        without having answered (a daemon that is up but fails every stream is not hammered)."""
+    def mark_down(self, address: str, reason: str, full: bool = False) -> None:
+        """A stream to ``address`` broke, or was refused for a limit (``full``): probe it again until it
+        answers, later each time it breaks again without having answered (a daemon that is up but
+        fails every stream is not hammered)."""
         with self._lock:
             member = self.members.get(address)
             if member is not None:
                 member.losses += 1
                 member.up, member.reason = False, reason
-                member.next_probe = time.monotonic() + min(MAX_BACKOFF_S, PROBE_INTERVAL_S * 2 ** (member.losses - 1))
+                most = MAX_FULL_BACKOFF_S if full else MAX_BACKOFF_S
+                member.next_probe = time.monotonic() + min(most, PROBE_INTERVAL_S * 2 ** (member.losses - 1))
 
     def mark_answering(self, address: str) -> None:
         """A stream to ``address`` delivered: it is healthy again (no backoff)."""

@@ -525,17 +525,18 @@ class RemoteLoaderIter:
             self._reconcile()
         elif kind == "failed" and self._full_elsewhere(lane, event.payload):
             # A daemon at its admission limits (max_streams, ...) refused the call before it
-            # answered: the others take its work, and it is asked again later (with the backoff
-            # of one whose streams break). With no other daemon the refusal is the loader's.
+            # answered: the others take its work, and it is asked again later (the backoff of one
+            # whose streams break, up to MAX_FULL_BACKOFF_S). With no other daemon the refusal is the loader's.
             log.info("loaderd: %s refused a stream of %r (%s); the other daemons take its work",
                      lane.address, self._stream.dataset, event.payload)
-            self._leave(lane, f"refused a stream: {event.payload}")
+            self._leave(lane, f"refused a stream: {event.payload}", full=True)
         elif kind == "failed" and self._failure is None:
             self._failure = event.payload
 
-    def _leave(self, lane: Lane, reason: str) -> None:
-        """``lane``'s daemon cannot serve it now (``reason``): down until a probe finds it again; its work moves."""
-        self._fleet.mark_down(lane.address, reason)
+    def _leave(self, lane: Lane, reason: str, full: bool = False) -> None:
+        """``lane``'s daemon cannot serve it now (``reason``; ``full``: a limit refused it): down until a
+        probe finds it again; its work moves."""
+        self._fleet.mark_down(lane.address, reason, full=full)
         self._drop_lane(lane)
         self._reconcile()
 

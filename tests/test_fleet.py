@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import queue
 import threading
+import time
 import types
 from collections import deque
 from typing import Any
@@ -90,6 +91,28 @@ def test_a_probe_that_keeps_failing_is_logged_once_with_its_traceback(monkeypatc
     assert len(warnings) == 1 and "KeyError: 'A:1'" in warnings[0].getMessage() and warnings[0].exc_info, caplog.text
 
 
+def test_a_daemon_that_keeps_refusing_for_its_limits_is_asked_less_and_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It answers probes, so it came back every 2 s at most, and a share's consumers moved there (to be
+    refused) and back each time; a daemon whose streams break keeps the 2 s ceiling."""
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: types.SimpleNamespace(credentials=None))
+    fleet = Fleet(Target("A:1,B:1", ("A:1", "B:1"), ()), "d", "grpc")
+
+    def waits(address: str, full: bool) -> list[float]:
+        gaps = []
+        for _ in range(12):
+            before = time.monotonic()
+            fleet.mark_down(address, "refused a stream" if full else "the stream broke", full=full)
+            gaps.append(fleet.members[address].next_probe - before)
+        return gaps
+
+    full, broken = waits("A:1", True), waits("B:1", False)
+    assert full[0] == pytest.approx(fleet_module.PROBE_INTERVAL_S, abs=0.05)
+    assert full[-1] == pytest.approx(fleet_module.MAX_FULL_BACKOFF_S, abs=0.05)
+    assert max(broken) == pytest.approx(fleet_module.MAX_BACKOFF_S, abs=0.05)
+    fleet.mark_answering("A:1")  # a stream there delivered: no backoff left
+    assert waits("A:1", True)[0] == pytest.approx(fleet_module.PROBE_INTERVAL_S, abs=0.05)
+
+
 # ------------------------------------------------------------------ spreading over fake lanes
 
 
@@ -125,7 +148,7 @@ class _Fleet:
     def mark_answering(self, address: str) -> None:
         pass
 
-    def mark_down(self, address: str, reason: str) -> None:
+    def mark_down(self, address: str, reason: str, full: bool = False) -> None:
         self.up.discard(address)
 
     def report(self) -> str:
