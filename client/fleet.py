@@ -16,7 +16,6 @@ its streams see. The fleet's lock guards the members; probing happens outside it
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -64,20 +63,6 @@ def dataset_shape(info: pb.DatasetInfo) -> str:
     return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
 
 
-def rendezvous_order(key: str, addresses: list[str]) -> list[str]:
-    """``addresses`` in the order ``key`` prefers them (highest random weight first).
-
-    Every client computes the same order from the same set, and when one
-    address leaves only the keys that were on it move (to their next choice).
-    """
-    return sorted(addresses, key=lambda a: hashlib.blake2b(f"{key}\0{a}".encode(), digest_size=8).digest(), reverse=True)
-
-
-def rendezvous(key: str, addresses: list[str]) -> str:
-    """The address that ``key`` lands on among ``addresses``."""
-    return rendezvous_order(key, addresses)[0]
-
-
 @dataclass
 class Member:
     """One daemon address and what the loader knows of it."""
@@ -99,6 +84,8 @@ class Member:
     refused: LoaderdError | None = None
     # Why it refused a session (max_sessions) while "auto" streams from it over gRPC; "": it did not.
     sessionless: str = ""
+    # Down because it refused a stream for its limits (its backoff runs to MAX_FULL_BACKOFF_S).
+    full: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +178,7 @@ class Fleet:
             if member is not None:
                 member.losses += 1
                 member.up, member.reason = False, reason
+                member.full = full
                 most = MAX_FULL_BACKOFF_S if full else MAX_BACKOFF_S
                 member.next_probe = time.monotonic() + min(most, PROBE_INTERVAL_S * 2 ** (member.losses - 1))
 
@@ -221,7 +209,10 @@ class Fleet:
         """Probe every member that is due (down ones often, up ones now and then); True if one came up or went down."""
         now = time.monotonic()
         with self._lock:
-            due = [m for m in self.members.values() if m.listed and m.next_probe <= now]
+            # The long backoff of a full daemon spares the shares it would refuse while others serve;
+            # with none up, it is asked at once (it may have room now, and the loader has nowhere else).
+            stranded = not any(m.up and m.listed and not m.draining for m in self.members.values())
+            due = [m for m in self.members.values() if m.listed and (m.next_probe <= now or (stranded and m.full))]
         changed = False
         for member in due:
             changed |= self._probe(member)
@@ -338,7 +329,7 @@ class Fleet:
             # a later probe or lane asks for a session again.
             if not member.sessionless:  # said once, not at every probe
                 log.warning("loaderd at %s refused a session (%s): streaming over gRPC, without shared memory", address, exc)
-            member.sessionless = str(exc)
+            member.sessionless = str(exc) or type(exc).__name__
             return None
         member.sessionless = ""
         if session.shm:

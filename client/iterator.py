@@ -58,12 +58,13 @@ from loaderd.errors import (
     LimitExceededError,
     exception_from_remote,
 )
-from loaderd.fleet import FleetMonitor, Usable, rendezvous_order
+from loaderd.fleet import FleetMonitor, Usable
 from loaderd.lane import Lane, LaneEvent, client_name
 from loaderd.next_epoch import Readiness
 from loaderd.plan import window_size
 from loaderd.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.rendezvous import rendezvous_order
 
 log = logging.getLogger("loaderd.iterator")
 

@@ -29,6 +29,7 @@ import grpc
 
 from loaderd.server.ledger import FinishedBatch
 from loaderd.server.tasks import BatchTask, Indices
+from loaderd.wire.rendezvous import rendezvous
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class WorkerSlots:
         slot = key % self.size
         if slot not in self.given_up:
             return slot
-        left = [w for w in range(self.size) if w not in self.given_up]
-        return min(left, key=lambda w: hash((key, w))) if left else slot
+        left = [str(w) for w in range(self.size) if w not in self.given_up]
+        return int(rendezvous(str(key), left)) if left else slot
 
 
 class StreamFailed(Exception):

@@ -458,6 +458,8 @@ class Scheduler:
             self._ledger.forget(result.retired)
             return
         if isinstance(result, WorkerStartFailed):
+            if (message.worker_id, message.generation) in self._start_killed:
+                return  # failed as it was killed: its death starts the next try
             self._starting.pop(message.worker_id, None)
             log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
             self._respawn(message.worker_id)

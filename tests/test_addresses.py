@@ -10,7 +10,7 @@ import pytest
 from cluster import inject_dns
 from loaderd.addresses import ADDRESS_ENV, DEFAULT_ADDRESS, parse_target, single_address
 from loaderd.errors import LoaderdError
-from loaderd.fleet import rendezvous
+from loaderd.wire.rendezvous import rendezvous
 from loaderd.server.config import DEFAULT_LISTEN
 
 pytestmark = pytest.mark.timeout(30)

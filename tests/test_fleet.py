@@ -113,6 +113,24 @@ def test_a_daemon_that_keeps_refusing_for_its_limits_is_asked_less_and_less_ofte
     assert waits("A:1", True)[0] == pytest.approx(fleet_module.PROBE_INTERVAL_S, abs=0.05)
 
 
+def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else a loader whose other daemon died would wait up to 30 s (past a short failover_timeout)
+    before asking the one daemon it has left, which may have room by then."""
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: types.SimpleNamespace(credentials=None))
+    fleet = Fleet(Target("A:1,B:1", ("A:1", "B:1"), ()), "d", "grpc")
+    probed: list[str] = []
+    monkeypatch.setattr(fleet, "_probe", lambda member: probed.append(member.address) or False)
+    b = fleet.members["B:1"]
+    b.up, b.next_probe = True, time.monotonic() + 60  # serving; its recheck not due
+    for _ in range(9):
+        fleet.mark_down("A:1", "refused a stream: max_streams", full=True)
+    fleet.probe_due()
+    assert probed == [], "A waits out its backoff while B serves"
+    fleet.mark_down("B:1", "the stream broke")
+    fleet.probe_due()
+    assert probed == ["A:1"], "with B down, A is asked at once"
+
+
 # ------------------------------------------------------------------ spreading over fake lanes
 
 
