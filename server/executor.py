@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
