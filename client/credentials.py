@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 
 from loaderd.addresses import is_loopback
-from loaderd.errors import AuthenticationError, CredentialsError, tls_failure
+from loaderd.errors import AuthenticationError, CredentialsError
+from loaderd.rpc_errors import tls_failure
 
 log = logging.getLogger("loaderd.credentials")
 

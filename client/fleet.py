@@ -30,16 +30,12 @@ from loaderd.credentials import Credentials, refusal
 from loaderd.errors import (
     AuthenticationError,
     DaemonMismatchError,
-    NO_DAEMON_HINT,
     DaemonUnavailableError,
     LimitExceededError,
     LoaderdError,
     TransportError,
-    error_from_rpc,
-    explain_unreachable,
-    is_transient,
-    rpc_summary,
 )
+from loaderd.rpc_errors import NO_DAEMON_HINT, error_from_rpc, explain_unreachable, is_transient, rpc_summary
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import MIN_PROTOCOL_REVISION

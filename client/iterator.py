@@ -53,7 +53,6 @@ from loaderd.errors import (
     AuthenticationError,
     BatchTimeoutError,
     DaemonMismatchError,
-    NO_DAEMON_HINT,
     DaemonUnavailableError,
     LimitExceededError,
     exception_from_remote,
@@ -62,6 +61,7 @@ from loaderd.fleet import FleetMonitor, Usable
 from loaderd.lane import Lane, LaneEvent, client_name
 from loaderd.next_epoch import Readiness
 from loaderd.plan import window_size
+from loaderd.rpc_errors import NO_DAEMON_HINT
 from loaderd.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.rendezvous import rendezvous_order

@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 
 from loaderd.copy_fence import CopyFence
-from loaderd.errors import LoaderdError, TransportError, error_from_rpc
+from loaderd.errors import LoaderdError, TransportError
+from loaderd.rpc_errors import error_from_rpc
 from loaderd.leases import Leases
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import SHM_DIR, is_segment_name

@@ -37,7 +37,8 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.c_heap import raise_mmap_threshold
 from loaderd.connection import DaemonConnection
-from loaderd.errors import LoaderdError, TransportError, error_from_rpc, is_transient, rpc_summary
+from loaderd.errors import LoaderdError, TransportError
+from loaderd.rpc_errors import error_from_rpc, is_transient, rpc_summary
 from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb

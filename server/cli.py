@@ -16,7 +16,8 @@ import grpc
 
 from loaderd.addresses import DEFAULT_ADDRESS, single_address
 from loaderd.credentials import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, Credentials, open_channel, refusal
-from loaderd.errors import NO_DAEMON_HINT, LoaderdError, explain_unreachable
+from loaderd.errors import LoaderdError
+from loaderd.rpc_errors import NO_DAEMON_HINT, explain_unreachable
 from loaderd.server.config import ConfigError, ListenSpec, LoaderConfig, MetricsConfig, check_imports, check_listen, check_port, load_config
 from loaderd.server.daemon import Daemon
 from loaderd.server.listeners import ListenError

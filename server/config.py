@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from loaderd.addresses import DEFAULT_ADDRESS, is_loopback
 from loaderd.server.log_format import LOG_FORMATS
 from loaderd.wire.limits import MAX_CHUNK_BYTES
@@ -414,6 +412,10 @@ def load_config(path: str | Path) -> LoaderConfig:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    # Imported here: the pool's fork server and workers import this module for the config's
+    # classes and never parse a file (yaml would cost each pool ~0.7 MB and 0.1 s at start).
+    import yaml
+
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -927,10 +927,10 @@ def report_memory(s: Settings, memory: MemoryResult) -> list[str]:
                 f"{fmt(_ratio(once, footprint['torch']), 2)} |"
             )
         p("")
-    once_runs = [(label, group) for (label, kind), group in typicals.items() if kind == "loaderd once"]
+    once_runs = [(f"{label} {kind}", group) for (label, kind), group in typicals.items() if kind in ("torch", "loaderd once")]
     if once_runs:
         p(
-            "Where loaderd once's memory goes, per process (the round closest to the median): pages only that "
+            "Where the memory goes, per process, torch's group beside loaderd once's (the round closest to the median): pages only that "
             "process holds (Private_Dirty: what it wrote of pages it shared after a fork, what it allocated, "
             "slots no one else maps), and its share of the slots (Pss_Shmem).\n"
         )
