@@ -88,6 +88,10 @@ class PoolStartError(Exception):
     """A worker could not build the config's datasets; the message says which and why."""
 
 
+class PoolLostError(Exception):
+    """The pool can start no worker for good (its fork server, which held the ``build: once`` datasets, is gone)."""
+
+
 @dataclass(frozen=True)
 class WorkerMessage:
     """A message from worker process (``worker_id``, ``generation``).
@@ -155,6 +159,7 @@ class WorkerPool:
         # would end the fork server with a traceback) and builds the ``build: once`` datasets.
         self._ctx.set_forkserver_preload(["torch", "numpy", "loaderd.server.worker", "loaderd.server.build_once"])
         self._build_once = [s for s in config.datasets.values() if s.build == "once"]
+        self._fork_server_pid: int | None = None  # the one that built the ``build: once`` datasets, once started
         self._workers: dict[int, _Worker] = {}
         self._generations: dict[int, int] = {}
         self.datasets: dict[str, DatasetMeta] = {}
@@ -318,6 +323,8 @@ class WorkerPool:
             os.unlink(path)
         if stopped:
             raise PoolStartError(stopped)
+        if not failure:
+            self._fork_server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         if failure:
             # E.g. a module or constructor that ended the fork server (os._exit, a crash, the OOM
             # killer): the start then fails with EOFError, which says nothing of the dataset.
@@ -333,13 +340,31 @@ class WorkerPool:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
 
         OSError if no process can be started now (e.g. out of file descriptors);
-        the slot stays dead and may be respawned again later.
+        the slot stays dead and may be respawned again later. PoolLostError if no
+        worker can ever start again: the fork server died, and with it the datasets it
+        built once (multiprocessing would start a new one, which builds nothing, so
+        each start would fail; the daemon exits for its supervisor to start it afresh).
         """
+        if self._build_once and not self._fork_server_alive():
+            names = ", ".join(repr(s.name) for s in self._build_once)
+            raise PoolLostError(
+                f"the pool's fork server (pid {self._fork_server_pid}) died, and with it the datasets it built "
+                f"once ({names}); a new daemon must build them again (killed by the OOM killer? see the kernel log)"
+            )
         old = self._workers[worker_id]
         self._close(old)
         self._spawn(worker_id)
         self.restarts += 1
         self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
+
+    def _fork_server_alive(self) -> bool:
+        """Whether the fork server this pool started still runs (asked without reaping it: multiprocessing does that)."""
+        if self._fork_server_pid is None:
+            return False
+        try:
+            return os.waitid(os.P_PID, self._fork_server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # reaped already
+            return False
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.

@@ -29,9 +29,10 @@ Rules:
 * The payload is the server's own config (pickled by the daemon for its own fork
   server, in a 0600 file the pool removes once the fork server has read it), never
   anything a client sent. A fork server that multiprocessing restarts later finds no
-  payload: workers it forks import the config's modules themselves, and those that
-  need a ``build: once`` dataset fail to start with ``BuildFailed``, and the scheduler
-  gives up on the pool after its usual failed starts (the daemon exits, to be restarted).
+  payload: workers it forks import the config's modules themselves. A pool with
+  ``build: once`` datasets starts none there: ``WorkerPool.respawn`` sees the fork
+  server it started gone and raises ``PoolLostError``, which stops the daemon (to be
+  restarted); a worker that still asked for such a dataset would get ``BuildFailed``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from loaderd.server.catalog import Catalog
 from loaderd.server.client_tally import ClientTally
 from loaderd.server.config import LoaderConfig
 from loaderd.server.ledger import SlotLedger
-from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
+from loaderd.server.pool import PoolEvent, PoolLostError, WorkerDied, WorkerMessage
 from loaderd.server.producer import Delivery, Producer, StreamFailed, WorkerSlots
 from loaderd.server.share import ShareKey, SharedJob
 from loaderd.server.stream import BatchStream, StreamSpec
@@ -85,7 +85,8 @@ class Pool(Protocol):
         ...
 
     def respawn(self, worker_id: int) -> None:
-        """Start a replacement for a dead worker; OSError if it cannot (e.g. out of file descriptors)."""
+        """Start a replacement for a dead worker; OSError if it cannot now (e.g. out of file descriptors),
+        PoolLostError if it never can (the scheduler then stops the daemon)."""
         ...
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
@@ -575,6 +576,10 @@ class Scheduler:
             self._respawn_failures[worker_id] = self._respawn_failures.get(worker_id, 0) + 1
             try:
                 self._pool.respawn(worker_id)
+            except PoolLostError as exc:
+                self._respawn_due.clear()  # every other start would fail the same way
+                self._fatal(str(exc))
+                return
             except Exception as exc:  # out of file descriptors, a fork server that died: try again later
                 log.error("cannot start a replacement for worker %d: %s: %s", worker_id, type(exc).__name__, exc)
                 self._respawn(worker_id)

@@ -69,9 +69,9 @@ def _rollup_kb(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/smaps_rollup")
 
 
-def _epoch_checked(address: str, workers: set[int]) -> set[int]:
-    """One shuffled epoch of "once": the squares equal torch's; returns the pids that built what served it."""
-    got = list(RemoteDataLoader("once", batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5), address=address))
+def _epoch_checked(address: str, workers: set[int], name: str = "once") -> set[int]:
+    """One shuffled epoch of ``name``: the squares equal torch's; returns the pids that built what served it."""
+    got = list(RemoteDataLoader(name, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5), address=address))
     local = datasets.Squares(N)
     expected = list(oracle_loader(local, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5)))
     assert len(got) == len(expected)
@@ -110,6 +110,39 @@ def test_a_replaced_worker_inherits_the_same_build(daemon: RunningDaemon, record
     workers = {w.pid for w in daemon_status(daemon.address).workers}
     (fork_server,) = _builders(records / "once.txt")  # still one build
     assert _epoch_checked(daemon.address, workers) == {fork_server}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("build", ["once", "per_worker"])
+def test_a_killed_fork_server(short_tmp: Path, build: str) -> None:
+    """SIGKILL the pool's fork server (the OOM killer's pick, say): its workers exit with it.
+
+    per_worker: multiprocessing starts a new fork server, whose workers build the dataset
+    again, and the next epoch equals torch's. once: the dataset died with it and a new fork
+    server would build nothing, so the daemon exits 1 at once, naming why, for its
+    supervisor to start it afresh (it used to fail each slot's starts for ~8 s first).
+    """
+    kwargs = {"n": N, "record": str(short_tmp / "built.txt")}
+    with running_daemon(
+        {"sq": {"dataset": "datasets:Recorded", "kwargs": kwargs, "build": build}},
+        prefix="ld-fs-kill-",
+        workers=2,
+        expect_running=build != "once",
+    ) as daemon:
+        workers = {w.pid for w in daemon_status(daemon.address).workers}
+        (fork_server,) = {_parent(pid) for pid in workers}
+        killed = time.monotonic()
+        os.kill(fork_server, signal.SIGKILL)
+        if build == "once":
+            assert daemon.process.wait(60) == 1, daemon.log()
+            took = time.monotonic() - killed
+            assert took < 5, f"exited {took:.1f}s after the fork server's death\n{daemon.log()}"
+            assert f"fork server (pid {fork_server}) died, and with it the datasets it built once ('sq')" in daemon.log()
+            wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 10, "the workers' exit")
+        else:
+            wait_for(lambda: all(w.alive and w.ready and w.pid not in workers for w in daemon_status(daemon.address).workers), 60, "two new workers")
+            new = {w.pid for w in daemon_status(daemon.address).workers}
+            assert _epoch_checked(daemon.address, new, "sq") == new  # each new worker built its own
 
 
 def _marked_processes(mark: str) -> list[int]:

@@ -19,7 +19,7 @@ from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 import loaderd.server.scheduler as scheduler_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
 from loaderd.server.arena import SlotRef
-from loaderd.server.pool import PoolEvent, WorkerMessage
+from loaderd.server.pool import PoolEvent, PoolLostError, WorkerMessage
 from loaderd.server.producer import WorkerSlots
 from loaderd.server.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
 from loaderd.server.share import ShareKey
@@ -132,6 +132,20 @@ def test_when_no_worker_can_start_the_scheduler_says_it_cannot_serve(monkeypatch
     while not fatal and time.monotonic() < deadline:
         sched.step(0.002)
     assert fatal and "no pool worker can start" in fatal[0]
+
+
+def test_a_lost_pool_is_fatal_at_its_first_start_and_said_once() -> None:
+    """PoolLostError (the fork server that held build: once datasets died): no backoff, no retries."""
+    fatal: list[str] = []
+    pool = FakePool()
+    pool.respawn_error = PoolLostError("the pool's fork server (pid 7) died")
+    sched = make(pool, on_fatal=fatal.append)
+    pool.die(0)
+    pool.die(1)
+    for _ in range(5):
+        sched.step(0.001)
+    assert fatal == ["the pool's fork server (pid 7) died"]
+    assert pool.respawned == []
 
 
 def step_until(sched: Scheduler, done: Callable[[], bool], seconds: float = 5.0) -> None:
