@@ -413,7 +413,7 @@ def load_config(path: str | Path) -> LoaderConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
     # Imported here: the pool's fork server and workers import this module for the config's
-    # classes and never parse a file (yaml would cost each pool ~0.7 MB and 0.1 s at start).
+    # classes and never parse a file (yaml would cost each pool ~0.7 MB and ~30 ms at start).
     import yaml
 
     try:

@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import selectors
 import signal
 import threading
@@ -358,13 +359,24 @@ class WorkerPool:
         self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
 
     def _fork_server_alive(self) -> bool:
-        """Whether the fork server this pool started still runs (asked without reaping it: multiprocessing does that)."""
-        if self._fork_server_pid is None:
-            return False
-        try:
-            return os.waitid(os.P_PID, self._fork_server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
-        except ChildProcessError:  # reaped already
-            return False
+        """Whether the fork server this pool started still runs.
+
+        Asked of the write end of its liveness pipe (multiprocessing's ``_forkserver_alive_fd``;
+        the fork server holds the only read end): POLLERR once the fork server's descriptors
+        are closed, the moment its workers' sentinels read EOF. waitid would say so only once
+        the kernel has made it a zombie, a moment later: a respawn in between would let
+        multiprocessing start a new fork server, which built nothing.
+        """
+        from multiprocessing import forkserver
+
+        server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+        if self._fork_server_pid is None or server._forkserver_pid != self._fork_server_pid:
+            return False  # never started, or multiprocessing replaced it already
+        if server._forkserver_alive_fd is None:
+            return False  # stopped (shutdown)
+        poller = select.poll()
+        poller.register(server._forkserver_alive_fd, select.POLLOUT)
+        return not any(events & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, events in poller.poll(0))
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.

@@ -185,6 +185,7 @@ class Scheduler:
         self._attempts: dict[tuple[int, int], int] = {}
         self._respawn_failures: dict[int, int] = {}
         self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
+        self._pool_lost = False  # the pool said no worker can ever start again (PoolLostError)
         self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
         self._start_killed: set[tuple[int, int]] = set()  # (slot, generation) killed by _check_starts
         self._slots = WorkerSlots(pool.size)  # the pool's slots, and those given up (MAX_RESPAWN_FAILURES)
@@ -556,6 +557,8 @@ class Scheduler:
 
     def _respawn(self, worker_id: int) -> None:
         """Start a replacement for worker slot ``worker_id`` now, or later if its last starts failed."""
+        if self._pool_lost:
+            return
         failures = self._respawn_failures.get(worker_id, 0)
         if failures >= MAX_RESPAWN_FAILURES:
             log.error("giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures)
@@ -577,7 +580,8 @@ class Scheduler:
             try:
                 self._pool.respawn(worker_id)
             except PoolLostError as exc:
-                self._respawn_due.clear()  # every other start would fail the same way
+                self._pool_lost = True  # no start can succeed again: none is tried, and this is said once
+                self._respawn_due.clear()
                 self._fatal(str(exc))
                 return
             except Exception as exc:  # out of file descriptors, a fork server that died: try again later

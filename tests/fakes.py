@@ -39,7 +39,8 @@ class FakePool:
         self.stopped: list[tuple[int, bool]] = []  # (worker, killed) as the scheduler asked
         self.rss = {w: 0 for w in range(size)}
         self.lingering: set[int] = set()  # workers that do not exit when asked to (see stop_worker)
-        self.respawn_error: OSError | None = None  # set: respawn raises it (e.g. EMFILE)
+        self.respawn_error: Exception | None = None  # set: respawn raises it (e.g. EMFILE, PoolLostError)
+        self.respawn_calls = 0
         self.hanging_starts: set[int] = set()  # replacements that never finish building (no WorkerReady)
         self._events: list[PoolEvent] = []
 
@@ -60,6 +61,7 @@ class FakePool:
         return events
 
     def respawn(self, worker_id: int) -> None:
+        self.respawn_calls += 1
         if self.respawn_error is not None:
             raise self.respawn_error
         self.respawned.append(worker_id)
