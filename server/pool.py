@@ -160,7 +160,7 @@ class WorkerPool:
         # would end the fork server with a traceback) and builds the ``build: once`` datasets.
         self._ctx.set_forkserver_preload(["torch", "numpy", "loaderd.server.worker", "loaderd.server.build_once"])
         self._build_once = [s for s in config.datasets.values() if s.build == "once"]
-        self._fork_server_pid: int | None = None  # the one that built the ``build: once`` datasets, once started
+        self._fork_server_pid: int | None = None  # the fork server this pool started (None until its start succeeded)
         self._workers: dict[int, _Worker] = {}
         self._generations: dict[int, int] = {}
         self.datasets: dict[str, DatasetMeta] = {}
@@ -324,8 +324,6 @@ class WorkerPool:
             os.unlink(path)
         if stopped:
             raise PoolStartError(stopped)
-        if not failure:
-            self._fork_server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         if failure:
             # E.g. a module or constructor that ended the fork server (os._exit, a crash, the OOM
             # killer): the start then fails with EOFError, which says nothing of the dataset.
@@ -336,6 +334,7 @@ class WorkerPool:
                 "constructor that ends its process, e.g. out of memory, ends the fork server; or no process "
                 "could be started; see the log above)"
             )
+        self._fork_server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
 
     def respawn(self, worker_id: int) -> None:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
