@@ -51,14 +51,20 @@ _START_POLL_S = 0.05
 _RESULTS, _DIED, _ROOM = "results", "died", "room"
 
 
+def _mp_fork_server() -> Any:
+    """multiprocessing's fork server of this process: the one place the pool reaches its private state
+    (``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``; the same in 3.11 to 3.14)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver  # type: ignore[attr-defined]
+
+
 def _stop_fork_server(timeout: float) -> None:
     """Stop this process's fork server, if it started one, and reap it (so it does not outlive the daemon).
 
     multiprocessing's own ``_stop`` waits without a timeout; this waits ``timeout`` seconds, then kills.
     """
-    from multiprocessing import forkserver
-
-    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server = _mp_fork_server()
     pid = server._forkserver_pid
     if pid is None:
         return
@@ -264,10 +270,8 @@ class WorkerPool:
         up, ``halt`` is set (no later start would launch a second fork server) and
         the fork server is killed, which ends the start waiting on it.
         """
-        from multiprocessing import forkserver
-
         names = ", ".join(repr(s.name) for s in self._build_once)
-        if self._build_once and forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+        if self._build_once and _mp_fork_server()._forkserver_pid is not None:
             # Its preloads ran already (another pool of this process): it would build nothing.
             raise PoolStartError(f"build: once ({names}) needs a fork server of its own; this process has one already")
         failure: list[BaseException] = []
@@ -334,7 +338,7 @@ class WorkerPool:
                 "constructor that ends its process, e.g. out of memory, ends the fork server; or no process "
                 "could be started; see the log above)"
             )
-        self._fork_server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        self._fork_server_pid = _mp_fork_server()._forkserver_pid
 
     def respawn(self, worker_id: int) -> None:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
@@ -366,9 +370,7 @@ class WorkerPool:
         the kernel has made it a zombie, a moment later: a respawn in between would let
         multiprocessing start a new fork server, which built nothing.
         """
-        from multiprocessing import forkserver
-
-        server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+        server = _mp_fork_server()
         if self._fork_server_pid is None or server._forkserver_pid != self._fork_server_pid:
             return False  # never started, or multiprocessing replaced it already
         if server._forkserver_alive_fd is None:
