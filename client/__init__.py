@@ -2,7 +2,7 @@
 
 ``RemoteDataLoader`` (and with it torch) is imported on first use, not by
 ``import loaderd``: the daemon's own modules live in this package too, and the
-daemon never imports torch (see server/import_check.py).
+daemon never imports torch (see server/worker/import_check.py).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,7 @@ from loaderd.errors import (
 )
 
 if TYPE_CHECKING:
-    from loaderd.loader import RemoteDataLoader
+    from loaderd.loader.data_loader import RemoteDataLoader
 
 __all__ = [
     "AuthenticationError",
@@ -49,7 +49,7 @@ if not TYPE_CHECKING:  # type checkers see the import above, and attribute typos
         """``loaderd.RemoteDataLoader``, imported (with torch) the first time it is asked for."""
         if name != "RemoteDataLoader":
             raise AttributeError(f"module 'loaderd' has no attribute {name!r}")
-        from loaderd.loader import RemoteDataLoader
+        from loaderd.loader.data_loader import RemoteDataLoader
 
         globals()["RemoteDataLoader"] = RemoteDataLoader  # asked for once
         return RemoteDataLoader

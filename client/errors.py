@@ -3,7 +3,7 @@
 A worker process turns a user exception into a ``RemoteError`` message
 (:func:`capture_exception`), and the client turns that message back into an
 exception of the original type where it can (:func:`exception_from_remote`).
-Failed gRPC calls become these errors in one other place, loaderd.rpc_errors:
+Failed gRPC calls become these errors in one other place, loaderd.channel.rpc_errors:
 this module imports no grpc, so the pool's fork server and workers, which need
 the classes and ``capture_exception``, do not load it (~2 MB a process tree).
 """
@@ -100,7 +100,7 @@ def clip(text: str, limit: int, *, keep_end: bool = False) -> str:
 def _text(render: Callable[[], str]) -> str:
     try:
         return render()
-    except Exception as exc:  # a __str__ that raises must not take the worker down with it
+    except Exception as exc:  # noqa: BLE001 - a __str__ that raises must not take the worker down with it
         return f"<unprintable: {type(exc).__name__}>"
 
 
@@ -126,7 +126,7 @@ def capture_exception(exc: BaseException, where: str, seq: int = 0) -> pb.Remote
 # ----------------------------------------------------------- client side
 
 
-def _resolve_exception_type(module: str, qualname: str) -> type[BaseException] | None:
+def _resolve_exception_type(module: str, qualname: str) -> type[Exception] | None:
     """The remote exception's class, if the client already imported it (nothing is imported on the server's say-so)."""
     owner = find_loaded(module, qualname)
     if isinstance(owner, type) and issubclass(owner, Exception):
@@ -141,7 +141,7 @@ def exception_from_remote(err: pb.RemoteError) -> Exception:
     if cls is not None:
         try:
             return cls(_KeyErrorMessage(message) if issubclass(cls, KeyError) else message)
-        except Exception:  # a constructor that wants other arguments
+        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
             pass
     remote = RemoteWorkerError(f"{err.type_module}.{err.type_qualname}: {message}")
     remote.remote_type = f"{err.type_module}.{err.type_qualname}"  # type: ignore[attr-defined]

@@ -10,11 +10,11 @@ its address across restarts. Used by tests/test_failover.py and the benches.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import socket
 import subprocess
 import tempfile
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

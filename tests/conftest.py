@@ -56,7 +56,7 @@ class RunningDaemon:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(5)
-            raise AssertionError(f"daemon did not exit within {timeout}s after {sig}:\n{self.log()}")
+            raise AssertionError(f"daemon did not exit within {timeout}s after {sig}:\n{self.log()}") from None
 
 
 FAST_RECONNECT = [
@@ -147,12 +147,12 @@ def write_config(directory: Path, datasets: dict[str, Any], **top: Any) -> Path:
 
 
 def serve_command(config_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path), *extra]
+    return [sys.executable, "-m", "loaderd.server.app.cli", "serve", "--config", str(config_path), *extra]
 
 
 def loaderd_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """Run ``loaderd ARGS...`` to completion (stdin closed); its exit code and output."""
-    command = [sys.executable, "-m", "loaderd.server.cli", *args]
+    command = [sys.executable, "-m", "loaderd.server.app.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
 

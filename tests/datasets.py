@@ -382,7 +382,7 @@ class TunablesSeen(Dataset):
         return len(self.names)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from loaderd.server.glibc_tunables import VARIABLE, parse
+        from loaderd.server.process.glibc_tunables import VARIABLE, parse
 
         if self.source == "start":
             with open("/proc/self/environ", "rb") as f:

@@ -4,7 +4,7 @@ The deploy configs use listen entries as mappings (``address`` with
 ``socket_mode``/``socket_group``, ``tls`` or ``insecure``), ``auth.token_file``
 and ``metrics.require_token``. ``check_contract`` checks those parts against
 that format; ``parse_with_loaderd`` runs the whole file through
-``loaderd.server.config.load_config``. A parser that predates the format (it
+``loaderd.server.config.schema.load_config``. A parser that predates the format (it
 refuses a mapping listen entry) gets the file with those parts reduced to what
 it knows (listen addresses as strings, no ``auth``, no ``require_token``), so
 datasets, limits and the rest are still checked by the real parser; a parser
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from loaderd.server.config import ConfigError, LoaderConfig, load_config, parse_config
+from loaderd.server.config.schema import ConfigError, LoaderConfig, load_config, parse_config
 
 LISTEN_KEYS = {"address", "socket_mode", "socket_group", "tls", "insecure"}
 TLS_KEYS = {"cert", "key", "client_ca"}

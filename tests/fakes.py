@@ -1,6 +1,6 @@
 """A fake worker pool and helpers for the daemon's unit tests: no processes, no gRPC.
 
-``FakePool`` satisfies ``loaderd.server.scheduler.Pool``. Tasks the scheduler
+``FakePool`` satisfies ``loaderd.server.scheduling.scheduler.Pool``. Tasks the scheduler
 submits are recorded; a test then decides what each worker "did" (finish,
 fail, exhaust, die) and the next ``poll`` returns those events, so a test
 drives the scheduler one ``step`` at a time.
@@ -17,13 +17,13 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from loaderd.errors import capture_exception
-from loaderd.server.arena import SlotRef
-from loaderd.server.catalog import Catalog
-from loaderd.server.ledger import FinishedBatch, SlotLedger
-from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage
-from loaderd.server.producer import Delivery, Upstream
-from loaderd.server.stream import BatchStream, StreamSpec
-from loaderd.server.tasks import BatchDone, BatchFailed, DatasetMeta, FetchTask, IterTask, ReplicaExhausted, Task, WorkerReady
+from loaderd.server.pool.pool import PoolEvent, WorkerDied, WorkerMessage
+from loaderd.server.scheduling.catalog import Catalog
+from loaderd.server.scheduling.ledger import FinishedBatch, SlotLedger
+from loaderd.server.scheduling.producer import Delivery, Upstream
+from loaderd.server.scheduling.stream import BatchStream, StreamSpec
+from loaderd.server.shm.arena import SlotRef
+from loaderd.server.worker.tasks import BatchDone, BatchFailed, DatasetMeta, FetchTask, IterTask, ReplicaExhausted, Task, WorkerReady
 from loaderd.wire.limits import SHM_DIR
 
 

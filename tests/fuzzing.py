@@ -38,7 +38,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2
 
-from loaderd.server import heap
+from loaderd.server.process import heap
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
 
@@ -56,7 +56,7 @@ THREAD_MARGIN = 4  # a stream's plan reader or a session's reader, on its way ou
 # more over test_fuzz's 9,000 further calls is ~3.4 KB a call: RSS that stays above that
 # once the daemon is idle is memory kept per call, i.e. a leak (or allocator
 # caching that grows with the calls). On top of that, the free memory glibc keeps
-# at the top of the daemon's thread arena by design (server/heap.py: up to
+# at the top of the daemon's thread arena by design (server/process/heap.py: up to
 # TRIM_THRESHOLD_BYTES, which malloc_trim does not give back for thread arenas):
 # whether it is there when the warm-up is measured, or at the end, is chance (a
 # run failed at +30.5 MB, anon 41.5 -> 72.1 MB, with the same code passing flat;
@@ -156,7 +156,7 @@ CHANNEL_OPTIONS = [
 # ------------------------------------------------------------------ numbers
 
 UINT32_EDGES = [0, 1, 2, 3, 7, 64, 255, 1000, 65535, 65536, 1 << 20, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]
-UINT64_EDGES = UINT32_EDGES + [2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+UINT64_EDGES = [*UINT32_EDGES, 2 ** 32, 2 ** 53, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 2, 2 ** 64 - 1]
 INT64_EDGES = [0, 1, -1, 2, -2, 2**31 - 1, -(2**31), 2**32 - 1, 2**53, -(2**53), 2**63 - 1, -(2**63), -(2**63) + 1]
 # The edges most likely to overflow arithmetic (n + 1, n * k) in the daemon: drawn more often.
 TOP_EDGES = {32: [2**31 - 1, 2**32 - 1], 64: [2**63 - 1, 2**64 - 1, 2**64 - 2]}
@@ -285,7 +285,7 @@ def describe_bytes(data: bytes, message_type: type[pb_message.Message]) -> str:
     """How ``data`` parses as ``message_type``, or its first bytes if it does not."""
     try:
         return describe_message(message_type.FromString(data))
-    except Exception:  # noqa: BLE001 - any parse failure means "raw bytes"
+    except Exception:
         head = data[:24].hex()
         return f"raw<{len(data)} bytes: {head}{'...' if len(data) > 24 else ''}; not a valid {message_type.__name__}>"
 
@@ -461,7 +461,7 @@ class RequestFuzzer:
             elif q < 0.9:
                 out.append(r.randrange(-n, 0))
             else:
-                out.append(r.choice(INT64_EDGES + [n, -n - 1]))
+                out.append(r.choice([*INT64_EDGES, n, -n - 1]))
         return out
 
     def plan(self, dataset: str, end: bool | None = None) -> pb.PlanBatches:
@@ -626,7 +626,7 @@ class RequestFuzzer:
         if pick < 0.50:  # open, then plans (or progress reports), in order
             dataset = r.choice(list(MAP_DATASETS) + list(ITERABLE_DATASETS)) if r.random() < 0.85 else self.dataset_name()
             messages = [pb.StreamRequest(open=self.open_stream(dataset)).SerializeToString()]
-            for i in range(r.choice([0, 1, 1, 2, 3])):
+            for _i in range(r.choice([0, 1, 1, 2, 3])):
                 messages.append(pb.StreamRequest(plan=self.plan(dataset)).SerializeToString())
             return "open+plan", messages, hold
         if pick < 0.62:  # out of order: plan first, several opens, plan after end
@@ -713,7 +713,7 @@ class RequestFuzzer:
             bad_proof = pb.SessionRequest(
                 proof=pb.SessionProof(token=r.choice([b"", self.blob(32), self.blob()]), problem=self.text())
             ).SerializeToString()
-            messages = [hello()] + r.choice([[bad_proof], [hello()], [later()], [bad_proof, bad_proof], []])
+            messages = [hello(), *r.choice([[bad_proof], [hello()], [later()], [bad_proof, bad_proof], []])]
             return "bad-handshake", messages, hold, False, []
         if pick < 0.65:  # out of order: no hello first
             first = r.choice(
@@ -763,7 +763,7 @@ class RequestFuzzer:
         self.index += 1
         fresh = r.random() < 0.01
         if r.random() >= self.stream_share:
-            rpc = r.choice(UNARY + ["DescribeDataset", "DescribeDataset"])
+            rpc = r.choice([*UNARY, "DescribeDataset", "DescribeDataset"])
             kind, body = self.unary_body(rpc)
             return Case(index, rpc, kind, [body], UNARY_TIMEOUT_S, fresh_channel=fresh)
         pick = r.random()
@@ -831,7 +831,7 @@ def check_outcome(outcome: Outcome) -> list[str]:
         for reply in outcome.replies:
             try:
                 rpc.response.FromString(reply)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 problems.append(f"a reply that does not parse as {rpc.response.__name__}: {reply[:32].hex()}")
                 break
         if not rpc.streaming and len(outcome.replies) != 1:
@@ -839,7 +839,7 @@ def check_outcome(outcome: Outcome) -> list[str]:
         if not rpc.streaming:
             try:
                 request = rpc.request.FromString(outcome.case.messages[0])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 request = None
                 problems.append(f"OK for a request that does not parse as {rpc.request.__name__}")
             if outcome.rpc == "DescribeDataset" and request is not None and request.name not in FUZZ_DATASETS:
@@ -862,7 +862,7 @@ def absurd_open(case: Case) -> str:
         return ""
     try:
         first = pb.StreamRequest.FromString(case.messages[0])
-    except Exception:  # noqa: BLE001
+    except Exception:
         return ""
     if first.WhichOneof("kind") != "open":
         return ""
@@ -886,7 +886,7 @@ def _stream_kind(data: bytes) -> str | None:
     """Which kind of StreamResponse ``data`` is (None if it does not parse)."""
     try:
         return pb.StreamResponse.FromString(data).WhichOneof("kind")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -1016,7 +1016,7 @@ class FuzzRun:
             try:
                 for outcome in self.run_case(case):
                     self.tally.add(outcome)
-            except Exception as exc:  # noqa: BLE001 - a runner bug must not hang the run; it is reported
+            except Exception as exc:
                 self.tally.add(Outcome(case, case.rpc, C.UNKNOWN, "", 0.0, note=f"fuzz runner error: {exc!r}"))
             finally:
                 inbox.task_done()
@@ -1104,7 +1104,7 @@ class FuzzRun:
         except grpc.RpcError as exc:
             outcomes.append(Outcome(case, "Session", exc.code(), exc.details() or "", time.monotonic() - t0, session_replies, note=note))
             return outcomes
-        except Exception as exc:  # noqa: BLE001 - a reply that does not parse
+        except Exception as exc:
             note = f"session reply does not parse: {exc!r}"
 
         dataset = s["dataset"]
@@ -1217,7 +1217,7 @@ def _answer_challenge(reply: bytes, outbox: queue.Queue[bytes | None]) -> str:
     """Send the proof a real client would: the bytes of the challenge file. A problem, or ''."""
     try:
         response = pb.SessionResponse.FromString(reply)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "the first Session reply does not parse"
     if response.WhichOneof("kind") != "challenge":
         return ""
@@ -1313,9 +1313,8 @@ def check_epochs(address: str, seed: int, timeout: float = 30.0) -> list[str]:
     """A shuffled epoch (default transport) and a shared-memory epoch of big batches: each must equal torch's.
 
     Returns what went wrong (empty: both matched batch for batch)."""
-    import torch
-
     import datasets
+    import torch
     from compare import assert_same_batches
     from conftest import oracle_loader
 
@@ -1342,7 +1341,7 @@ def check_epochs(address: str, seed: int, timeout: float = 30.0) -> list[str]:
             want = list(local())
             assert len(got) == len(want), f"{len(got)} batches, torch gives {len(want)}"
             assert_same_batches(got, want)
-        except Exception as exc:  # noqa: BLE001 - reported as a finding
+        except Exception as exc:
             problems.append(f"post-fuzz epoch {name}: {type(exc).__name__}: {str(exc)[:500]}")
     return problems
 

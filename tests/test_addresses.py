@@ -6,12 +6,12 @@ import socket
 from collections import Counter
 
 import pytest
-
 from cluster import inject_dns
-from loaderd.addresses import ADDRESS_ENV, DEFAULT_ADDRESS, parse_target, single_address
+
 from loaderd.errors import LoaderdError
+from loaderd.server.config.schema import DEFAULT_LISTEN
+from loaderd.wire.addresses import ADDRESS_ENV, DEFAULT_ADDRESS, parse_target, single_address
 from loaderd.wire.rendezvous import rendezvous
-from loaderd.server.config import DEFAULT_LISTEN
 
 pytestmark = pytest.mark.timeout(30)
 

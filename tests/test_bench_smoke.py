@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-import bench_tenancy  # noqa: E402
+import bench_tenancy
 
 TINY = bench_tenancy.Settings(
     parts=[],

@@ -17,11 +17,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
-
-import datasets
 from conftest import RunningDaemon, daemon_status, oracle_loader, running_daemon, serve_command, wait_for, write_config
+
 from loaderd import RemoteDataLoader
 
 N = 64

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import loaderd_cli, write_config
 
-from loaderd.server.check import structure
+from loaderd.server.app.check import structure
 
 REPO = Path(__file__).resolve().parent.parent
 

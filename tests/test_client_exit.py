@@ -7,7 +7,6 @@ import sys
 from collections.abc import Callable
 
 import pytest
-
 from conftest import TESTS_DIR, RunningDaemon
 
 CLIENT = """

@@ -13,8 +13,8 @@ import torch
 from compare import assert_same
 
 import loaderd
-from loaderd.wire.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
 
 # Module-level namedtuple: the decoder finds it through sys.modules and reuses it.
 Point = collections.namedtuple("Point", ["x", "y"])

@@ -11,17 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from loaderd.server.config import (
-    DEFAULT_LISTEN,
-    ConfigError,
-    DatasetSpec,
-    ListenSpec,
-    MetricsConfig,
-    TlsSpec,
-    check_imports,
-    load_config,
-    parse_config,
-)
+from loaderd.server.config.schema import DEFAULT_LISTEN, ConfigError, DatasetSpec, ListenSpec, MetricsConfig, TlsSpec, load_config, parse_config
+from loaderd.server.worker.user_code import check_imports
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -378,7 +369,7 @@ def test_bad_metrics(tmp_path: Path, value: str, culprit: str, expect: str) -> N
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("port", ["-1", "65536"])
 def test_bad_metrics_port_option_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], port: str) -> None:
-    from loaderd.server.cli import EXIT_CONFIG, main
+    from loaderd.server.app.cli import EXIT_CONFIG, main
 
     path = write(tmp_path, "datasets: {a: {dataset: 'm:A'}}\n")
     assert main(["serve", "--config", str(path), "--metrics-port", port]) == EXIT_CONFIG

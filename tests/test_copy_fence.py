@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from loaderd.copy_fence import CopyFence
+from loaderd.shm.copy_fence import CopyFence
 from loaderd.wire.mapping import SharedMapping
 
 pytestmark = pytest.mark.timeout(30)
@@ -95,7 +95,7 @@ def test_releases_run_in_order_and_none_overtakes_a_pending_one() -> None:
 
 
 def test_close_waits_a_bounded_time_then_releases_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    import loaderd.copy_fence as copy_fence
+    import loaderd.shm.copy_fence as copy_fence
 
     monkeypatch.setattr(copy_fence, "_CLOSE_WAIT_S", 0.2)
     gpu = FakeGpu()

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
 from loaderd import RemoteDataLoader
-from loaderd.server.listeners import tcp_in_use
+from loaderd.server.security.listeners import tcp_in_use
 
 REPO = Path(__file__).resolve().parent.parent
 # Config errors are found before any worker starts: the time is Python's and torch's import.
@@ -34,7 +34,7 @@ CONFIG_ERROR_EXIT_S = 20.0
 SHUTDOWN_S = 5.0
 
 SQUARES = {"sq": {"dataset": "datasets:Squares", "kwargs": {"n": 50}}}
-# What the daemon logs once its pool has built the datasets (server/daemon.py).
+# What the daemon logs once its pool has built the datasets (server/app/daemon.py).
 POOL_READY = "workers ready with datasets"
 
 
@@ -206,7 +206,7 @@ def _module_config(short_tmp: Path, source: str) -> Path:
 
 @pytest.mark.timeout(60)
 def test_a_module_that_ends_the_process_when_imported_exits_2_with_one_line(short_tmp: Path) -> None:
-    """The daemon imports the config's modules in a child (server/import_check.py): its death is a verdict."""
+    """The daemon imports the config's modules in a child (server/worker/import_check.py): its death is a verdict."""
     path = _module_config(short_tmp, "import os\nos._exit(7)\n")
     assert_config_error(path, "config error", "ended the process (exit code 7)")
     assert not (short_tmp / "never.sock").exists()
@@ -370,13 +370,13 @@ def test_the_daemon_process_never_loads_torch(start_daemon: Callable[..., Runnin
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("entry", ["python -m loaderd.server.cli", "the loaderd script"])
+@pytest.mark.parametrize("entry", ["python -m loaderd.server.app.cli", "the loaderd script"])
 def test_pool_workers_do_not_rerun_the_daemons_main(short_tmp: Path, entry: str) -> None:
     """multiprocessing re-runs a child's parent ``__main__``: in every worker, the CLI and the whole daemon (~8 MB).
 
     Nor do workers load grpc or yaml, which only the daemon uses (~2.6 MB in the fork server, and its start).
     """
-    modules = ["loaderd.server.cli", "loaderd.server.daemon", "loaderd.server.worker", "grpc", "yaml"]
+    modules = ["loaderd.server.app.cli", "loaderd.server.app.daemon", "loaderd.server.worker.worker", "grpc", "yaml"]
     sock = short_tmp / "d.sock"
     datasets = {"seen": {"dataset": "datasets:ModulesSeen", "kwargs": {"modules": modules}}}
     config = write_config(short_tmp, datasets, workers=1, listen=[f"unix://{sock}"])
@@ -394,7 +394,7 @@ def test_pool_workers_do_not_rerun_the_daemons_main(short_tmp: Path, entry: str)
         wait_serving(f"unix://{sock}", process, log_path, STARTUP_TIMEOUT_S)
         (seen,) = list(RemoteDataLoader("seen", batch_size=len(modules), address=f"unix://{sock}"))
         # The worker's own module is there (the probe sees imports); the daemon's main and what only it imports are not.
-        assert dict(zip(modules, seen.tolist())) == {m: float(m == "loaderd.server.worker") for m in modules}
+        assert dict(zip(modules, seen.tolist())) == {m: float(m == "loaderd.server.worker.worker") for m in modules}
         process.send_signal(signal.SIGTERM)
         assert process.wait(SHUTDOWN_S + 5) == 0, log_path.read_text()
     finally:
@@ -429,7 +429,7 @@ def test_sigterm_mid_epoch_drains_then_the_client_gives_up_after_failover_timeou
                 received.append(batch)
                 if len(received) >= 3:
                     got_some.set()
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        except BaseException as exc:
             errors.append(exc)
         finally:
             finished.set()
@@ -500,7 +500,7 @@ def test_second_daemon_on_live_socket_exits_nonzero(
     config_dir = short_tmp / "second"
     config_dir.mkdir()
     config_path = write_config(config_dir, SQUARES, workers=1, listen=[first.address])
-    rc, _, stderr, took = run_serve(config_path, timeout=120)
+    rc, _, stderr, _took = run_serve(config_path, timeout=120)
     assert rc != 0, stderr
     assert rc == 1, stderr
     assert "Traceback" not in stderr, stderr

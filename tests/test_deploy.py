@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_configs import Listener, check_contract, parse_with_loaderd
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +31,7 @@ DOCKERFILE = CONTAINER / "Dockerfile"
 # SIGTERM -> drain (at most drain_timeout) -> shutdown, which takes up to ~10 s
 # (stop the gRPC server, workers and fork server, unlink shared memory); then margin.
 SHUTDOWN_MARGIN_S = 10
-# `loaderd serve --startup-timeout` default (server/cli.py): seconds workers get to build datasets.
+# `loaderd serve --startup-timeout` default (server/app/cli.py): seconds workers get to build datasets.
 DEFAULT_STARTUP_TIMEOUT_S = 600
 CONFIG_PATH = "/etc/loaderd/loaderd.yaml"
 COMMAND_TIMEOUT_S = 30

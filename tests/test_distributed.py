@@ -13,16 +13,16 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import datasets
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
-
-import datasets
-import loaderd
 from compare import assert_same_batches
 from conftest import RunningDaemon, running_daemon
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
+
+import loaderd
 from loaderd import RemoteDataLoader
-from loaderd.identity import share_seed
+from loaderd.loader.identity import share_seed
 
 SIZES = (103, 10, 12)
 DATASETS: dict[str, Any] = {

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from loaderd.server.executor import ElasticExecutor
+from loaderd.server.rpc.executor import ElasticExecutor
 
 pytestmark = pytest.mark.timeout(10)
 

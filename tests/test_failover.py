@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
-
 from cluster import Cluster, cluster, free_port, inject_dns
 from compare import assert_same_batches
 from conftest import daemon_status, oracle_loader
 from datasets import Slow, Squares
+from torch.utils.data import DistributedSampler
+
 from loaderd import DaemonMismatchError, DaemonUnavailableError, LimitExceededError, LoaderdError, RemoteDataLoader
 
 DATASETS = {

@@ -82,7 +82,7 @@ def outcomes(loader: Any, limit: int = 500) -> list[Any]:
             batch = next(it)
         except StopIteration:
             return results
-        except Exception as exc:  # noqa: BLE001 - the point is to record it
+        except Exception as exc:
             results.append(exc)
         else:
             results.append(batch)
@@ -189,7 +189,7 @@ def test_user_exception_between_large_batches(daemon: RunningDaemon, transport: 
     local = datasets.Failing(FAILING_BIG_N, (5, 12000), "ValueError")
     want = outcomes(oracle_loader(local, batch_size=BIG_BATCH, num_workers=2))
     assert [type(w).__name__ for w in want] == ["ValueError", "ValueError", "Tensor", "Tensor"], want
-    for epoch in range(2):
+    for _epoch in range(2):
         got = outcomes(loader)  # the good batches held together
         assert_same_outcomes(got, want)
         assert "bad item 5" in str(got[0]) and "bad item 12000" in str(got[1])

@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 import datasets
+import pytest
 from compare import assert_same_batches
 from conftest import RunningDaemon, client_process, daemon_status, oracle_loader, running_daemon, wait_for
+
 from loaderd import RemoteDataLoader
 
 ITEM_DELAY_S = 0.002

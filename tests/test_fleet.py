@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-import loaderd.fleet as fleet_module
-from loaderd.addresses import Target
-from loaderd.fleet import Fleet, FleetMonitor, Usable
-from loaderd.iterator import RemoteLoaderIter, _Mode
-from loaderd.lane import Lane, LaneEvent
+import loaderd.fleet.fleet as fleet_module
+from loaderd.epoch.iterator import RemoteLoaderIter, _Mode
+from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
+from loaderd.stream.lane import Lane, LaneEvent
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.addresses import Target
 
 INFO = pb.DatasetInfo(kind=pb.DatasetInfo.MAP, has_length=True, length=10)
 

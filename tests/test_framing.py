@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from loaderd.wire.codec import BatchAssembler, encode_batch
-from loaderd.wire import framing
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire import framing
+from loaderd.wire.codec import BatchAssembler, encode_batch
 
 CHUNK = 256
 

@@ -1,4 +1,4 @@
-"""server/glibc_tunables.py: the pool's fork server and workers start with glibc's non-temporal copy
+"""server/process/glibc_tunables.py: the pool's fork server and workers start with glibc's non-temporal copy
 threshold lowered; the daemon, and what the workers start, keep the operator's environment.
 
 The workers copy each item into a shared-memory slot they never read again; glibc's memcpy
@@ -19,8 +19,8 @@ import pytest
 from conftest import RunningDaemon
 
 from loaderd import RemoteDataLoader
-from loaderd.server import glibc_tunables
-from loaderd.server.glibc_tunables import NON_TEMPORAL_THRESHOLD, NON_TEMPORAL_THRESHOLD_BYTES, fork_server_value, parse
+from loaderd.server.process import glibc_tunables
+from loaderd.server.process.glibc_tunables import NON_TEMPORAL_THRESHOLD, NON_TEMPORAL_THRESHOLD_BYTES, fork_server_value, parse
 
 SETTING = f"{NON_TEMPORAL_THRESHOLD}={NON_TEMPORAL_THRESHOLD_BYTES:#x}"
 x86_glibc = pytest.mark.skipif(

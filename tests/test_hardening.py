@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import loaderd
 from loaderd import RemoteDataLoader
-from loaderd.server.worker import OOM_SCORE_ADJ_BOOST
+from loaderd.server.worker.worker import OOM_SCORE_ADJ_BOOST
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 
@@ -211,7 +211,7 @@ def iterate_outcomes(loader: RemoteDataLoader) -> list[Any]:
             out.append(next(iterator))
         except StopIteration:
             return out
-        except Exception as exc:  # noqa: BLE001 - every outcome is recorded and checked by the caller
+        except Exception as exc:
             out.append(exc)
 
 

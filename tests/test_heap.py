@@ -1,4 +1,4 @@
-"""server/heap.py: a daemon streaming multi-MiB batches over gRPC reuses its heap instead of faulting pages in.
+"""server/process/heap.py: a daemon streaming multi-MiB batches over gRPC reuses its heap instead of faulting pages in.
 
 Before the daemon tuned glibc's malloc, the 4 MiB messages it joined for gRPC (and
 gRPC's copies of them) came from freshly mapped memory: ~2,000 minor page faults
@@ -56,7 +56,7 @@ def test_daemon_streams_large_batches_over_grpc_without_faulting_in_each_message
 @pytest.mark.timeout(60)
 def test_tune_heap_is_taken_by_glibc_and_trimming_does_not_raise() -> None:
     # In a child: the settings are the whole process's, and pytest's own memory checks must not inherit them.
-    code = "from loaderd.server import heap; assert heap.tune_heap() is True; heap.give_back_free_pages(); print('ok')"
+    code = "from loaderd.server.process import heap; assert heap.tune_heap() is True; heap.give_back_free_pages(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
 
@@ -66,7 +66,7 @@ def test_tune_heap_is_taken_by_glibc_and_trimming_does_not_raise() -> None:
 def test_tune_heap_leaves_what_the_operator_set_in_the_environment() -> None:
     code = (
         "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO, format='%(message)s'); "
-        "from loaderd.server import heap; print(heap.tune_heap())"
+        "from loaderd.server.process import heap; print(heap.tune_heap())"
     )
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": str(1 << 20), "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler
 
-from loaderd.index_batches import _CHUNK, first_batch_draws, index_batches, last_batch_draws, plans_ahead
+from loaderd.epoch.index_batches import _CHUNK, first_batch_draws, index_batches, last_batch_draws, plans_ahead
 
 pytestmark = pytest.mark.timeout(60)
 

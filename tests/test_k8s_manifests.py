@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import yaml
-
 from deploy_configs import Listener, check_contract, parse_with_loaderd
-from loaderd.server.config import LoaderConfig
+
+from loaderd.server.config.schema import LoaderConfig
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
@@ -291,7 +291,7 @@ def test_secret_template_holds_no_usable_secret() -> None:
 
 @pytest.mark.timeout(10)
 def test_network_policy_admits_clients_and_prometheus_only() -> None:
-    tls, probe = listeners()
+    tls, _probe = listeners()
     metrics_port = raw_ds_yaml()["metrics"]["port"]
     policy = one("NetworkPolicy")["spec"]
     labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]

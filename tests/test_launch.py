@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from loaderd.server import launch
-from loaderd.server.launch import start_child
+from loaderd.server.pool import launch
+from loaderd.server.pool.launch import start_child
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from loaderd.leases import Leases
+from loaderd.shm.leases import Leases
 
 pytestmark = pytest.mark.timeout(10)
 

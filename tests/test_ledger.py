@@ -9,9 +9,9 @@ import pytest
 from fakes import LedgerLog, Segments
 
 from loaderd.errors import TransportError
-from loaderd.server.arena import SlotRef
-from loaderd.server.ledger import FinishedBatch, SlotLedger
-from loaderd.server.tasks import BatchDone
+from loaderd.server.scheduling.ledger import FinishedBatch, SlotLedger
+from loaderd.server.shm.arena import SlotRef
+from loaderd.server.worker.tasks import BatchDone
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,4 +1,4 @@
-"""The edge checks (server/requests.py), admission, the watchdog and bounded error texts, without a daemon."""
+"""The edge checks (server/rpc/requests.py), admission, the watchdog and bounded error texts, without a daemon."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import time
 import pytest
 from fakes import catalog, lone_stream, map_spec
 
-from loaderd.errors import LimitExceededError, MAX_ERROR_MESSAGE, capture_exception
-from loaderd.server.admission import Admission
-from loaderd.server.config import Limits
-from loaderd.server.requests import MAX_POSITION, BadRequestError, open_spec, plan_batches
-from loaderd.server.tasks import DatasetMeta
-from loaderd.server.watchdog import Watchdog
+from loaderd.errors import MAX_ERROR_MESSAGE, LimitExceededError, capture_exception
+from loaderd.server.config.schema import Limits
+from loaderd.server.rpc.admission import Admission
+from loaderd.server.rpc.requests import MAX_POSITION, BadRequestError, open_spec, plan_batches
+from loaderd.server.rpc.watchdog import Watchdog
+from loaderd.server.worker.tasks import DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(10)

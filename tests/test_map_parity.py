@@ -9,13 +9,17 @@ too, so a training script's randomness is unchanged by switching loaders.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
 import torch
+from compare import assert_same, assert_same_batches
+from conftest import RunningDaemon, running_daemon, tensors_of
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -25,10 +29,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-import datasets
 import loaderd
-from compare import assert_same, assert_same_batches
-from conftest import RunningDaemon, running_daemon, tensors_of
 from loaderd import RemoteDataLoader
 
 SQUARES_N = 103
@@ -553,7 +554,7 @@ def _assert_no_aliasing(batches: list[Any]) -> None:
         for j, t in enumerate(tensors_of(batch))
         if t.numel()
     )
-    for (_, end_a, what_a), (start_b, _, what_b) in zip(ranges, ranges[1:]):
+    for (_, end_a, what_a), (start_b, _, what_b) in itertools.pairwise(ranges):
         assert end_a <= start_b, f"{what_a} and {what_b} alias the same memory"
 
 

@@ -1,4 +1,4 @@
-"""The next epoch planned ahead (loaderd.next_epoch), against torch's DataLoader.
+"""The next epoch planned ahead (loaderd.epoch.next_epoch), against torch's DataLoader.
 
 While an epoch's last batches are made (from its second epoch on) the loader
 plans the next epoch on a copy of the global RNG, and adopts it only if the
@@ -14,17 +14,17 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import datasets
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
-import datasets
 from compare import assert_same_batches
 from conftest import RunningDaemon, daemon_status, running_daemon, wait_for
+from torch.utils.data import DataLoader
+
 from loaderd import RemoteDataLoader
-from loaderd.lane import Lane
-from loaderd.session import ShmSession
-from loaderd.stream_call import StreamCall
+from loaderd.shm.session import ShmSession
+from loaderd.stream.lane import Lane
+from loaderd.stream.stream_call import StreamCall
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""server/notify.py against real AF_UNIX datagram sockets standing in for systemd."""
+"""server/ops/notify.py against real AF_UNIX datagram sockets standing in for systemd."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import serve_command, wait_serving, write_config
-from loaderd.server.notify import SystemdNotifier, start_watchdog_pings
+
+from loaderd.server.ops.notify import SystemdNotifier, start_watchdog_pings
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -213,11 +213,11 @@ def test_a_worker_with_another_pid_gets_no_watchdog(receiver: socket.socket, mon
     assert start_watchdog_pings(SystemdNotifier.from_env(), lambda: True, threading.Event()) is None
 
 
-CLI_SOURCE = Path(__file__).resolve().parent.parent / "server" / "cli.py"
+CLI_SOURCE = Path(__file__).resolve().parent.parent / "server" / "app" / "cli.py"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif("loaderd.server.notify" not in CLI_SOURCE.read_text(), reason="server/cli.py does not notify systemd yet")
+@pytest.mark.skipif("loaderd.server.ops.notify" not in CLI_SOURCE.read_text(), reason="server/app/cli.py does not notify systemd yet")
 def test_loaderd_serve_notifies_systemd(receiver: socket.socket, short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real `loaderd serve` under a stand-in systemd: READY=1 once serving, pings, STOPPING=1 on SIGTERM, exit 0."""
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # a ping every 0.5 s

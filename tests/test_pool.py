@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from loaderd.server import glibc_tunables
-from loaderd.server.config import LoaderConfig, parse_config
-from loaderd.server.pool import PoolEvent, WorkerDied, WorkerMessage, WorkerPool
-from loaderd.server.tasks import BatchDone, FetchTask, WorkerReady
+from loaderd.server.config.schema import LoaderConfig, parse_config
+from loaderd.server.pool.pool import PoolEvent, WorkerDied, WorkerMessage, WorkerPool
+from loaderd.server.process import glibc_tunables
+from loaderd.server.worker.tasks import BatchDone, FetchTask, WorkerReady
 
 pytestmark = pytest.mark.timeout(120)
 

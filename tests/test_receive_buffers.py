@@ -1,4 +1,4 @@
-"""client/receive_buffers.py and client/c_heap.py: a trainer receiving batches over gRPC reuses its memory.
+"""client/stream/receive_buffers.py and client/stream/c_heap.py: a trainer receiving batches over gRPC reuses its memory.
 
 Before them, every multi-MiB tensor a trainer received over gRPC, and every 4 MiB
 message gRPC handed over as ``bytes``, came from freshly mapped memory that the kernel
@@ -23,10 +23,11 @@ import pytest
 import torch
 from conftest import RunningDaemon, ends_on_its_own_thread, glibc_malloc
 
-from loaderd import c_heap
-from loaderd.receive_buffers import MIN_BYTES, ReceiveBuffers
+from loaderd.stream import c_heap
+from loaderd.stream.receive_buffers import MIN_BYTES, ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, encode_batch
+
 
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
@@ -102,7 +103,7 @@ def test_a_dropped_pool_lets_its_regions_go() -> None:
 
 _FORK = """
 import os, torch
-from loaderd.receive_buffers import ReceiveBuffers
+from loaderd.stream.receive_buffers import ReceiveBuffers
 buffers = ReceiveBuffers()
 batch = torch.frombuffer(buffers.take(1 << 20), dtype=torch.uint8)
 batch.fill_(1)
@@ -243,7 +244,7 @@ def test_assembler_leaves_pinned_batches_to_torchs_allocator() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_mmap_threshold_is_raised_once_per_process() -> None:
-    code = "from loaderd import c_heap; print(c_heap.raise_mmap_threshold(), c_heap.raise_mmap_threshold())"
+    code = "from loaderd.stream import c_heap; print(c_heap.raise_mmap_threshold(), c_heap.raise_mmap_threshold())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert (out.returncode, out.stdout.split()) == (0, ["True", "False"]), out.stderr
     assert c_heap.BLOCK_BYTES <= 32 << 20, "glibc slides its threshold only up to 32 MiB"

@@ -32,11 +32,11 @@ from typing import Any
 
 import pytest
 import torch
+from compare import assert_same, assert_same_batches
+from conftest import RunningDaemon, running_daemon
 from torch.utils.data import SubsetRandomSampler
 
 import loaderd
-from compare import assert_same, assert_same_batches
-from conftest import RunningDaemon, running_daemon
 from loaderd import RemoteDataLoader
 
 AUGMENT_N = 37

@@ -14,10 +14,10 @@ import pytest
 from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.errors import exception_from_remote
-from loaderd.server.producer import END, StreamFailed
-from loaderd.server.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
-from loaderd.server.share import ShareKey, ShareMismatchError
-from loaderd.server.tasks import FetchTask, IterTask, ReleaseStream
+from loaderd.server.scheduling.producer import END, StreamFailed
+from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.share import ShareKey, ShareMismatchError
+from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream
 from loaderd.v1 import loaderd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(10)

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 from fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
-import loaderd.server.scheduler as scheduler_module
+import loaderd.server.scheduling.scheduler as scheduler_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
-from loaderd.server.arena import SlotRef
-from loaderd.server.pool import PoolEvent, PoolLostError, WorkerMessage
-from loaderd.server.producer import WorkerSlots
-from loaderd.server.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
-from loaderd.server.share import ShareKey
-from loaderd.server.stream import BatchStream
-from loaderd.server.tasks import IterTask, WorkerReady
+from loaderd.server.pool.pool import PoolEvent, PoolLostError, WorkerMessage
+from loaderd.server.scheduling.producer import WorkerSlots
+from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.share import ShareKey
+from loaderd.server.scheduling.stream import BatchStream
+from loaderd.server.shm.arena import SlotRef
+from loaderd.server.worker.tasks import IterTask, WorkerReady
 from loaderd.v1 import loaderd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
@@ -354,7 +354,7 @@ def test_a_batch_whose_slot_cannot_be_mapped_is_made_again_over_the_pipe() -> No
     pool.finish(task, slot=SlotRef(name="loaderd-0-missing-w0g0-0", size=4096))
     sched.step(0)
     sched.step(0)
-    worker, again = pool.batch_tasks()[-1]
+    _worker, again = pool.batch_tasks()[-1]
     assert again.seq == task.seq and again.inline and not task.inline
     assert log.given_back == [(pool.worker_of(task), 0, "loaderd-0-missing-w0g0-0")], "the slot goes back unmapped"
     pool.finish(again)

@@ -27,14 +27,14 @@ from typing import Any
 import grpc
 import pytest
 import trustme
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from compare import assert_same_batches
 from conftest import RunningDaemon, loaderd_cli, oracle_loader, popen_serve, wait_serving, write_config
 from datasets import Squares
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from loaderd import AuthenticationError, CredentialsError, LoaderdError, RemoteDataLoader
-from loaderd.connection import get_connection
-from loaderd.credentials import Credentials
+from loaderd.channel.credentials import Credentials
+from loaderd.fleet.connection import get_connection
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 
@@ -473,8 +473,8 @@ def test_tls_through_a_dns_name_checks_the_certificate_against_the_name(short_tm
 def test_a_socket_group_that_cannot_be_used_is_a_config_error() -> None:
     import grp
 
-    from loaderd.server.config import ConfigError, ListenSpec
-    from loaderd.server.listeners import prepare
+    from loaderd.server.config.schema import ConfigError, ListenSpec
+    from loaderd.server.security.listeners import prepare
 
     with pytest.raises(ConfigError, match=r"listen\[0\]\.socket_group: no group named 'no-such-group-x'"):
         prepare((ListenSpec("unix:///tmp/x.sock", socket_group="no-such-group-x"),))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from loaderd.server.seeding import derive_seed, seed_everything
+from loaderd.server.worker.seeding import derive_seed, seed_everything
 
 
 def draw() -> tuple[list[float], float, list[float], int]:
@@ -27,7 +27,7 @@ def test_derive_seed_is_deterministic() -> None:
 def test_mixer_is_splitmix64() -> None:
     """Pin the mixing function to SplitMix64's reference outputs (seed 0): changing it would
     silently change every user's per-batch randomness."""
-    from loaderd.server.seeding import _splitmix64
+    from loaderd.server.worker.seeding import _splitmix64
 
     golden = 0x9E3779B97F4A7C15
     assert _splitmix64(0) == 0xE220A8397B1DCDAF

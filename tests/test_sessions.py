@@ -20,18 +20,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import ends_on_its_own_thread, wait_for
 
-from loaderd.server import sessions
-from loaderd.server.auth import ANONYMOUS, Identity
-from loaderd.server.ledger import SlotLedger
-from loaderd.server.sessions import ClientSession, SessionForeignError, SessionHost, SessionRegistry
-from loaderd.server.watchdog import Watchdog
-from loaderd.session import ShmSession
+from loaderd.server.rpc import sessions
+from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost, SessionRegistry
+from loaderd.server.rpc.watchdog import Watchdog
+from loaderd.server.scheduling.ledger import SlotLedger
+from loaderd.server.security.auth import ANONYMOUS, Identity
+from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
-
-from conftest import ends_on_its_own_thread, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 

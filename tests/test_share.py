@@ -10,15 +10,15 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import datasets
 import pytest
 import torch
-
-import datasets
 from compare import assert_same_batches
 from conftest import RunningDaemon, client_process, daemon_status, oracle_loader, running_daemon, wait_for
+
 from loaderd import RemoteDataLoader
 from loaderd.errors import InvalidRequestError
-from loaderd.identity import share_seed
+from loaderd.loader.identity import share_seed
 from loaderd.v1 import loaderd_pb2 as pb
 
 N = 300

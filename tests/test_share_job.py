@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from fakes import batch_delivery, drain, held_lock, lone_stream, map_spec
 
-from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import Delivery, StreamFailed, WorkerSlots
-from loaderd.server.share import ShareKey, SharedJob, ShareMismatchError
+from loaderd.server.scheduling.ledger import FinishedBatch
+from loaderd.server.scheduling.producer import Delivery, StreamFailed, WorkerSlots
+from loaderd.server.scheduling.share import SharedJob, ShareKey, ShareMismatchError
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -85,7 +85,7 @@ def test_the_buffer_is_bounded_and_a_far_behind_consumer_gets_recomputed_batches
 
 
 def test_a_consumer_with_other_indices_fails() -> None:
-    job, (a, b), _ = job_with(2)
+    _job, (a, b), _ = job_with(2)
     a.add_plan([(0, 1)], end=False)
     b.add_plan([(1, 0)], end=False)
     with pytest.raises(StreamFailed, match="other indices"):
@@ -100,7 +100,7 @@ def test_join_checks_parameters() -> None:
 
 
 def test_a_detached_consumer_waits_for_nothing() -> None:
-    job, (a, b), _ = job_with(2)
+    job, (a, _b), _ = job_with(2)
     a.add_plan([(0,)], end=False)
     job.detach(a)
     assert job.waiters == {}

@@ -38,21 +38,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
-import datasets
-import loaderd
-import loaderd.lane
-import loaderd.session
 from compare import assert_same, assert_same_batches
 from conftest import TESTS_DIR, RunningDaemon, client_process, running_daemon, tensors_of, wait_for
+from torch.utils.data import DataLoader
+
+import loaderd
+import loaderd.shm.session
+import loaderd.stream.lane
 from loaderd import RemoteDataLoader
-from loaderd.leases import Leases
-from loaderd.session import ShmSession
+from loaderd.server.shm import arena as loaderd_arena
+from loaderd.shm.leases import Leases
+from loaderd.shm.session import ShmSession
 from loaderd.wire.limits import PROTOCOL_REVISION
-from loaderd.server import arena as loaderd_arena
 
 SHM_DIR = "/dev/shm"
 MiB = 1 << 20
@@ -481,7 +481,7 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     # A lease waits one to two periods for a plan. At the product's 5 ms, a loop slower than ~5 ms a
     # batch (a loaded 2-core CI machine: 34 of 75 once) sends most by the session, as designed; a
     # longer period makes the count below depend on the routing, not on the machine's speed.
-    monkeypatch.setattr(loaderd.session, "RELEASE_PERIOD_S", 0.05)
+    monkeypatch.setattr(loaderd.shm.session, "RELEASE_PERIOD_S", 0.05)
     batches = shm_epochs(roomy.get(), 3)
     # Earlier tests' batches share this process's session: their leases may be among those sent.
     wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
@@ -495,7 +495,7 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
 @pytest.mark.timeout(90)
 def test_with_a_daemon_before_revision_5_the_session_gives_every_lease_back(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """Such a daemon would ignore a plan's releases: none rides a plan, and none is lost."""
-    monkeypatch.setattr(loaderd.lane, "PLAN_RELEASES_REVISION", PROTOCOL_REVISION + 1)
+    monkeypatch.setattr(loaderd.stream.lane, "PLAN_RELEASES_REVISION", PROTOCOL_REVISION + 1)
     by_plan, by_session = release_routes(monkeypatch)
     daemon = roomy.get()
     before = set(segment_sizes(daemon_pid(daemon)))
@@ -626,7 +626,7 @@ def test_pin_memory_with_cuda_gives_pinned_shm_batches(roomy: SharedDaemon) -> N
 def test_pinned_batches_dropped_before_their_queued_copy_ran_arrive_intact(roomy: SharedDaemon, transport: str) -> None:
     """A training loop drops each host batch right after ``.cuda(non_blocking=True)``, while the copy
     still waits behind queued GPU work; its page-locked memory must not be refilled before the copy ran
-    (torch's pinned allocator waits on an event for this; ``loaderd.copy_fence`` does it for slots)."""
+    (torch's pinned allocator waits on an event for this; ``loaderd.shm.copy_fence`` does it for slots)."""
     daemon = roomy.get()
     pid = daemon_pid(daemon)
     loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=2, transport=transport, pin_memory=True)

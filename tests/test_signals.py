@@ -1,4 +1,4 @@
-"""server/signals.py: SIGTERM and SIGINT reach `loaderd serve`'s loop without the handler taking a lock.
+"""server/app/signals.py: SIGTERM and SIGINT reach `loaderd serve`'s loop without the handler taking a lock.
 
 Before, the handler set threading.Events that the interrupted main thread may
 be inside of (``woken.wait()``): Event.set() then waited for a lock its own
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import ends_on_its_own_thread
 
-from loaderd.server.signals import StopSignals
+from loaderd.server.app.signals import StopSignals
 
 
 @pytest.fixture

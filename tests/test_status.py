@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import (
-    RunningDaemon,
     STARTUP_TIMEOUT_S,
+    RunningDaemon,
     daemon_status,
     loaderd_cli,
     popen_serve,
@@ -33,9 +33,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 from loaderd import RemoteDataLoader
-from loaderd.lane import client_name
-from loaderd.server.client_tally import KEEP_S, ClientTally, StreamUse
-from loaderd.server.status import ClientRate, client_rates
+from loaderd.server.ops.status import ClientRate, client_rates
+from loaderd.server.scheduling.client_tally import KEEP_S, ClientTally, StreamUse
+from loaderd.stream.lane import client_name
 from loaderd.v1 import loaderd_pb2 as pb
 
 N = 100

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from fakes import batch_delivery, drain, iter_spec, lone_stream, map_spec
 
-from loaderd.server.ledger import FinishedBatch
-from loaderd.server.producer import END, Delivery, StreamFailed, WorkerSlots
-from loaderd.server.tasks import FetchTask, IterTask
+from loaderd.server.scheduling.ledger import FinishedBatch
+from loaderd.server.scheduling.producer import END, Delivery, StreamFailed, WorkerSlots
+from loaderd.server.worker.tasks import FetchTask, IterTask
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -175,7 +175,7 @@ def test_a_positioned_stream_seeds_each_batch_by_its_epoch_position_and_delivers
     """What lets a client spread an epoch over daemons: position 12 is seeded as position 12 anywhere."""
     import dataclasses
 
-    from loaderd.server.stream import fetch_task
+    from loaderd.server.scheduling.stream import fetch_task
 
     stream = lone_stream(dataclasses.replace(map_spec(window=8), positioned=True))
     stream.add_plan([(5,), (6,), (7,)], end=True, positions=[12, 3, 40])

@@ -24,14 +24,14 @@ from cluster import cluster
 from compare import assert_same_batches
 from conftest import RunningDaemon, daemon_status, oracle_loader, running_daemon, wait_for
 
-import loaderd.lane
+import loaderd.stream.lane
 from loaderd import RemoteDataLoader
-from loaderd.server.call_requests import CallRequests
-from loaderd.server.requests import BadRequestError
-from loaderd.server.rpc import parse_each
-from loaderd.receive_buffers import ReceiveBuffers
 from loaderd.errors import LimitExceededError
-from loaderd.stream_call import CallEpoch, StreamCall, _Receiver, _Route
+from loaderd.server.rpc.call_requests import CallRequests
+from loaderd.server.rpc.handlers import parse_each
+from loaderd.server.rpc.requests import BadRequestError
+from loaderd.stream.receive_buffers import ReceiveBuffers
+from loaderd.stream.stream_call import CallEpoch, StreamCall, _Receiver, _Route
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
@@ -107,7 +107,7 @@ def test_an_epoch_left_early_does_not_lend_its_call(daemon: RunningDaemon, trans
 @pytest.mark.timeout(60)
 def test_a_daemon_without_revision_4_gets_a_call_per_epoch(daemon: RunningDaemon, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a client does with an older daemon: it half-closes each epoch's call and opens a new one."""
-    monkeypatch.setattr(loaderd.lane, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
+    monkeypatch.setattr(loaderd.stream.lane, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
     loader = RemoteDataLoader("squares", batch_size=8, address=daemon.address, transport=transport, plan_ahead=False)
     got, added = epochs_with_receivers(loader, 2)
     for epoch in got:
@@ -204,7 +204,7 @@ def test_a_daemon_killed_and_restarted_between_epochs_is_invisible() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_daemon_stopped_between_epochs_stops_at_once_and_the_other_serves() -> None:
-    """A parked call is no stream to drain, nor is an epoch planned ahead (loaderd.next_epoch): SIGTERM
+    """A parked call is no stream to drain, nor is an epoch planned ahead (loaderd.epoch.next_epoch): SIGTERM
     stops its daemon without waiting out drain_timeout, and the loader's next epoch runs on the daemon left."""
     with cluster(DATASETS, 2, drain_timeout=20) as group:
         loader = RemoteDataLoader("squares", batch_size=5, address=",".join(group.addresses))

@@ -10,8 +10,8 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from loaderd.server.task_pipe import TaskPipe
-from loaderd.server.tasks import FetchTask, ReleaseSlot
+from loaderd.server.pool.task_pipe import TaskPipe
+from loaderd.server.worker.tasks import FetchTask, ReleaseSlot
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -7,7 +7,12 @@
 - ``loaderd.wire.limits``: constants both sides must agree on (message cap,
   shared-memory naming).
 - ``loaderd.wire.names``: finding a class the process already imported, by name.
+- ``loaderd.wire.rendezvous``: rendezvous hashing (the daemon a share meets on, the
+  slot a displaced iterable replica moves to).
+- ``loaderd.wire.addresses``: the address forms both ``RemoteDataLoader`` and
+  ``loaderd serve``/``status`` accept (lists, ``dns:///``, loopback checks).
 
-Nothing here imports the client's own modules or the daemon's: ``loaderd.wire``
+Nothing here imports the client's own packages or the daemon's (checked by the
+``importlinter`` contracts in pyproject.toml): ``loaderd.wire``
 sits under both, next to ``loaderd.errors`` and the generated ``loaderd.v1``.
 """

@@ -112,7 +112,7 @@ class _Encoder:
             if self._in_slot(t, ref):
                 return pb.Value(tensor=ref)
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-            self._add_buffer(memoryview(flat.numpy()), ref)
+            self._add_buffer(flat.numpy().data, ref)
             return pb.Value(tensor=ref)
         if isinstance(obj, (np.ndarray, np.generic)):
             arr = np.asarray(obj)
@@ -126,7 +126,7 @@ class _Encoder:
                 strides=[s // max(arr.itemsize, 1) for s in arr.strides],
                 scalar=isinstance(obj, np.generic),
             )
-            self._add_buffer(memoryview(arr.reshape(-1).view(np.uint8)), ref)
+            self._add_buffer(arr.reshape(-1).view(np.uint8).data, ref)
             return pb.Value(ndarray=ref)
         if obj is None:
             return pb.Value(none=True)
@@ -153,8 +153,8 @@ class _Encoder:
                 )
             )
         if isinstance(obj, Mapping):
-            cls = type(obj)
-            type_name = "" if cls is dict else f"{cls.__module__}:{cls.__qualname__}"
+            mapping_cls = type(obj)
+            type_name = "" if mapping_cls is dict else f"{mapping_cls.__module__}:{mapping_cls.__qualname__}"
             keys, values = [], []
             for k, v in obj.items():
                 keys.append(self.encode(k, f"{path} key {k!r}"))
@@ -264,7 +264,7 @@ class BatchAssembler:
             target = self._taken(ref.nbytes)
             if target is None:
                 t = torch.empty(tuple(ref.shape), dtype=dtype, pin_memory=self._pin)
-                target = memoryview(t.view(-1).view(torch.uint8).numpy())
+                target = t.view(-1).view(torch.uint8).numpy().data
             else:
                 t = torch.frombuffer(target, dtype=torch.uint8).view(dtype).view(tuple(ref.shape))
             self._arrays.append(t)
@@ -276,7 +276,7 @@ class BatchAssembler:
             target = self._taken(ref.nbytes)
             if target is None:
                 arr = np.empty(tuple(ref.shape), dtype=dtype_np)
-                target = memoryview(arr.reshape(-1).view(np.uint8))
+                target = arr.reshape(-1).view(np.uint8).data
             else:
                 # Through a tensor, which keeps ``target`` itself (np.frombuffer would export a new
                 # view of the region, and ``target`` would die, giving the region back, at once).
@@ -301,7 +301,7 @@ class BatchAssembler:
             return None
         return self._take(nbytes)
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         """Copy the next payload bytes into the arrays they belong to."""
         start = self._received
         end = start + len(data)
@@ -412,7 +412,7 @@ def build_value(value: pb.Value, seq: int, make_array: Callable[[pb.ArrayRef, bo
         if cls is not None:
             try:
                 return cls(d)
-            except Exception:  # a mapping type that can't be built from a dict
+            except Exception:  # noqa: BLE001 - a mapping type that can't be built from a dict
                 return d
         return d
     raise TransportError(f"batch {seq} holds a value of unknown kind {kind!r}")

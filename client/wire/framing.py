@@ -143,7 +143,8 @@ def end_message(batches: int, keep_open_s: float = 0.0) -> bytes:
 
 def draining_message(stop_in_s: float) -> bytes:
     """The daemon is draining (rare: built with protobuf)."""
-    return pb.StreamResponse(draining=pb.Draining(stop_in_s=stop_in_s)).SerializeToString()
+    message: bytes = pb.StreamResponse(draining=pb.Draining(stop_in_s=stop_in_s)).SerializeToString()
+    return message
 
 
 # ------------------------------------------------------------ reading (client)

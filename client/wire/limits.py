@@ -28,7 +28,7 @@ MAX_HEADER_BYTES = 32 << 20
 MAX_CHUNK_BYTES = 16 << 20
 
 # Where workers' shared-memory segments live, and how their names start:
-# ``loaderd-<daemon pid>-<token>-w<worker>g<generation>-<n>`` (see server/arena.py).
+# ``loaderd-<daemon pid>-<token>-w<worker>g<generation>-<n>`` (see server/shm/arena.py).
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "loaderd-"
 

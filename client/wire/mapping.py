@@ -34,7 +34,7 @@ def _unmap(address: int, size: int, hooks: list[UnmapHook]) -> None:
     for hook in hooks:
         try:
             hook(address, size)
-        except Exception:  # noqa: BLE001 - the range must still be unmapped
+        except Exception:
             log.exception("a hook before unmapping %#x failed", address)
     _libc.munmap(address, size)
 

@@ -1,8 +1,8 @@
 """Rendezvous (highest random weight) hashing: which of several places a key lands on.
 
 Both sides place work with it: a client picks the daemon for a share or an
-iterable epoch (loaderd.fleet), and the daemon picks the worker slot for an
-iterable replica whose own slot was given up (loaderd.server.producer). Every
+iterable epoch (loaderd.fleet.fleet), and the daemon picks the worker slot for an
+iterable replica whose own slot was given up (loaderd.server.scheduling.producer). Every
 caller computes the same order from the same set, and when a place leaves,
 only the keys that were on it move (each to its next choice).
 """

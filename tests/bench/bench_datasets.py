@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
 class InMemory(Dataset):

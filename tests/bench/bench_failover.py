@@ -82,6 +82,7 @@ import argparse
 import collections
 import contextlib
 import faulthandler
+import itertools
 import multiprocessing
 import os
 import random
@@ -263,14 +264,14 @@ def client_sample() -> dict[str, int]:
     """This client process, between epochs (run in the client)."""
     import gc
 
-    import loaderd.connection
-    from loaderd.iterator import RemoteLoaderIter
-    from loaderd.lane import Lane
-    from loaderd.session import ShmSession
-    from loaderd.stream_call import StreamCall, StreamCalls
+    import loaderd.fleet.connection
+    from loaderd.epoch.iterator import RemoteLoaderIter
+    from loaderd.shm.session import ShmSession
+    from loaderd.stream.lane import Lane
+    from loaderd.stream.stream_call import StreamCall, StreamCalls
 
     started = time.monotonic()
-    # A loader's receiver threads may stay: its calls wait for its next epoch (loaderd.stream_call).
+    # A loader's receiver threads may stay: its calls wait for its next epoch (loaderd.stream.stream_call).
     epoch_threads = ("loaderd-fleet",)
     while time.monotonic() - started < LINGER_S and any(t.name.startswith(epoch_threads) for t in threading.enumerate()):
         time.sleep(0.02)
@@ -309,7 +310,7 @@ def client_sample() -> dict[str, int]:
         "anon_kb": _kb(status.get("RssAnon", "")),
         "maps": maps,
         "maps_unlinked": unlinked,
-        "channels": sum(1 for key in loaderd.connection._connections if key[0] == pid),
+        "channels": sum(1 for key in loaderd.fleet.connection._connections if key[0] == pid),
         "dead_sessions": counts["sessions"] - live_sessions,
         "settle_ms": int(1000 * (time.monotonic() - started)),
         **counts,
@@ -353,7 +354,7 @@ def tolerance(spec: tuple[str, int, str, float | None, float], start: float) -> 
 
 
 def in_units(spec: tuple[str, int, str, float, float], value: float) -> str:
-    _, div, name, _, _ = spec
+    _, div, _name, _, _ = spec
     return f"{value:,.0f}" if div == 1 else f"{value / div:,.1f}"
 
 
@@ -593,7 +594,7 @@ def kill_round(bench: Bench, r: int) -> KillRound:
                 assert victim.process is not None
                 killed_at = time.monotonic()
                 victim.process.send_signal(signal.SIGKILL)
-    except Exception as exc:  # noqa: BLE001 - a loader problem, reported
+    except Exception as exc:
         result.verdict = f"{type(exc).__name__}: {exc}"
         bench.problem(f"failover (a) round {r}: the epoch raised after {check.got} batches:\n{traceback.format_exc()[-3000:]}")
     finally:
@@ -617,7 +618,7 @@ def kill_round(bench: Bench, r: int) -> KillRound:
         result.first_s = min(elsewhere) - killed_at
     if owed and all(p in arrivals for p in owed):
         result.all_s = max(arrivals[p][0] for p in owed) - killed_at
-    before = [b - a for a, b in zip(returns[: kill_at - 1], returns[1:kill_at])]
+    before = [b - a for a, b in itertools.pairwise(returns[:kill_at])]
     after = [b - a for a, b in zip([killed_at, *returns[kill_at:]], returns[kill_at:])]
     result.usual_wait_s = median(before)
     result.longest_wait_s = max(after, default=float("nan"))
@@ -653,7 +654,7 @@ class Consumer(threading.Thread):
                 with self.cond:
                     self.returns.append(now)
                     self.cond.notify_all()
-        except Exception:  # noqa: BLE001 - reported by the bench
+        except Exception:
             self.error = traceback.format_exc()[-3000:]
         finally:
             it.close()
@@ -781,7 +782,7 @@ def soak_client(conn: Any, index: int, addresses: list[str], transport: str, ite
                     check.add(batch)
                     del batch
                     time.sleep(step_s)
-            except Exception:  # noqa: BLE001 - reported to the bench
+            except Exception:
                 error = traceback.format_exc()[-3000:]
             lost, extra = check.lost_and_extra()
             conn.send(
@@ -794,14 +795,14 @@ def soak_client(conn: Any, index: int, addresses: list[str], transport: str, ite
                 )
             )  # fmt: skip
             epoch += 1
-    except Exception:  # noqa: BLE001 - reported to the bench
+    except Exception:
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()[-3000:]))
     # multiprocessing children leave through os._exit, which skips atexit: run loaderd's exit hook.
-    import loaderd.connection
+    import loaderd.fleet.connection
 
     with contextlib.suppress(Exception):
-        loaderd.connection._close_all()
+        loaderd.fleet.connection._close_all()
 
 
 @dataclass
@@ -1121,7 +1122,7 @@ def part_scale(bench: Bench) -> dict[int, list[float]]:
                 check.add(batch)
                 del batch
             took = time.perf_counter() - started
-        except Exception:  # noqa: BLE001 - a loader problem
+        except Exception:
             bench.problem(f"scale, {n} daemon(s), {label}: the epoch raised after {check.got} batches:\n{traceback.format_exc()[-3000:]}")
             return None
         differs = check.verdict()
@@ -1461,7 +1462,7 @@ def run(settings: Settings, state: dict[str, Any]) -> int:
                 collect_logs(bench, outcome)
     except AssertionError as exc:  # cluster(): a daemon did not exit 0 on SIGTERM
         bench.problem(f"shutdown: {exc}"[:5000])
-    except Exception as exc:  # noqa: BLE001 - reported
+    except Exception as exc:
         bench.problem(f"bench: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-4000:]}")
     finally:
         state["bench"] = None

@@ -26,14 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))
-from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402
-
 import fuzzing  # noqa: E402
+from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402
 
 SETTLE_S = 60.0  # for the daemon to close every fuzz call
 
@@ -119,7 +117,7 @@ def run(settings: Settings) -> int:
             return replay(settings, daemon)
         return fuzz(settings, daemon)
     finally:
-        code, problem = daemon.stop()
+        _code, problem = daemon.stop()
         if problem:
             print(f"\nERROR: {problem}")
 

@@ -28,29 +28,28 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
-
 from bench_datasets import InMemory
 from bench_loaders import (
-    Rates,
     BATCH_TIMEOUT_S,
     DATASETS,
     STARTUP_TIMEOUT_S,
     BenchError,
+    Rates,
     Result,
     check_batch,
     fmt,
+    interleaved_rounds,
     machine_line,
     measure,
-    interleaved_rounds,
     print_findings,
     ratio_verdict,
     round_args,
     run_with_daemon,
-    throughput_table,
     start_daemon,
+    throughput_table,
     wait_serving,
 )
+from torch.utils.data import DataLoader
 
 WORKLOADS = [("f32", 256), ("u8", 64)]
 LOADERS = ["torch", "shm", "shm-unpinned", "grpc"]

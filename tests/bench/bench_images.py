@@ -114,7 +114,7 @@ class ImageAgentState(AgentState):
                         warm.set()
                     if stop.is_set():
                         break
-            except BaseException as exc:  # noqa: BLE001 - reported by op_count / op_halt
+            except BaseException as exc:
                 box["error"] = "".join(traceback.format_exception(exc))
             finally:
                 stream.close()  # type: ignore[attr-defined]  # a generator
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 where = f"{scenario.key} {kind}, round {rnd + 1}/{args.rounds}"
                 try:
                     sample = measure_group(args, scenario, kind, state, findings)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     cell.error = note_problem(findings, where, exc)
                     continue
                 cell.samples.append(sample)

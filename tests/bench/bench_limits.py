@@ -163,7 +163,7 @@ def raw_grpc_gb_s(port: int, server_pid: int, streams: int, seconds: float) -> t
     """GB/s of ``streams`` concurrent streams of 12 MiB messages, and the CPU ms (both processes) per GB."""
     import grpc
 
-    from loaderd import c_heap
+    from loaderd.stream import c_heap
 
     # The nudge loaderd's client gives glibc before its first gRPC stream: without it this
     # client faulted in and zeroed 17-32% of the received pages again (~10% slower).

@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_datasets import InMemory  # noqa: E402
+from source_trees import serve_module  # noqa: E402
 
 STARTUP_TIMEOUT_S = 90.0
 BATCH_TIMEOUT_S = 60  # a batch slower than this is a hang, reported as such
@@ -187,7 +188,7 @@ def start_daemon(
     log_path = tmp / "daemon.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "loaderd.server.cli", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", serve_module(env), "serve", "--config", str(config_path)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -352,7 +353,7 @@ def torch_first_batch_trial() -> float:
 
 def sampler_first_batch_s(n: int, lister: Callable[[Any], Iterator[Any]] = iter) -> float:
     """Seconds torch's RandomSampler + BatchSampler take to give the first 32 of ``n`` indices through
-    ``lister`` (``iter``: as torch's DataLoader does; ``loaderd.index_batches.index_batches``: as loaderd does)."""
+    ``lister`` (``iter``: as torch's DataLoader does; ``loaderd.epoch.index_batches.index_batches``: as loaderd does)."""
     from torch.utils.data import BatchSampler, RandomSampler
 
     start = time.perf_counter()
@@ -365,7 +366,7 @@ SAMPLER_SIZES = (65_536, 1_281_167)  # this bench's datasets; ImageNet-1k's trai
 
 def sampler_trials(trials: int) -> dict[tuple[int, str], list[float]]:
     """The first shuffled batch's indices, torch's listing vs loaderd's, interleaved: (n, who) -> seconds."""
-    from loaderd.index_batches import index_batches
+    from loaderd.epoch.index_batches import index_batches
 
     times: dict[tuple[int, str], list[float]] = defaultdict(list)
     for _ in range(trials):
@@ -393,7 +394,7 @@ def remote_first_batch_thread_trial(address: str) -> tuple[float, float, float]:
             del batch
             it.close()
             out["times"] = (t1 - t0, t2 - t0, sampler_first_batch_s(len(loader.dataset)))
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+        except BaseException as exc:
             out["error"] = "".join(traceback.format_exception(exc))
 
     thread = threading.Thread(target=run, name="first-batch", daemon=True)
@@ -537,7 +538,7 @@ def interleaved_rounds(
                     continue
                 try:
                     rates = measure_one(name, kind, expected, dtype)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     result.error = note_problem(findings, f"{kind} on {name}, round {rnd + 1}", exc)
                     continue
                 result.batches_s.append(rates.batches_s)
@@ -649,7 +650,7 @@ def print_report(
     p("")
     p("torch's sampler: its RandomSampler + BatchSampler giving the first 32 of the 65,536 indices in the same")
     p("process, right after (a permutation of all of them is drawn and listed first): what torch's DataLoader pays.")
-    p("loaderd makes the same draws but lists the permutation a chunk at a time (loaderd.index_batches):\n")
+    p("loaderd makes the same draws but lists the permutation a chunk at a time (loaderd.epoch.index_batches):\n")
     p("| first shuffled batch of 32 indices (median ms, interleaved) | torch's listing | loaderd's | ratio |")
     p("| --- | ---: | ---: | ---: |")
     for n in SAMPLER_SIZES:
@@ -735,7 +736,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     for _ in range(trials):
         try:
             first["torch"]["total"].append(torch_first_batch_trial())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             first_errors["torch"] = note("torch first batch", exc)
             break
 
@@ -785,7 +786,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 it.close()
                 del it
                 loaders[(name, kind)] = loader
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 results[(name, kind)].error = note(f"{kind} loader for {name}: construct/warm-up", exc)
 
     # 4. throughput, interleaved: torch, shm, grpc in every round (a loader whose warm-up failed has its error set).
@@ -809,7 +810,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                     continue
                 try:
                     starts, steady = epoch_starts(loaders[(name, kind)], EPOCH_START_EPOCHS, expected, dtype)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     epoch_errors[(name, kind)] = note(f"{kind} on {name}, epoch starts, round {rnd + 1}", exc)
                     continue
                 got = epoch_start.setdefault((name, kind), ([], []))
@@ -827,7 +828,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         for _ in range(trials if key == "remote_subprocess" else 2 * trials + 1):
             try:
                 construct_s, total_s, sampler_s = trial(daemon.unix_address)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 first_errors[key] = note(f"first batch ({key})", exc)
                 break
             first[key]["construct"].append(construct_s)

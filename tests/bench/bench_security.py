@@ -26,25 +26,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from bench_loaders import (
-    Rates,
     BATCH_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     Daemon,
+    Rates,
     Result,
     fmt,
-    machine_line,
     interleaved_rounds,
+    machine_line,
     measure,
     median,
     print_findings,
     ratio_verdict,
     round_args,
     run_guarded,
-    workload_label,
     start_daemon,
     wait_serving,
+    workload_label,
 )
 
 WORKLOADS = [("f32", 256), ("u8", 64), ("tiny", 32)]

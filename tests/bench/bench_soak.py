@@ -152,7 +152,7 @@ def kill_client(conn: Any, addresses: dict[str, str], transport: str, variant: s
                 break  # the iterator stays alive: its stream stays open, mid-epoch
         conn.send(("holding", taken, len(kept)))
         conn.poll(HOLD_MAX_S)  # until killed (or this bench is gone: the pipe closes)
-    except Exception as exc:  # noqa: BLE001 - reported to the bench
+    except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", "".join(traceback.format_exception(exc))))
 
@@ -202,16 +202,16 @@ def streams_client(conn: Any, addresses: dict[str, str], streams: int, at_once: 
             del held, its
         conn.send(("done", opened, batches, full_reads))
         loaders.clear()
-    except Exception as exc:  # noqa: BLE001 - reported to the bench
+    except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", "".join(traceback.format_exception(exc))))
     # multiprocessing children leave through os._exit, which skips atexit; a training
     # script's interpreter runs loaderd's exit hook (cancel streams, end the session,
     # close the channel), so run it here.
-    import loaderd.connection
+    import loaderd.fleet.connection
 
     with contextlib.suppress(Exception):
-        loaderd.connection._close_all()
+        loaderd.fleet.connection._close_all()
 
 
 # ---------------------------------------------------------------- daemon sampling (/proc, /dev/shm, Status)
@@ -712,7 +712,7 @@ def parity(bench: Bench) -> list[tuple[str, str]]:
             assert_same_batches(got, want, label)
             results.append((label, f"same ({len(got)} batches)"))
             del got, want
-        except Exception as exc:  # noqa: BLE001 - a finding
+        except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             results.append((label, f"DIFFERENT: {text.splitlines()[0][:160]}"))
             bench.problem(f"parity after the soak, {label}: {text}\n{''.join(traceback.format_exception(exc))[-3000:]}")
@@ -782,10 +782,10 @@ def report_part(p: Any, part: Part, grew: list[str]) -> None:
         "tolerance | verdict |"
     )
     p("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for metric, (label, div, name, absolute, relative) in METRICS.items():
+    for metric, (label, _div, name, absolute, relative) in METRICS.items():
         a, b = start.value(metric), end.value(metric)
         peak = max(s.value(metric) for s in part.samples)
-        word, tolerance = verdict(metric, a, b)
+        word, _tolerance = verdict(metric, a, b)
         per = (b - a) * 1000 / part.total if part.total else float("nan")
         second = full.value(metric) - half.value(metric) if half and full else None
         second_text = "-" if second is None else f"{'+' if second >= 0 else ''}{unit(metric, second)}"
@@ -913,7 +913,7 @@ def run(settings: Settings) -> int:
                 break
         if bench.daemon is not None and bench.daemon.process.poll() is None:
             same = parity(bench)
-    except Exception as exc:  # noqa: BLE001 - reported
+    except Exception as exc:
         bench.problem(f"bench: {type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}")
     finally:
         bench.kill_all()

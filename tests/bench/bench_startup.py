@@ -2,7 +2,7 @@
 
     python tests/bench/bench_startup.py [--rounds 6] [--workers 4] [--baseline COMMIT] [--quick]
 
-start    a fresh `loaderd serve` (`python -m loaderd.server.cli`, the tests' Squares
+start    a fresh `loaderd serve` (`python -m loaderd.server.app.cli`, the tests' Squares
          dataset, --workers workers) until its health service answers SERVING (polled
          every 5 ms, each time on a fresh channel, so no reconnect backoff delays it).
 respawn  on one daemon per source tree, started once: SIGKILL one of its pool workers and

@@ -66,11 +66,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_datasets import count_calls  # noqa: E402
 from bench_loaders import (  # noqa: E402
-    children_by_parent,
     BATCH_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     BenchError,
     Daemon,
+    children_by_parent,
     fmt,
     machine_line,
     median,
@@ -225,7 +225,7 @@ class AgentState:
                     first.set()
                     if stop.is_set():
                         break
-            except Exception as exc:  # noqa: BLE001 - reported by op_release
+            except Exception as exc:
                 box["error"] = "".join(traceback.format_exception(exc))
             finally:
                 stream.close()
@@ -275,7 +275,7 @@ def agent_main() -> int:
             break
         try:
             reply = {"ok": True, **state.handle(command)}
-        except Exception as exc:  # noqa: BLE001 - sent to the coordinator
+        except Exception as exc:
             reply = {"ok": False, "error": "".join(traceback.format_exception(exc))}
         _say(reply)
     state.close()
@@ -657,7 +657,7 @@ def run_memory(bench: Bench) -> MemoryResult:
                         group = memory_torch_group(settings, layout, bench)
                     else:
                         group = memory_loaderd_group(settings, layout, bench, MEMORY_BUILDS[kind])
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     result.errors[f"{layout} {kind}"] = bench.note(where, exc)
                     continue
                 result.groups[layout, kind].append(group)
@@ -1131,7 +1131,7 @@ def run(settings: Settings) -> int:
             with contextlib.ExitStack() as stack:
                 try:
                     env = tenancy_env(bench, stack)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     bench.note("shared/fairness: daemon and clients", exc)
                 else:
                     if "shared" in settings.parts:

@@ -13,7 +13,7 @@ server's RSS growth in KiB per request. Modes:
   raise         request_deserializer=None, the handler's parse error escapes
                 (UNKNOWN): an uncaught handler exception, for comparison
   health        the stock HealthServicer + v1alpha reflection, as grpc ships them
-  health-fixed  the same servicers, their handlers rewrapped by loaderd.server.rpc.add_parsing
+  health-fixed  the same servicers, their handlers rewrapped by loaderd.server.rpc.handlers.add_parsing
 
 Every mode also serves /leak.Ctl/Snapshot (identity), which runs gc and
 answers RSS, live grpc._server._RPCState objects and, with --trace, how many
@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from loaderd.server.rpc import add_parsing
+from loaderd.server.rpc.handlers import add_parsing
 
 Msg = health_pb2.HealthCheckRequest  # any message will do: the leak is in grpc/_server.py, not in protobuf
 MODES = ("proto", "identity", "raise", "health", "health-fixed")

@@ -48,6 +48,16 @@ def checkout_tree(into: Path) -> Path:
     return _lay_out(REPO, into)
 
 
+def serve_module(env: dict[str, str] | None) -> str:
+    """The module ``python -m`` runs ``loaderd serve`` from, in the tree ``env``'s PYTHONPATH names
+    (the installed package without one): a commit from before the daemon's sub-packages has it at
+    loaderd.server.cli."""
+    root = (env or {}).get("PYTHONPATH", "").split(os.pathsep)[0]
+    if root and not (Path(root) / "loaderd" / "server" / "app" / "cli.py").exists():
+        return "loaderd.server.cli"
+    return "loaderd.server.app.cli"
+
+
 @dataclass(frozen=True)
 class Tree:
     """One source tree to run: its label and its PYTHONPATH entry (None: the installed package)."""

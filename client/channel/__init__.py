@@ -1,0 +1,7 @@
+"""Reaching a daemon: credentials, channels, and what a failed call means.
+
+The lowest client layer: ``Credentials`` and ``open_channel`` (TLS files, bearer
+token), and ``rpc_errors``, the one place a failed gRPC call becomes a loaderd error.
+Imports only the shared layers (``loaderd.wire``, ``loaderd.errors``, ``loaderd.v1``).
+The daemon's command line (``loaderd.server.app``) borrows it for ``loaderd status``.
+"""

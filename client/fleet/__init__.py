@@ -1,0 +1,6 @@
+"""The daemons a loader may use: one connection per (process, daemon), probing, placement.
+
+Owns ``Fleet`` (what each daemon last said, which are usable) and ``DaemonConnection``
+(one channel and its unary calls per process and daemon). May import ``loaderd.shm``,
+``loaderd.channel`` and the shared layers.
+"""

@@ -1,0 +1,142 @@
+"""One gRPC channel per (process, daemon address), and the unary calls on it."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+# gRPC imports its channel implementation on the first channel a process makes
+# (~6 ms here). Importing it with loaderd moves that into `import loaderd`, out
+# of a fresh process's first RemoteDataLoader (and under loaderd's gc.freeze()).
+try:
+    import grpc._channel
+    import grpc.experimental
+except ImportError:  # a later gRPC moved them: the first channel imports what it needs, as before
+    pass
+
+from loaderd.channel.credentials import Credentials, open_channel
+from loaderd.shm.session import ShmSession
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
+from loaderd.wire.limits import MAX_MESSAGE_BYTES
+
+# How long one look-up of a daemon may take (a loader retries until its failover_timeout).
+PROBE_TIMEOUT_S = 2.0
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A daemon that restarts on the same address is found again within a quarter
+    # second (gRPC's default reconnect backoff grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+    # A daemon that stops answering without closing the connection (frozen, its host gone)
+    # is found out within 15 s: the connection breaks and the loader fails over. gRPC core
+    # waits for a ping's ack ping_timeout_ms, not keepalive_timeout_ms, and that defaults to
+    # a minute (chttp2 transport; the name is not in grpc's public headers): without it a
+    # frozen daemon was noticed after ~65 s.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class DaemonConnection:
+    """A channel to one daemon, with one set of credentials. Shared by every loader of a process that uses both."""
+
+    def __init__(self, address: str, credentials: Credentials) -> None:
+        self.address = address
+        self.credentials = credentials
+        self.channel = open_channel(address, credentials, CHANNEL_OPTIONS)
+        self.stub = pb_grpc.LoaderStub(self.channel)
+        self._stream_batches = self.channel.stream_stream(
+            "/loaderd.v1.Loader/StreamBatches",
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=None,  # raw bytes: payload chunks are read without a copy
+        )
+        self._session: ShmSession | None = None
+        self._session_lock = threading.Lock()
+        # Cancellers of open streams (weakref.finalize objects), run at close.
+        self._stream_closers: set[Any] = set()
+
+    def track_stream(self, closer: Any) -> None:
+        """Remember how to cancel an open stream, so close() can end it."""
+        with self._session_lock:
+            self._stream_closers = {c for c in self._stream_closers if c.alive}
+            self._stream_closers.add(closer)
+
+    def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
+        """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.wire.framing)."""
+        return self._stream_batches(requests)
+
+    def close(self) -> None:
+        """Cancel open streams, end the shared-memory session and close the channel."""
+        with self._session_lock:
+            closers, self._stream_closers = self._stream_closers, set()
+            session, self._session = self._session, None
+        for closer in closers:
+            closer()  # a finalize object: runs at most once
+        if session is not None:
+            session.close()
+        self.channel.close()
+
+    def session(self) -> ShmSession:
+        """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
+        with self._session_lock:
+            if self._session is None or not self._session.alive:
+                self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
+            return self._session
+
+    def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
+        """The daemon's description of ``dataset``, as a call in flight: ``result()`` returns the
+        DescribeDatasetResponse or raises grpc.RpcError as is (the caller decides what it means)."""
+        return self.stub.DescribeDataset.future(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
+
+
+_connections: dict[tuple[int, str, Credentials], DaemonConnection] = {}
+_lock = threading.Lock()
+# Set when the interpreter exits: threads that would keep calling daemons (fleet monitors) stop.
+EXITING = threading.Event()
+
+
+def get_connection(address: str, credentials: Credentials) -> DaemonConnection:
+    """The process's connection to ``address`` with ``credentials``; a forked child gets its own."""
+    key = (os.getpid(), address, credentials)
+    with _lock:
+        conn = _connections.get(key)
+        if conn is None:
+            conn = _connections[key] = DaemonConnection(address, credentials)
+        return conn
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close every channel before the interpreter tears down.
+
+    Exiting with gRPC calls still open (a session, an iterator kept alive)
+    lets gRPC's own threads be destroyed mid-flight, which aborts the process
+    ("terminate called without an active exception"). Registered at import,
+    so it runs after the iterators' finalizers have cancelled their streams.
+    """
+    EXITING.set()
+    with _lock:
+        connections = [c for (pid, _, _), c in _connections.items() if pid == os.getpid()]
+        _connections.clear()
+    for conn in connections:
+        conn.close()
+    # Closing cancels every call; give the threads that were inside one (ours, and
+    # gRPC's request senders, which our closed request queues let go) a moment to leave.
+    deadline = time.monotonic() + 1.0
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or not thread.daemon:
+            continue
+        if thread.name.startswith("loaderd-") or "consume_request_iterator" in thread.name:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,8 @@
+"""The public loader: ``RemoteDataLoader``, its argument checks, its plan and its identity.
+
+Owns what a user constructs and what stays the same across epochs: the arguments
+(checked against torch's DataLoader's rules), the plan (torch's own samplers over a
+stand-in of the daemon's dataset) and the loader's fingerprint and share seed.
+May import every other client package, ``loaderd.wire``, ``loaderd.errors`` and
+``loaderd.v1``; nothing of ``loaderd.server``.
+"""

@@ -1,0 +1,498 @@
+"""RemoteDataLoader: torch's DataLoader, with the workers in a loaderd daemon."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from loaderd.channel.credentials import Credentials
+from loaderd.epoch.epoch_stream import EpochStream
+from loaderd.epoch.index_batches import first_batch_draws, index_batches, last_batch_draws, plans_ahead
+from loaderd.epoch.iterator import RemoteLoaderIter
+from loaderd.epoch.next_epoch import NextEpoch, Readiness, SamplerDraw
+from loaderd.epoch.start import (
+    EpochProgress,
+    EpochStart,
+    begin_epoch,
+    epoch_aware,
+    next_epoch_state,
+    sampler_generators,
+    sized_len,
+)
+from loaderd.epoch.state import LoaderState
+from loaderd.errors import LoaderdError
+from loaderd.fleet.fleet import Fleet
+from loaderd.loader.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
+from loaderd.loader.identity import LoaderIdentity, class_name, share_job_name, share_seed
+from loaderd.loader.plan import build_plan, proxy_dataset
+from loaderd.stream.receive_buffers import ReceiveBuffers
+from loaderd.stream.stream_call import StreamCalls
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.addresses import parse_target
+
+log = logging.getLogger("loaderd.loader")
+
+# How long close() waits for the loader's threads (a cancelled call's receiver leaves at once; a
+# fleet probe in flight takes up to its own timeout, connection.PROBE_TIMEOUT_S).
+CLOSE_TIMEOUT_S = 5.0
+
+
+class RemoteDataLoader:
+    """A drop-in for ``torch.utils.data.DataLoader`` over a dataset the daemon's config defines.
+
+    Yields what ``DataLoader(dataset, **same_arguments)`` would, batch for
+    batch. Samplers run here; fetching and collation run in the daemon's pool.
+    ``collate_fn``, ``worker_init_fn`` and ``multiprocessing_context`` name code,
+    so they belong in the daemon's config and are refused here.
+
+    For map-style datasets the daemon's pool does the work whatever
+    ``num_workers`` says; for an IterableDataset, ``num_workers=k`` asks for
+    k replicas, each seeing ``get_worker_info()`` as a torch worker would.
+    ``persistent_workers``, ``pin_memory_device`` and ``in_order`` are accepted
+    and ignored: the daemon's workers persist anyway, ``pin_memory`` pins for
+    the current accelerator, and batches always arrive in order.
+
+    Beyond DataLoader's arguments:
+
+    * ``rank=r, world_size=w`` (together, map-style only, not with ``sampler``
+      or ``batch_sampler``): this rank's share of the dataset, exactly as
+      ``DataLoader(ds, batch_size=b, drop_last=d, sampler=DistributedSampler(ds,
+      num_replicas=w, rank=r, shuffle=s, seed=seed, drop_last=d))``, where
+      ``shuffle`` defaults to True as in DistributedSampler. Call
+      ``set_epoch(e)`` before each epoch to reshuffle, as with the sampler.
+    * ``share="name"`` (map-style only, not with ``generator``): join the
+      daemon's shared job for (name, epoch), whose batches the pool produces
+      once for every loader of the share. The loader's randomness (shuffle and
+      base seed) comes from a private generator seeded per epoch from (name,
+      ``seed``, epoch), so loaders of a share agree; their parameters must
+      match (the daemon refuses others). With ``rank=``, each rank has its
+      own job.
+    * ``seed`` (default 0): DistributedSampler's seed and the share's; only
+      with ``rank=`` or ``share=``.
+    * ``tls`` and ``token`` (defaults: ``$LOADERD_TLS_CA``/``_CERT``/``_KEY`` and
+      ``$LOADERD_TOKEN``): TLS to TCP daemons (``True``: system roots; or
+      ``{"ca": path, "cert": path, "key": path}``, cert and key for mTLS) and a
+      bearer token sent with every call. A daemon that refuses them raises
+      ``AuthenticationError`` at once (see ``loaderd.channel.credentials``).
+    * ``plan_ahead`` (default True): over shared memory, plan the next epoch
+      while this one ends, so the pool does not idle between epochs; its
+      batches and RNG draws stay torch's (see ``loaderd.epoch.next_epoch``). Between
+      epochs the loader then holds a window of batches on the daemon: False
+      for a loader iterated rarely (e.g. a validation set once an hour).
+
+    ``state_dict()``/``load_state_dict()`` resume mid-epoch, in another
+    process and against a restarted daemon of any pool size, with exactly the
+    batches (and per-batch random values) an uninterrupted run would yield.
+    """
+
+    def __init__(
+        self,
+        dataset_name: str,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Any | None = None,
+        batch_sampler: Sampler[list[Any]] | Any | None = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        address: str | Sequence[str] | None = None,
+        transport: str = "auto",
+        failover_timeout: float = 60.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int | None = None,
+        share: str | None = None,
+        tls: bool | Mapping[str, str] | None = None,
+        token: str | None = None,
+        plan_ahead: bool = True,
+    ) -> None:
+        refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
+        check_options(num_workers, timeout, prefetch_factor, transport, failover_timeout)
+        distributed = check_distributed(rank, world_size, sampler, batch_sampler)
+        check_share(share, generator, seed, distributed)
+        del persistent_workers, pin_memory_device, in_order  # DataLoader's, meaningless here (see above)
+
+        self.dataset_name = dataset_name
+        credentials = Credentials.resolve(tls, token)
+        target = parse_target(address)
+        self.address = target.text
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.failover_timeout = float(failover_timeout)
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.transport = transport
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = 0 if seed is None else seed
+        self.share = share
+        self.generator = generator
+        # The daemons; the first to answer describes the dataset (the others must agree).
+        # transport="shm" where it cannot work fails here, not mid-training.
+        self._fleet = Fleet(target, dataset_name, transport, credentials)
+        self._receive_buffers = ReceiveBuffers()
+        # Each epoch's calls to the daemons, kept for the next epoch (cancelled when the loader goes).
+        self._calls = StreamCalls()
+        info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
+        self._iterable = info.kind == pb.DatasetInfo.ITERABLE
+        check_dataset_fits(dataset_name, info, distributed, share)
+
+        if distributed and shuffle is None:
+            shuffle = True  # DistributedSampler's default
+        # Loaders of a share draw from a generator of their own, reseeded every epoch.
+        self._share_generator = torch.Generator() if share is not None else None
+        self.dataset = proxy_dataset(dataset_name, info)
+        self._plan: DataLoader = build_plan(
+            self.dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            generator=self._share_generator if self._share_generator is not None else generator,
+            distributed=(rank, world_size, self.seed) if distributed else None,
+        )
+        self.batch_size = self._plan.batch_size
+        self.drop_last = self._plan.drop_last
+        self.sampler = self._plan.sampler
+        self.batch_sampler = self._plan.batch_sampler
+        self._identity = self._make_identity(bool(shuffle), info.length if info.has_length else None)
+
+        # The epoch counter (share epochs, state_dict); set_epoch sets it, each __iter__ advances it.
+        self._epoch = 0
+        # The latest epoch's replay record; a strong reference, so state_dict()
+        # still knows the position after its iterator is gone (a break, a failure).
+        self._progress: EpochProgress | None = None
+        self._resume: LoaderState | None = None  # armed by load_state_dict for the next __iter__
+        self._pin = pin_memory and torch.cuda.is_available()
+        # Weak: holding the epoch's iterator would keep its stream open after a `break`.
+        self._iterator: weakref.ref[RemoteLoaderIter] | None = None
+        # The next epoch, planned while this one ends (loaderd.epoch.next_epoch), where its draws allow;
+        # off for good once a caller drew from the global RNG between epochs.
+        self._next_epoch: NextEpoch | None = None
+        self._closed = False
+        self._epochs_begun = 0  # from the second on, the loader plans ahead: one used once would waste a window
+        self._plans_ahead = (
+            plan_ahead
+            and not self._iterable
+            and share is None
+            and generator is None
+            and sized_len(self._plan) is not None
+            and plans_ahead(self._plan._index_sampler)
+        )
+
+    def _make_identity(self, shuffle: bool, length: int | None) -> LoaderIdentity:
+        """What decides this loader's batches: shares and ``load_state_dict`` compare its fingerprint."""
+        return LoaderIdentity(
+            dataset=self.dataset_name,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=self.drop_last,
+            sampler=class_name(self.sampler),
+            batch_sampler=class_name(self.batch_sampler),
+            length=length,
+            seed=self.seed,
+            # rank=/world_size= come together (checked); without them, the whole dataset.
+            world_size=1 if self.world_size is None else self.world_size,
+            rank=0 if self.rank is None else self.rank,
+            num_workers=self.num_workers if self._iterable else None,
+            share=self.share,
+        )
+
+    def __enter__(self) -> RemoteDataLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """End this loader: its open epoch, the epoch it planned ahead and the calls it kept for the
+        next one; then join the threads they ran on (up to ``timeout`` s in all). Idempotent.
+
+        A closed loader cannot start another epoch. The process's channels and shared-memory
+        sessions stay open: every loader of the process shares them, and they close at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        iterator = self._iterator() if self._iterator is not None else None
+        planned = self._next_epoch.iterator if self._next_epoch is not None else None
+        self._iterator = None
+        if iterator is not None:
+            iterator.close()
+        self._cancel_next_epoch()
+        deadline = time.monotonic() + timeout
+        joined = self._calls.close(timeout)
+        for epoch in (iterator, planned):
+            if epoch is not None:
+                joined &= epoch.join(deadline - time.monotonic())
+        if not joined:
+            log.warning("loaderd: a thread of the loader of %r was still running %.0f s after close()", self.dataset_name, timeout)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ended this loader."""
+        return self._closed
+
+    def __iter__(self) -> RemoteLoaderIter:
+        """Start the next epoch (ending the previous one's stream) and stream it from the daemon."""
+        if self._closed:
+            raise LoaderdError(f"the RemoteDataLoader of {self.dataset_name!r} is closed")
+        if self.pin_memory and not self._pin:
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=2,
+            )
+        previous = self._iterator() if self._iterator is not None else None
+        if previous is not None:
+            previous.close()  # one live epoch per loader, as torch resets its workers
+        self._epochs_begun += 1
+        planned, self._next_epoch = self._next_epoch, None
+        if planned is not None:
+            if self._resume is None and planned.epoch == self._epoch:
+                if not planned.drawn_alike():
+                    self._plans_ahead = False  # the caller draws from the global RNG between epochs
+                else:
+                    readiness = planned.iterator.readiness()
+                    if readiness is Readiness.READY:
+                        planned.take_draws()
+                        self._epoch += 1
+                        self._progress = planned.progress
+                        self._iterator = weakref.ref(planned.iterator)
+                        return planned.iterator
+                    if readiness is Readiness.REFUSED:
+                        self._plans_ahead = False  # it would be refused again
+            planned.cancel()
+        resume = self._resume
+        epoch = resume.epoch if resume is not None else self._epoch
+        start = begin_epoch(
+            self._plan,
+            iterable=self._iterable,
+            epoch=epoch,
+            rng=self._epoch_rng,
+            reseed=share_seed(self.share, self.seed, epoch) if self.share is not None else None,
+            resume=resume,
+        )
+        self._resume = None
+        self._epoch = epoch + 1
+        self._progress = start.progress
+        iterator = RemoteLoaderIter(self._epoch_stream(start))
+        self._iterator = weakref.ref(iterator)
+        return iterator
+
+    def _plan_next_epoch(self, current: RemoteLoaderIter) -> None:
+        """``current``'s whole plan is out: plan the next epoch now, on a copy of the global RNG
+        (``loaderd.epoch.next_epoch``). In the caller's thread, from inside ``next()``."""
+        if not self._plans_ahead or self._epochs_begun < 2 or self._next_epoch is not None or self._resume is not None:
+            return
+        if self._iterator is None or self._iterator() is not current:
+            return  # an epoch this loader has moved past
+        if not current.over_shared_memory:
+            # Over gRPC the planned epoch's call receives multi-MiB messages on a second thread,
+            # with a malloc arena of its own to fault in again: measured (bench_ab), the trainer
+            # spent 0.9 ms more per float32 batch, 0.93x the batches/s.
+            return
+        index_sampler = self._plan._index_sampler
+        if not plans_ahead(index_sampler):  # checked again: the sampler is the user's to change
+            return
+        rng = torch.default_generator
+        before = rng.get_state()
+        draws = torch.Generator()
+        draws.set_state(before)
+        iterator: RemoteLoaderIter | None = None
+        try:
+            start = begin_epoch(
+                self._plan, iterable=False, epoch=self._epoch, rng=draws, reseed=None, resume=None, global_rng=draws
+            )
+            after_base = draws.get_state()
+            if first_batch_draws(index_sampler):
+                start.sampler_draw = SamplerDraw(rng, draws, after_base, functools.partial(index_batches, index_sampler))
+            iterator = RemoteLoaderIter(self._epoch_stream(start))
+            iterator.plan_ahead()
+        except Exception:  # e.g. a session that cannot open now: the epoch begins at iter() as usual
+            log.debug("loaderd: could not plan the next epoch of %r ahead", self.dataset_name, exc_info=True)
+            if iterator is not None:
+                iterator.close()
+            return
+        self._next_epoch = NextEpoch(self._epoch, iterator, start.progress, rng, before, after_base)
+
+    def _stop_planning_ahead(self) -> None:
+        """A planned epoch missed: this loader's caller draws from the global RNG between its epochs."""
+        self._plans_ahead = False
+
+    def _cancel_next_epoch(self) -> None:
+        """Drop the epoch planned ahead, if any (it would not be the next epoch's)."""
+        planned, self._next_epoch = self._next_epoch, None
+        if planned is not None:
+            planned.cancel()
+
+    def _epoch_stream(self, start: EpochStart) -> EpochStream:
+        """All that the iterator of the epoch ``start`` begins needs, so it needs no loader."""
+        # len(loader); map-style, that is the index sampler's length, which bounds the plan.
+        length = sized_len(self._plan)
+        return EpochStream(
+            dataset=self.dataset_name,
+            auto_collation=self._plan.batch_size is not None or self._plan.batch_sampler is not None,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            timeout=self.timeout,
+            failover_timeout=self.failover_timeout,
+            pin_memory=self._pin,
+            fleet=self._fleet,
+            buffers=self._receive_buffers,
+            calls=self._calls,
+            share=self._share_spec(start.progress.epoch),
+            iterable=self._iterable,
+            plan_length=None if self._iterable else length,
+            last_batch_draws=self._iterable or last_batch_draws(self._plan._index_sampler),
+            length=length,
+            start=start,
+            plan_ahead=_LoaderPlansAhead(self) if self._plans_ahead else None,
+        )
+
+    def __len__(self) -> int:
+        """Batches per epoch, as torch's DataLoader counts them; TypeError where that is unknown."""
+        return len(self._plan)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch counter: the number the next ``iter(loader)`` uses (share epoch, ``state_dict``)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Number the next epoch ``epoch`` and pass it to the samplers' ``set_epoch``.
+
+        Reaches the DistributedSampler that ``rank=`` builds, and any sampler or
+        batch sampler given that has ``set_epoch`` (e.g. your own
+        DistributedSampler). Without calls, epochs are numbered 0, 1, 2, ...
+        (each ``iter(loader)`` takes the counter and advances it), so calling
+        ``set_epoch(e)`` before epoch e and never calling it number alike; but a
+        DistributedSampler, as in torch, reshuffles only when told the epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int; got {epoch!r}")
+        if self._resume is not None and epoch != self._resume.epoch:
+            raise ValueError(
+                f"this loader resumes epoch {self._resume.epoch} from the state it loaded; set_epoch({epoch}) "
+                f"disagrees (call set_epoch({self._resume.epoch}), or load a state taken in epoch {epoch})"
+            )
+        aware = epoch_aware(self._plan)
+        if epoch != self._epoch or aware:  # a planned epoch stays the next one only if nothing changes
+            self._cancel_next_epoch()
+        self._epoch = epoch
+        for obj in aware:
+            obj.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, as small JSON-able data (see ``loaderd.epoch.state`` for the fields).
+
+        Mid-epoch (an epoch started and not ended, even if its iterator is gone):
+        the epoch, the batches it yielded and how to replay its start. Between
+        epochs (none started, or the last one ended): the epoch that starts next,
+        and the state of the loader's own ``generator``. torch's global RNG is not
+        included: it is the training script's to checkpoint, as with torch.
+        """
+        if self._resume is not None:
+            return self._resume.to_dict()  # loaded and not yet used
+        progress = self._progress
+        fingerprint = self._identity.fingerprint()
+        if progress is not None and not progress.done:
+            return progress.state(self.dataset_name, fingerprint).to_dict()
+        # The loader's own generator carries into the next epoch; a share's is reseeded anyway.
+        own = self.generator if self.share is None else None
+        return next_epoch_state(self._plan, self.dataset_name, fingerprint, self._epoch, own, self._epoch_rng).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``'s output (after ``json.loads`` too): the next ``iter(loader)``
+        yields exactly the batches an uninterrupted run would have yielded next.
+
+        Checked first (ValueError naming the problem): the version, the format,
+        the dataset, and that the state came from a loader with the same
+        parameters. The next epoch replays the recorded epoch start: the
+        recorded RNG state is set, the sampler iterator created and the base
+        seed drawn as in a fresh epoch, the consumed index batches skipped
+        (no data is fetched), and the stream opened at that position. When the
+        epoch draws from torch's global RNG, the replay leaves the global RNG as
+        it found it (restore it from your checkpoint, as you would with torch);
+        an explicit ``generator`` is left where the replay leaves it, as an
+        uninterrupted run would have left it. Shares replay their own epoch.
+        """
+        loaded = LoaderState.from_dict(state)
+        loaded.check_fits(
+            dataset=self.dataset_name,
+            fingerprint=self._identity.fingerprint(),
+            sampler_rngs=len(sampler_generators(self._plan, self._epoch_rng)),
+            sampler_epochs=len(epoch_aware(self._plan)),
+            # A share reseeds its RNG; otherwise mid-epoch the epoch RNG's state,
+            # and between epochs an explicit generator's, must be there.
+            rng=self.share is None and (loaded.mid_epoch or self.generator is not None),
+            epoch_length=None if self._iterable else sized_len(self._plan),
+        )
+        self._cancel_next_epoch()
+        self._resume = loaded
+        self._epoch = loaded.epoch
+
+    @property
+    def _epoch_rng(self) -> torch.Generator:
+        """The generator an epoch's base seed (and a default RandomSampler's shuffle) draws from."""
+        if self._share_generator is not None:
+            return self._share_generator
+        return self.generator if self.generator is not None else torch.default_generator
+
+    def _share_spec(self, epoch: int) -> pb.ShareSpec | None:
+        """The shared job a stream of epoch ``epoch`` joins; None without ``share=``."""
+        if self.share is None:
+            return None
+        return pb.ShareSpec(
+            name=share_job_name(self.share, self.rank, self.world_size),
+            epoch=epoch,
+            fingerprint=self._identity.fingerprint(),
+        )
+
+
+class _LoaderPlansAhead:
+    """A loader's ``PlanAhead`` side, holding it weakly (an iterator holds no loader)."""
+
+    def __init__(self, loader: RemoteDataLoader) -> None:
+        self._loader = weakref.ref(loader)
+
+    def planned(self, iterator: RemoteLoaderIter) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader._plan_next_epoch(iterator)
+
+    def missed(self) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader._stop_planning_ahead()
+
+
+# Everything imported by now (torch, numpy, grpc, loaderd) lives as long as the process:
+# move it to the collector's permanent generation. Otherwise the first full collection
+# rescans torch's whole import heap (~90 ms on the development machine) at a moment
+# chosen by allocation counts, typically inside a fresh process's first RemoteDataLoader
+# or its first batch (tests/bench/bench_loaders.py "fresh client process"). Objects made
+# later are collected as usual. Here, at the end of this module, so that any way of
+# loading RemoteDataLoader (``from loaderd import``, unpickling) does it once.
+gc.freeze()

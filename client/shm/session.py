@@ -1,0 +1,267 @@
+"""ShmSession: the client's side of the shared-memory fast path.
+
+One session per (process, daemon). Opening it proves that this process maps
+the daemon's shared memory (it must read a file the daemon just created, so
+nothing is guessed from the address). Batches of a shared-memory stream are
+then views of the worker's slot; when the user's last reference to a batch is
+gone, the slot's lease goes back: on the stream's next plan message, else over
+the session (``loaderd.shm.leases``). If the process dies, the daemon sees
+the session end and takes every lease back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from loaderd.channel.rpc_errors import error_from_rpc
+from loaderd.errors import LoaderdError, TransportError
+from loaderd.shm.copy_fence import CopyFence
+from loaderd.shm.leases import Leases
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import SHM_DIR, is_segment_name
+from loaderd.wire.mapping import SharedMapping
+
+log = logging.getLogger("loaderd.session")
+
+_POLL_S = 0.25
+# How long a dropped lease waits (one to two periods) for a plan message of its stream to carry it
+# before the session call sends it: long enough to span a few batches, short enough that a worker
+# gets its slot back while the next batches are made.
+RELEASE_PERIOD_S = 0.005
+# Queued by a release when the sender sleeps: start ticking.
+_TICK = object()
+# Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
+_MAX_MAPPINGS = 1024
+
+
+def _read_probe(path: str) -> tuple[bytes, str]:
+    """The challenge file's first bytes, or why not. Only a daemon's own file in SHM_DIR is read (no
+    link followed): what is read goes back to the daemon, which must not pick a file of ours to read."""
+    if os.path.dirname(path) != SHM_DIR or not is_segment_name(os.path.basename(path)):
+        return b"", f"the daemon's challenge names {path!r}, not a loaderd file in {SHM_DIR}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})"
+    try:
+        return os.read(fd, 64), ""
+    finally:
+        os.close(fd)
+
+
+class SegmentMaps:
+    """This process's mappings of daemon segments, opened once each."""
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, SharedMapping] = OrderedDict()
+        self._pinned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def get(self, name: str, size: int, pin: bool = False) -> memoryview:
+        """A view of segment ``name`` (at least ``size`` bytes); with ``pin``, page-locked for CUDA once."""
+        if not is_segment_name(name):
+            raise TransportError(f"refusing shared-memory name {name!r}")
+        with self._lock:
+            mapping = self._maps.get(name)
+            if mapping is None or mapping.size < size:
+                try:
+                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                except OSError as exc:
+                    raise TransportError(f"cannot open the daemon's shared-memory slot {name}: {exc.strerror}") from None
+                try:
+                    mapping = SharedMapping(fd, size, writable=True)
+                except OSError as exc:
+                    raise TransportError(f"cannot map the daemon's shared-memory slot {name}: {exc.strerror}") from None
+                finally:
+                    os.close(fd)
+                self._maps[name] = mapping
+                self._pinned.discard(name)
+                while len(self._maps) > _MAX_MAPPINGS:
+                    # Tensors still viewing an evicted mapping keep it alive; it unmaps after them.
+                    evicted, _ = self._maps.popitem(last=False)
+                    self._pinned.discard(evicted)
+            self._maps.move_to_end(name)
+            if pin and name not in self._pinned:
+                _host_register(mapping)
+                self._pinned.add(name)
+            return mapping.view
+
+    def forget(self, names: Iterable[str], prefixes: Iterable[str]) -> None:
+        """Drop mappings of segments the daemon removed (each unmaps once no tensor views it)."""
+        prefixes = tuple(prefixes)
+        with self._lock:
+            gone = set(names) | ({n for n in self._maps if n.startswith(prefixes)} if prefixes else set())
+            for name in gone:
+                self._maps.pop(name, None)
+                self._pinned.discard(name)
+
+
+def _host_register(mapping: SharedMapping) -> None:
+    """Page-lock a mapping once for CUDA, so views of it are pinned without a copy per batch.
+
+    It is unregistered when the mapping goes, before it is unmapped (see ``loaderd.wire.mapping``)."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(mapping.address, mapping.size, 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister failed (%s); pinned batches will be copied", err)
+        return
+    mapping.before_unmap(_host_unregister)
+
+
+def _host_unregister(address: int, size: int) -> None:
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(err) != 0:
+        log.warning("cudaHostUnregister of a %d-byte slot failed (%s)", size, err)
+
+
+class ShmSession:
+    """A live session with one daemon; ``shm`` says whether the fast path is usable."""
+
+    def __init__(self, stub: Any, address: str, handshake_timeout: float) -> None:
+        """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut)."""
+        self.address = address
+        self._pid = os.getpid()
+        # Written by finalizers (release), which may run inside a garbage collection on a thread
+        # that is in the middle of a put: SimpleQueue's put is reentrant, Queue's is not.
+        self._requests: queue.SimpleQueue[pb.SessionRequest | object | None] = queue.SimpleQueue()
+        # Written by finalizers too; the rules are in loaderd.shm.leases.
+        self._leases = Leases()
+        self._stop = threading.Event()
+        self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
+        self._call = stub.Session(self._request_stream())
+        cut = threading.Timer(handshake_timeout, self._call.cancel)
+        cut.daemon = True
+        cut.start()
+        try:
+            response = next(self._call)
+            if response.WhichOneof("kind") == "challenge":
+                challenge = response.challenge
+                token, problem = _read_probe(challenge.path)
+                self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
+                if challenge.session_id:
+                    # The id is usable at once (a stream naming it waits in the daemon for the
+                    # verdict), and the verdict is what this process just read: the file's name
+                    # carries the daemon's random token. `ready` follows; the watcher reads it.
+                    response = pb.SessionResponse(
+                        ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem)
+                    )
+                else:  # a daemon before protocol revision 3: its id comes with `ready`
+                    response = next(self._call)
+        except StopIteration:  # the daemon ended the call without a reply
+            self._end_call()
+            raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
+        except grpc.RpcError as exc:
+            self._end_call()
+            raise error_from_rpc(exc, address) from None
+        finally:
+            cut.cancel()
+        ready = response.ready
+        self.session_id = ready.session_id
+        self.shm = ready.shm
+        self.reason = ready.reason
+        self.maps = SegmentMaps()
+        self._fence = CopyFence()
+        # This thread reads what the daemon sends later (`ready` when the session went on
+        # without it, segments retired) and notices when the session ends.
+        self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
+        self._watcher.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._watcher.is_alive()
+
+    def _watch(self) -> None:
+        try:
+            for response in self._call:
+                kind = response.WhichOneof("kind")
+                if kind == "retired":
+                    self.maps.forget(response.retired.names, response.retired.prefixes)
+                elif kind == "ready" and response.ready.shm != self.shm:
+                    # A revision-3 daemon's verdict (an older one's `ready` was read in __init__), and it
+                    # disagrees with what this process read: its streams send bytes over gRPC.
+                    verdict = "usable" if response.ready.shm else "not usable"
+                    log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
+                    # The reason first: a reader that sees shm off finds why.
+                    self.reason, self.shm = response.ready.reason, response.ready.shm
+        except grpc.RpcError:
+            pass
+        finally:  # whatever ended the watch (an unexpected error too), the session's request stream ends with it
+            self._stop.set()
+
+    def _request_stream(self) -> Iterator[pb.SessionRequest]:
+        tick_at: float | None = None  # while releases are pending: when to send those no plan took
+        while not self._stop.is_set():
+            wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
+            try:
+                item = self._requests.get(timeout=wait)
+            except queue.Empty:
+                if tick_at is not None:
+                    due, ticking = self._leases.tick()
+                    tick_at = time.monotonic() + RELEASE_PERIOD_S if ticking else None
+                    if due:
+                        yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
+                continue
+            if item is None:
+                return
+            if item is _TICK:
+                if tick_at is None:
+                    tick_at = time.monotonic() + RELEASE_PERIOD_S
+                continue
+            assert isinstance(item, pb.SessionRequest)
+            yield item
+
+    def release(self, lease: int) -> None:
+        """Give a slot back (called when the last view of its batch is gone)."""
+        if os.getpid() != self._pid:
+            # A forked child dropping a batch it inherited: the lease is the parent's to give back,
+            # and a lock held at the fork by one of the parent's threads would never be let go here.
+            return
+        if self._leases.release(lease) and not self._stop.is_set():
+            self._requests.put(_TICK)
+
+    def take_released(self, stream_token: int) -> list[int]:
+        """The dropped leases of stream ``stream_token`` not yet sent, for its next plan message to carry."""
+        return self._leases.take(stream_token)
+
+    def lease_view(self, handle: pb.SlotHandle, nbytes: int, stream_token: int, pin: bool = False) -> memoryview:
+        """A view of a leased slot that releases the lease when the last tensor viewing it dies."""
+        view = self.maps.get(handle.name, handle.size, pin)[:nbytes]
+        self._leases.claim(handle.lease, stream_token)
+        if pin:
+            # The view is page-locked: GPU copies from it may still be queued when it dies.
+            weakref.finalize(view, self._fence.defer, functools.partial(self.release, handle.lease))
+        else:
+            weakref.finalize(view, self.release, handle.lease)
+        return view
+
+    def abandon(self, stream_token: int) -> None:
+        """A stream stopped early: the daemon takes back the slots it sent that never became batches."""
+        if os.getpid() != self._pid:
+            return  # a forked child: the stream and its leases are the parent's (as in release)
+        kept = self._leases.abandon(stream_token)
+        if not self._stop.is_set():
+            self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
+
+    def close(self) -> None:
+        self._fence.close()  # pinned slots still being copied go back first
+        self._end_call()
+
+    def _end_call(self) -> None:
+        """Stop sending and cancel the call (all a session that failed to open has to undo)."""
+        self._stop.set()
+        self._requests.put(None)
+        self._call.cancel()

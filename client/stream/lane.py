@@ -1,0 +1,223 @@
+"""Lane: one epoch's stream from one daemon, carrying part or all of the epoch.
+
+An epoch's iterator (``loaderd.epoch.iterator``) runs one lane per daemon it uses.
+It sends a lane index batches (each with its epoch position on a
+``positioned`` lane) and reads what comes back as ``LaneEvent``s on one queue
+shared by all its lanes. A lane delivers in the order it was sent, so its
+``sent`` queue says which position each arriving batch is for.
+
+A lane streams on a ``StreamCall`` (``loaderd.stream.stream_call``): a new one, or the
+one the loader's previous epoch parked for the same daemon. Its receiver turns
+a broken call into data: ``lost`` (the daemon is gone or going; the work can
+move) or ``failed`` (the request itself was refused; the user sees it). A lane
+never raises into the iterator and never blocks it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from loaderd.fleet.connection import DaemonConnection
+from loaderd.shm.session import ShmSession
+from loaderd.stream.receive_buffers import ReceiveBuffers
+from loaderd.stream.stream_call import CallEpoch, StreamCall, StreamCalls
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import CALL_PER_LOADER_REVISION, PLAN_RELEASES_REVISION
+
+_stream_tokens = itertools.count(1)
+
+
+def client_name() -> str:
+    """Who is asking, for the daemon's logs and status: host and pid, read when asked (a forked child has its own)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class LaneEvent:
+    """Something a lane's stream said.
+
+    ``kind``: "batch" (payload: the batch), "error" (a RemoteError: user code
+    raised; it takes its position like a batch), "end" (the daemon finished
+    the lane's plan), "draining" (the daemon is stopping), "retry" (the lane
+    was opened on a reused call the daemon had just let go: open it again, the
+    daemon is fine), "lost" (payload: why, in words; the call is over and its
+    work must move), "failed" (payload: the exception to raise; the call is over).
+    """
+
+    lane: Lane
+    kind: str
+    payload: Any = None
+
+
+def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: str, payload: Any = None) -> None:
+    """Queue what the lane's call said, while the lane is there (a dropped lane's messages are dropped)."""
+    lane = lane_ref()
+    if lane is not None:
+        if kind == "draining":
+            lane.end_ahead()
+        events.put(LaneEvent(lane, kind, payload))
+
+
+def _abandon(call: StreamCall, session: ShmSession | None, token: int) -> None:
+    call.cancel()
+    if session is not None:
+        session.abandon(token)
+
+
+class Lane:
+    """One daemon's stream within an epoch. Its methods are called from the iterator's thread only,
+    except ``end_ahead`` (the receiver's thread), which a lock orders against ``hold_ahead``/``take_over``."""
+
+    def __init__(
+        self,
+        address: str,
+        connection: DaemonConnection,
+        session: ShmSession | None,
+        opening: pb.OpenStream,
+        events: queue.Queue[Any],
+        pin_memory: bool,
+        buffers: ReceiveBuffers,
+        calls: StreamCalls,
+        revision: int,
+    ) -> None:
+        """``calls``: the loader's parked calls (this lane takes one, and parks its own at a clean end);
+        ``revision``: the daemon's protocol revision (from 4 it serves epoch after epoch on one call,
+        from 5 a plan carries the stream's released leases)."""
+        self.address = address
+        self.window = opening.window
+        # Map-style: positions sent and not yet answered, in the order the daemon answers them.
+        self.sent: deque[int] = deque()
+        # When each position in ``sent`` went out (how fast this daemon answers).
+        self._sent_at: deque[float] = deque()
+        # Contiguous lanes (iterable, share): the position the next answer is for.
+        self.next_position = opening.start
+        self.answered = 0  # batches this lane delivered; map-style lanes report it as `consumed`
+        self.latency = 0.0  # moving average of seconds from sending a position to its answer
+        self.closed = False
+        # An epoch planned ahead that nobody iterates yet (loaderd.epoch.next_epoch): set by hold_ahead,
+        # cleared by take_over; the lock orders those against end_ahead on the receiver's thread.
+        self._ahead = False
+        self._ahead_lock = threading.Lock()
+        self.opened_ahead = False  # hold_ahead was called: the lane was opened for an epoch planned ahead
+        self.ended_ahead = False  # end_ahead closed the lane (its daemon drains)
+        # The epoch's plan is over on this lane: the client said so, or the daemon ended it.
+        self.ended = False
+        self.shm = session is not None
+        self._positioned = opening.positioned
+        self._calls = calls
+        token = next(_stream_tokens)
+        self._token = token
+        # Plans carry this stream's released leases (else the session sends them).
+        self._plan_releases = session if revision >= PLAN_RELEASES_REVISION else None
+        opening.session_id = session.session_id if session is not None else 0
+        opening.stream_token = token
+        epoch = CallEpoch(functools.partial(_post, weakref.ref(self), events), token, pin_memory, buffers)
+        reusable = revision >= CALL_PER_LOADER_REVISION
+        call = calls.take(address, connection, session) if reusable else None
+        if call is None or not call.open(opening, epoch):  # none parked, or it ended just now
+            call = calls.new(address, connection, session, reusable)
+            if not call.open(opening, epoch):
+                # Over before the epoch was on it (the daemon refused the call at once, e.g. at its
+                # max_streams): its receiver told nobody, so the epoch hears it here.
+                epoch.post(*call.outcome())
+        self._call = call
+        # Cancels the call if the lane is dropped without close() or finish() (a finalizer, not __del__).
+        self._closer = weakref.finalize(self, _abandon, self._call, session, token)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.sent)
+
+    def send(self, batches: list[tuple[int, list[int]]], stalled_us: int, end: bool = False) -> None:
+        """Plan ``batches`` (position, indices) on this lane; ``end``: nothing more follows.
+
+        On a positioned lane each batch carries its position; otherwise (a
+        share's lane, opened at ``start``) the positions must follow on.
+        """
+        now = time.monotonic()
+        # What the daemon counts the plan's lead from: its own numbering on a positioned
+        # lane (it numbers the lane's batches from 0), epoch positions otherwise.
+        consumed = self.answered if self._positioned else self.next_position
+        plan = pb.PlanBatches(consumed=consumed, end=end, stalled_us=stalled_us)
+        for position, indices in batches:
+            if self._positioned:
+                plan.batches.add(indices=indices, position=position)
+            else:
+                plan.batches.add(indices=indices)
+            self.sent.append(position)
+            self._sent_at.append(now)
+        if batches and self._plan_releases is not None:
+            # Only on a message that plans batches: a lane that gets them all answered knows the
+            # daemon applied these; a lane stopped early is abandoned, which gives back any lost.
+            plan.released_leases.extend(self._plan_releases.take_released(self._token))
+        self._call.send(pb.StreamRequest(plan=plan))
+        if end:
+            self.ended = True
+            self._call.plan_ended()
+
+    def credit(self, consumed: int, stalled_us: int) -> None:
+        """Tell an iterable lane how far the caller got (its credit), or any lane how long it waited."""
+        self._call.send(pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=stalled_us)))
+
+    def answer(self) -> int:
+        """The position the lane's next answer is for (sent positions in order; an iterable lane counts on
+        from ``start``); its latency is noted."""
+        if not self.sent:
+            position = self.next_position
+            self.next_position += 1
+            self.answered += 1
+            return position
+        position = self.sent.popleft()
+        took = time.monotonic() - self._sent_at.popleft()
+        self.latency = took if self.answered == 0 else 0.8 * self.latency + 0.2 * took
+        self.answered += 1
+        self.next_position = position + 1
+        return position
+
+    def hold_ahead(self) -> None:
+        """The lane's epoch is planned ahead: until ``take_over``, a daemon that drains closes the lane
+        at once (``end_ahead``), since nobody reads its events to react; a stopping daemon then need not
+        wait for a stream nobody will consume."""
+        with self._ahead_lock:
+            self._ahead = self.opened_ahead = True
+
+    def take_over(self) -> bool:
+        """The planned epoch is iterated now: events are the iterator's to handle again. False if
+        ``end_ahead`` closed the lane meanwhile."""
+        with self._ahead_lock:
+            self._ahead = False
+            return not self.ended_ahead
+
+    def end_ahead(self) -> None:
+        """On the receiver's thread, the daemon drains: close the lane if its epoch is still only planned ahead."""
+        with self._ahead_lock:
+            if self._ahead and not self.closed:
+                self.ended_ahead = True
+                self.close()
+
+    def finish(self) -> None:
+        """The epoch is over: park the call for the loader's next epoch if this lane ended cleanly
+        (its plan over, every position it was sent answered), else close. Idempotent."""
+        if self.closed:
+            return
+        if not (self.ended and not self.sent and self._call.reusable):
+            self.close()
+            return
+        self.closed = True
+        self._closer.detach()
+        self._calls.park(self._call)
+
+    def close(self) -> None:
+        """Cancel the call; the daemon takes back what it sent that never became a batch. Idempotent."""
+        self.closed = True
+        self._closer()

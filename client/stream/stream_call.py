@@ -1,0 +1,393 @@
+"""StreamCall: one StreamBatches call to one daemon, carrying one epoch after another.
+
+A loader's epoch opens a call per daemon it streams from (a ``Lane`` each).
+With a daemon of protocol revision 4 the call outlives the epoch: once the
+epoch has every batch, its lane parks the call in the loader's ``StreamCalls``
+and the loader's next epoch sends its ``open`` on it. The next epoch then
+starts without a new call, without new threads on either side, and without
+the daemon dispatching a new handler (a few milliseconds per epoch, when every
+other cost of a short epoch is a batch's).
+
+The call's receiver thread reads its responses for the whole call and hands
+each epoch's messages to that epoch (``CallEpoch.post``): an epoch's messages end
+with its StreamEnd, and the next epoch's follow. A broken call is data: every
+epoch waiting on it hears ``lost`` (the daemon is gone or going) or ``failed``
+(the request was refused). The thread holds nothing of the ``StreamCall``, so a
+call nobody holds is cancelled by its finalizer.
+
+The daemon waits ``StreamEnd.keep_open_ms`` on a call for the next ``open``;
+a parked call is reused only within half of that (or before its END arrived,
+when the daemon's wait has not begun), else it is cancelled and a new one opens.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+from loaderd.channel.rpc_errors import error_from_rpc, is_transient, rpc_summary
+from loaderd.errors import LoaderdError, TransportError
+from loaderd.fleet.connection import DaemonConnection
+from loaderd.shm.session import ShmSession
+from loaderd.stream.c_heap import raise_mmap_threshold
+from loaderd.stream.receive_buffers import ReceiveBuffers
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.codec import BatchAssembler, view_batch
+from loaderd.wire.framing import Frame, read_frame
+
+# How often blocked waits re-check their stop signal.
+POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class CallEpoch:
+    """Where one epoch's messages go, and how its batches are built."""
+
+    # post(kind, payload): kinds as LaneEvent's ("batch", "error", "end", "draining", "retry", "lost", "failed").
+    post: Callable[[str, Any], None]
+    # The epoch's stream token (its shared-memory leases are claimed under it).
+    token: int
+    pin_memory: bool
+    buffers: ReceiveBuffers
+
+
+class _Route:
+    """What the call's receiver and its ``StreamCall`` share: the epochs waiting for messages, and
+    how the call stands. The receiver thread holds this, never the StreamCall."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.epochs: deque[CallEpoch] = deque()  # opened and not ended, oldest first
+        self.opened = 0  # epochs opened on the call
+        self.first: CallEpoch | None = None  # the epoch the call was made for, until its END
+        self.over = False  # the call ended, broke, or the daemon said it drains: no further epoch
+        self.ended_at: float | None = None  # when the last StreamEnd arrived
+        self.keep_open_s = 0.0  # how long the daemon waits after it for another open
+        # What the call ended with ((kind, payload) as posted to the epochs waiting then): for an
+        # epoch that comes too late to wait on it (see StreamCall.outcome). Ended without a word: retry.
+        self.outcome: tuple[str, Any] = ("retry", None)
+
+    def add(self, epoch: CallEpoch) -> bool:
+        """``epoch`` waits for messages after those before it; False if the call is over."""
+        with self.lock:
+            if self.over:
+                return False
+            self.epochs.append(epoch)
+            if not self.opened:
+                self.first = epoch
+            self.opened += 1
+            return True
+
+    def current(self) -> CallEpoch | None:
+        with self.lock:
+            return self.epochs[0] if self.epochs else None
+
+    def ended(self, keep_open_s: float) -> None:
+        with self.lock:
+            if self.epochs and self.epochs.popleft() is self.first:
+                self.first = None  # held no longer than needed: it reaches its epoch's queue
+            self.ended_at = time.monotonic()
+            self.keep_open_s = keep_open_s
+
+    def finish(self, outcome: tuple[str, Any] | None = None) -> tuple[list[CallEpoch], CallEpoch | None]:
+        """The call is over: the epochs still waiting on it (the oldest may have had messages), and
+        ``first`` as it was. The route holds no epoch after. ``outcome``: what it ended with, if it
+        broke (kept from the first call that ends it)."""
+        with self.lock:
+            if outcome is not None and not self.over:
+                self.outcome = outcome
+            self.over = True
+            waiting, first = list(self.epochs), self.first
+            self.epochs, self.first = deque(), None
+            return waiting, first
+
+
+def _request_stream(requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event) -> Iterator[pb.StreamRequest]:
+    """The call's requests. A free function: gRPC's sending thread holds this generator."""
+    while not stop.is_set():
+        try:
+            request = requests.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if request is None:
+            return
+        yield request
+
+
+def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child: the call (and gRPC's state behind it) is the parent's
+    stop.set()
+    requests.put(None)
+    call.cancel()
+
+
+class StreamCall:
+    """One StreamBatches call; its methods are called from an epoch iterator's thread."""
+
+    def __init__(self, address: str, connection: DaemonConnection, session: ShmSession | None, reusable: bool) -> None:
+        """``reusable``: the daemon takes another epoch's ``open`` after a StreamEnd (revision 4)."""
+        self.address = address
+        self.session = session
+        self.reusable = reusable
+        self._connection = connection
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        self._route = _Route()
+        if session is None:  # batches arrive as multi-MiB messages: keep their memory on the heap
+            raise_mmap_threshold()
+        call = connection.stream_batches(_request_stream(self._requests, self._stop))
+        # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
+        self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid)
+        connection.track_stream(self._closer)
+        receiver = _Receiver(call, session, address, self._route, self._stop)
+        self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
+        self._receiver.start()
+
+    def open(self, opening: pb.OpenStream, epoch: CallEpoch) -> bool:
+        """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s.
+
+        False if the call is over already (its receiver has gone: nothing would reach ``epoch``)."""
+        if not self._route.add(epoch):
+            return False
+        self._requests.put(pb.StreamRequest(open=opening))
+        return True
+
+    def outcome(self) -> tuple[str, Any]:
+        """What the call ended with, (kind, payload) as its epochs heard it: for an epoch whose ``open``
+        came after (a call the daemon refused at once, before its first epoch was added)."""
+        with self._route.lock:
+            return self._route.outcome
+
+    def send(self, request: pb.StreamRequest) -> None:
+        self._requests.put(request)
+
+    def plan_ended(self) -> None:
+        """The epoch's plan is complete: a call that cannot take another epoch half-closes."""
+        if not self.reusable:
+            self._requests.put(None)
+
+    @property
+    def over(self) -> bool:
+        """The call has ended (or will take no further epoch)."""
+        with self._route.lock:
+            return self._route.over
+
+    def can_take(self, connection: DaemonConnection, session: ShmSession | None) -> bool:
+        """Whether the next epoch can open on this call (same process, connection and session, and
+        the daemon still waits for it)."""
+        route = self._route
+        if not self.reusable or self._stop.is_set() or self._pid != os.getpid():
+            return False
+        if connection is not self._connection or session is not self.session:
+            return False
+        with route.lock:
+            if route.over:
+                return False
+            if route.epochs:  # the last epoch's END is still coming: the daemon's wait has not begun
+                return True
+            return route.ended_at is not None and time.monotonic() - route.ended_at < route.keep_open_s / 2
+
+    def cancel(self) -> None:
+        """End the call (the daemon closes what it serves on it). Idempotent."""
+        self._closer()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the call's receiver thread to leave (after ``cancel``); True if it did."""
+        if self._pid != os.getpid():
+            return True  # a forked child has no such thread
+        self._receiver.join(max(0.0, timeout))
+        return not self._receiver.is_alive()
+
+
+class StreamCalls:
+    """A loader's calls: the owner of every call its epochs open, and of those parked between epochs
+    (at most one per daemon address, for its next epoch). ``close`` ends them all and joins their threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parked: dict[str, StreamCall] = {}
+        self._made: weakref.WeakSet[StreamCall] = weakref.WeakSet()  # a call nobody holds cancels itself
+        self._closed = False
+
+    def new(self, address: str, connection: DaemonConnection, session: ShmSession | None, reusable: bool) -> StreamCall:
+        """Open a call for one of this loader's epochs (see ``StreamCall``)."""
+        with self._lock:
+            if self._closed:
+                raise LoaderdError("this RemoteDataLoader is closed")
+            call = StreamCall(address, connection, session, reusable)
+            self._made.add(call)
+        return call
+
+    def close(self, timeout: float) -> bool:
+        """Cancel every call this loader opened and join their receiver threads, for up to ``timeout``
+        s in all. Idempotent; later calls to ``new`` raise, and a call parked later is cancelled.
+        True if every thread left in time."""
+        with self._lock:
+            self._closed = True
+            calls = list(self._made)
+            self._parked.clear()
+        for call in calls:
+            call.cancel()
+        deadline = time.monotonic() + timeout
+        return all([call.join(deadline - time.monotonic()) for call in calls])
+
+    def open_calls(self) -> list[StreamCall]:
+        """The parked calls that have not ended (at most one per daemon address)."""
+        with self._lock:
+            return [call for call in self._parked.values() if not call.over]
+
+    def take(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall | None:
+        """The call parked for ``address``, if the next epoch can open on it (one that cannot is cancelled)."""
+        with self._lock:
+            call = self._parked.pop(address, None)
+        if call is None:
+            return None
+        if call.can_take(connection, session):
+            return call
+        call.cancel()
+        return None
+
+    def park(self, call: StreamCall) -> None:
+        """Keep ``call`` for the next epoch (replacing one parked for its daemon before; calls that
+        ended meanwhile, e.g. of daemons this loader no longer uses, are let go)."""
+        with self._lock:
+            closed = self._closed
+            previous = None if closed else self._parked.get(call.address)
+            if not closed:
+                self._parked[call.address] = call
+            for address in [a for a, parked in self._parked.items() if parked.over]:
+                del self._parked[address]
+        if closed:
+            call.cancel()  # a closed loader has no next epoch
+        elif previous is not None and previous is not call:
+            previous.cancel()
+
+
+class _Receiver:
+    """Reads one call's responses on its own thread and hands each to the epoch it is for."""
+
+    def __init__(self, call: Any, session: ShmSession | None, address: str, route: _Route, stop: threading.Event) -> None:
+        self._call = call
+        self._session = session
+        self._address = address
+        self._route = route
+        self._stop = stop
+        self._heard: CallEpoch | None = None  # the last epoch a message was for
+
+    def _post(self, epoch: CallEpoch, kind: str, payload: Any = None) -> None:
+        if not self._stop.is_set():
+            epoch.post(kind, payload)
+
+    def _finish(self, batch: Any, epoch: CallEpoch) -> Any:
+        # Tensors are already page-locked (allocated pinned, or views of a registered
+        # slot), so this copies nothing; it honours custom types' pin_memory() as torch does.
+        return torch_pin_memory(batch) if epoch.pin_memory else batch
+
+    def run(self) -> None:
+        # Declared optional: the frame lets go of each of them at the end (see the finally below).
+        assembler: BatchAssembler | None = None
+        epoch: CallEpoch | None
+        first: CallEpoch | None
+        waiting: CallEpoch | None
+        frame: Frame | None
+        view: memoryview | None
+        try:
+            for raw in self._call:
+                frame = read_frame(raw)
+                kind = frame.kind
+                header = frame.header
+                epoch = self._heard = self._route.current()
+                if epoch is None:  # between epochs: only a draining daemon speaks
+                    if kind != "draining":
+                        raise LoaderdError(f"daemon sent a {kind!r} message between epochs")
+                    # An epoch that opened on the call just now (after current() above) was sent
+                    # before the daemon could read its open: it asks again, on a new call.
+                    for late in self._route.finish()[0]:
+                        self._post(late, "retry")
+                    continue
+                if kind == "batch" and header is not None and header.HasField("slot"):
+                    if self._session is None:
+                        raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
+                    try:
+                        view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
+                    except TransportError as exc:  # the slot is gone: its daemon died (and a new one swept it)
+                        self._tell_all("lost", str(exc))
+                        return
+                    batch = self._finish(view_batch(header, view), epoch)
+                    del view  # the batch's tensors now hold the lease
+                    self._post(epoch, "batch", batch)
+                    batch = None  # this frame must not keep the batch (and its slot) alive
+                    continue
+                if kind == "batch" and header is not None:
+                    assembler = BatchAssembler(header, epoch.pin_memory, epoch.buffers.take)
+                    if frame.data is not None:
+                        assembler.feed(frame.data)
+                elif kind == "chunk" and frame.data is not None:
+                    if assembler is None:
+                        raise LoaderdError("daemon sent a data chunk outside a batch")
+                    assembler.feed(frame.data)
+                elif kind == "error" and frame.message is not None:
+                    self._post(epoch, "error", frame.message.error)
+                    continue
+                elif kind == "draining":
+                    self._post(epoch, "draining")
+                    continue
+                elif kind == "end":
+                    keep_open_ms = frame.message.end.keep_open_ms if frame.message is not None else 0
+                    self._route.ended(keep_open_ms / 1000)
+                    self._post(epoch, "end")
+                    epoch = self._heard = None  # an ended epoch is not kept from its queue's collection
+                    continue
+                if assembler is not None and assembler.complete:
+                    batch, assembler = self._finish(assembler.build(), epoch), None
+                    self._post(epoch, "batch", batch)
+                    batch = None
+            # Ended (OK) with epochs waiting. One the daemon said nothing for, on a call made for
+            # an earlier epoch, was sent as the daemon let the call go (its wait for the next
+            # epoch ran out): nothing is wrong, open it again.
+            left, first = self._route.finish()
+            for waiting in left:
+                if waiting is self._heard or waiting is first:
+                    self._post(waiting, "lost", "ended the stream early")
+                else:
+                    self._post(waiting, "retry")
+        except grpc.RpcError as exc:
+            if is_transient(exc):
+                self._tell_all("lost", rpc_summary(exc))
+            else:
+                self._tell_all("failed", error_from_rpc(exc, self._address))
+            exc.__traceback__ = None  # see below
+        except Exception as exc:  # noqa: BLE001 - a decoding error: surface it to the caller
+            self._tell_all("failed", exc)
+        finally:
+            self._route.finish()
+            # The call is over: its requests too (gRPC's thread sending them leaves).
+            self._stop.set()
+            # A failed call is its own exception: its traceback holds this frame, which holds
+            # the call (self._call, and gRPC's frames under it), and the frame reaches whatever
+            # its locals and self do. Anything else that holds the call (a closure of gRPC's own
+            # did, seen in tests/test_next_epoch.py) then keeps that alive: an epoch keeps its
+            # queue, whose events keep their lane, the lane's loader's parked calls and the slots
+            # of their batches, and no finalizer of theirs runs. So the traceback is dropped
+            # above, and the frame lets go of all that here.
+            self._call = self._session = self._heard = None
+            epoch = first = waiting = assembler = None
+            raw = frame = header = view = batch = None
+
+    def _tell_all(self, kind: str, payload: Any) -> None:
+        """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed"),
+        and so does one that opens on it too late (``StreamCall.outcome``)."""
+        for waiting in self._route.finish((kind, payload))[0]:
+            self._post(waiting, kind, payload)

@@ -1,0 +1,321 @@
+"""``loaderd bench``: will loaderd speed up *my* pipeline? torch's DataLoader and RemoteDataLoader, side by side.
+
+On the user's own dataset (from their config): a local
+``DataLoader(num_workers=K, persistent_workers=True)`` and ``RemoteDataLoader``
+over shared memory and over gRPC, one epoch of each per round, rounds
+interleaved (so a busy machine slows all three alike), then medians of
+batches/s and MB/s, the ratios to torch, and the time to the first batch of a
+new loader. Without ``--address`` it starts a private daemon (the config, K
+workers, a temp unix socket and 127.0.0.1:0) and stops it afterwards.
+
+Fork safety: torch's workers are forked before this process opens its first
+gRPC channel (first-batch trials and warm-up come first); the daemon is
+started with fork+exec.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch.utils.data import DataLoader
+
+from loaderd.errors import clip
+from loaderd.server.config.schema import LoaderConfig
+from loaderd.server.worker.user_code import apply_python_path
+from loaderd.server.worker.worker import build_dataset
+
+STARTUP_TIMEOUT_S = 300.0
+LOADERS = ("torch", "shm", "grpc")
+LABELS = {"torch": "torch DataLoader", "shm": "loaderd, shared memory", "grpc": "loaderd, gRPC"}
+
+
+class BenchError(Exception):
+    """The benchmark cannot run as asked (no such dataset, a daemon that does not start); the message says why."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``loaderd bench`` was asked for."""
+
+    config: LoaderConfig
+    dataset: str
+    batch_size: int = 32
+    num_workers: int = 2
+    epochs: int = 3  # rounds: one epoch of each loader per round
+    max_batches: int = 0  # per epoch (0: the whole epoch)
+    shuffle: bool = True
+    address: str = ""  # a running daemon; "" starts one
+
+
+@dataclass
+class Measured:
+    """One loader's figures over the rounds."""
+
+    batches_s: list[float] = field(default_factory=list)
+    mb_s: list[float] = field(default_factory=list)
+    first_batch_ms: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def payload_bytes(batch: Any) -> int:
+    """Bytes of the tensors and arrays in a batch (what a loader had to move)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if hasattr(batch, "nbytes") and not isinstance(batch, (bytes, bytearray, memoryview)):
+        return int(batch.nbytes)
+    if isinstance(batch, Mapping):
+        return sum(payload_bytes(v) for v in batch.values())
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return sum(payload_bytes(v) for v in batch)
+    return 0
+
+
+class Progress:
+    """A one-line progress bar on a terminal (one line per measurement elsewhere)."""
+
+    def __init__(self, stream: TextIO, total: int) -> None:
+        self._stream = stream
+        self._total = max(total, 1)
+        self._done = 0
+        self._tty = stream.isatty()
+        self._shown_at = 0.0
+
+    def update(self, label: str, in_epoch: int, epoch_len: int) -> None:
+        now = time.monotonic()
+        if not self._tty or now - self._shown_at < 0.1:
+            return
+        self._shown_at = now
+        share = (self._done + in_epoch / max(epoch_len, 1)) / self._total
+        bar = "#" * int(30 * share)
+        self._stream.write(f"\r[{bar:<30}] {share:4.0%}  {label:<26} batch {in_epoch}/{epoch_len}   ")
+        self._stream.flush()
+
+    def finished(self, line: str) -> None:
+        self._done += 1
+        self._stream.write(("\r" + " " * 80 + "\r" if self._tty else "") + line + "\n")
+        self._stream.flush()
+
+
+def run_epoch(loader: Any, max_batches: int, tick: Callable[[int, int], None]) -> tuple[int, int, float]:
+    """One epoch (or its first ``max_batches``): batches, payload bytes, seconds (from before ``iter``)."""
+    try:
+        epoch_len = len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        epoch_len = 0
+    if max_batches:
+        epoch_len = min(epoch_len, max_batches) if epoch_len else max_batches
+    batches = nbytes = 0
+    started = time.perf_counter()
+    it = iter(loader)
+    try:
+        for batch in it:
+            nbytes += payload_bytes(batch)
+            batches += 1
+            del batch
+            tick(batches, epoch_len)
+            if max_batches and batches >= max_batches:
+                break
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return batches, nbytes, time.perf_counter() - started
+
+
+def _stop_workers(loader: DataLoader) -> None:
+    """Shut a persistent DataLoader's workers down now, not whenever the collector gets to it.
+
+    torch has no public call for this; ``_shutdown_workers`` is what its iterator's ``__del__`` runs."""
+    iterator = loader._iterator
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def first_batch_ms(make: Callable[[], Any]) -> float:
+    """Milliseconds from building a loader to holding its first batch."""
+    started = time.perf_counter()
+    loader = make()
+    it = iter(loader)
+    next(it)
+    took = 1000 * (time.perf_counter() - started)
+    close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)  # ours, or torch's (its workers)
+    if close is not None:
+        close()
+    del it, loader
+    return took
+
+
+@contextmanager
+def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, str]]:
+    """``loaderd serve`` on the config with K workers (at least 1), a temp unix socket and 127.0.0.1:0: (unix, tcp) addresses."""
+    tmp = Path(tempfile.mkdtemp(prefix="loaderd-bench-"))
+    socket_address = f"unix://{tmp}/d.sock"
+    log_path = tmp / "daemon.log"
+    command = [
+        sys.executable, "-m", "loaderd.server.app.cli", "serve", "--config", str(options.config.path),
+        "--listen", socket_address, "--listen", "127.0.0.1:0", "--workers", str(max(1, options.num_workers)),
+        "--log-format", "text", "--log-level", "INFO",  # the TCP port is read from its "listening on" line
+    ]  # fmt: skip
+    if options.config.metrics is not None:
+        command += ["--metrics-port", "0"]  # not the port of the user's own daemon
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        log.write(f"starting a daemon with {max(1, options.num_workers)} workers (log: {log_path})\n")
+        _wait_serving(socket_address, process, log_path)
+        match = re.search(r"listening on (127\.0\.0\.1:\d+)", log_path.read_text())
+        if match is None:
+            raise BenchError(f"the daemon did not say its TCP port; its log:\n{log_path.read_text()}")
+        yield socket_address, match.group(1)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # stop at once: every loader is closed by now (SIGTERM would drain)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_serving(address: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise BenchError(f"the daemon exited with {process.returncode} before serving:\n{log_path.read_text()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise BenchError(f"the daemon was not serving after {STARTUP_TIMEOUT_S:.0f}s; its log:\n{log_path.read_text()}")
+
+
+def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Measured]:
+    """Measure, print the table to ``out`` (progress to ``err``), and return the figures."""
+    spec = options.config.datasets.get(options.dataset)
+    if spec is None:
+        raise BenchError(f"no dataset named {options.dataset!r} in {options.config.path} (it defines: {', '.join(options.config.datasets)})")
+    apply_python_path(options.config.python_path)
+    try:
+        local = build_dataset(spec, prebuilt=False)
+    except Exception as exc:  # noqa: BLE001 - the user's dataset may raise anything: the report names it
+        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}") from None
+    kind = "iterable" if local.iterable else "map-style"
+    shuffle = options.shuffle and not local.iterable
+
+    def torch_loader(persistent: bool) -> DataLoader:
+        return DataLoader(
+            local.dataset, batch_size=options.batch_size, shuffle=shuffle, num_workers=options.num_workers,
+            collate_fn=local.collate, worker_init_fn=local.worker_init_fn, persistent_workers=persistent and options.num_workers > 0,
+        )  # fmt: skip
+
+    results = {name: Measured() for name in LOADERS}
+    trials = 3
+    progress = Progress(err, options.epochs * len(LOADERS))
+    # 1. torch's first batches and warm-up fork its workers: before this process makes a gRPC channel.
+    try:
+        for _ in range(trials):
+            results["torch"].first_batch_ms.append(first_batch_ms(lambda: torch_loader(persistent=False)))
+        warm_torch = torch_loader(persistent=True)
+        next(iter(warm_torch))
+    except Exception as exc:  # noqa: BLE001 - the dataset fails under torch too: that is the answer
+        raise BenchError(f"dataset {options.dataset!r} fails in torch's own DataLoader: {type(exc).__name__}: {exc}") from None
+
+    with _addresses(options, err) as (shm_address, grpc_address):
+        from loaderd import RemoteDataLoader  # its channels come after the forks above
+
+        def remote(transport: str) -> Any:
+            address = shm_address if transport == "shm" else grpc_address
+            return RemoteDataLoader(
+                options.dataset, batch_size=options.batch_size, shuffle=shuffle, num_workers=options.num_workers,
+                address=address, transport=transport,
+            )  # fmt: skip
+
+        loaders: dict[str, Any] = {"torch": warm_torch}
+        for transport in ("shm", "grpc"):
+            try:
+                loaders[transport] = remote(transport)
+                for _ in range(trials):
+                    results[transport].first_batch_ms.append(first_batch_ms(functools.partial(remote, transport)))
+            except Exception as exc:  # noqa: BLE001 - e.g. transport="shm" against a daemon on another host
+                results[transport].error = f"{type(exc).__name__}: {exc}"
+        for round_no in range(1, options.epochs + 1):
+            for name in LOADERS:
+                if name not in loaders:
+                    continue
+                label = f"round {round_no}/{options.epochs} {name}"
+                try:
+                    batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, functools.partial(progress.update, label))
+                except Exception as exc:  # noqa: BLE001 - reported in its row; the other loaders go on
+                    results[name].error = f"{type(exc).__name__}: {clip(str(exc), 300)}"
+                    del loaders[name]
+                    progress.finished(f"{label}: failed: {results[name].error}")
+                    continue
+                results[name].batches_s.append(batches / seconds)
+                results[name].mb_s.append(nbytes / seconds / 1e6)
+                progress.finished(f"{label}: {batches} batches in {seconds:.2f} s ({batches / seconds:.1f} batches/s)")
+        loaders.clear()
+    _stop_workers(warm_torch)
+    _report(options, kind, local, results, out)
+    return results
+
+
+@contextmanager
+def _addresses(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, str]]:
+    if options.address:
+        yield options.address, options.address
+    else:
+        with private_daemon(options, log) as addresses:
+            yield addresses
+
+
+def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Measured], out: TextIO) -> None:
+    try:
+        size = f"{len(local.dataset):,} items"
+    except TypeError:
+        size = "no len()"
+    cap = f", first {options.max_batches} batches" if options.max_batches else ""
+    where = options.address or "a private daemon"
+    out.write(
+        f"\ndataset {options.dataset!r} ({kind}, {size}), batch_size {options.batch_size}, {options.num_workers} workers; "
+        f"{options.epochs} epoch(s){cap} of each loader, interleaved; loaderd: {where}\n\n"
+    )
+    base = statistics.median(results["torch"].batches_s) if results["torch"].batches_s else 0.0
+    out.write(f"| {'loader':<24} | {'batches/s':>10} | {'MB/s':>9} | {'vs torch':>8} | {'first batch':>11} |\n")
+    out.write(f"| {'-' * 24} | {'-' * 10:>10} | {'-' * 9:>9} | {'-' * 8:>8} | {'-' * 11:>11} |\n")
+    for name in LOADERS:
+        measured = results[name]
+        if measured.error or not measured.batches_s:
+            out.write(f"| {LABELS[name]:<24} | not measured: {measured.error or 'no rounds'}\n")
+            continue
+        rate = statistics.median(measured.batches_s)
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        first = f"{statistics.median(measured.first_batch_ms):.0f} ms" if measured.first_batch_ms else "-"
+        mb_s = statistics.median(measured.mb_s)
+        mb = f"{mb_s:.1f}" if mb_s >= 10 else f"{mb_s:.3f}"
+        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {first:>11} |\n")
+    out.write(
+        "\nbatches/s and MB/s: medians over the rounds. first batch: a new loader, from construction to its first batch "
+        "(torch: forking its workers and copying the dataset into them; loaderd: on the warm daemon).\n"
+    )

@@ -1,0 +1,243 @@
+"""Client sessions: the same-host proof for shared memory, and a session's life.
+
+A client process opens one ``Session`` call per daemon. The handshake
+(``SessionHost.serve``) goes:
+
+  1. client: ``hello`` (its pid);
+  2. daemon: ``challenge``, the path of a fresh 0600 file of random bytes in
+     its /dev/shm (no challenge if the daemon serves no shared memory), and
+     the session id;
+  3. client: ``proof``, the bytes it read there (or why it could not);
+  4. daemon: ``ready`` with the session id and whether shared memory is usable.
+
+The client need not wait for ``ready``: it may name the session in streams
+as soon as its proof is sent (one round trip less before a new process's
+first batch). A stream that arrives first waits for the verdict
+(``ClientSession.decided``), no longer than the proof's own deadline.
+
+Only a client that read the token shares the daemon's /dev/shm, so nothing is
+guessed from the address. Session ids are random (63 bits), sent only to the
+session's opener, and bound to the identity that opened it (a token's name or a
+certificate's; not the peer address, which every unix-socket client shares): a
+stream naming a session is served through it only with the same identity
+(``SessionRegistry.shm_session``), so no client can lease slots into another's
+without its unguessable id. Afterwards the client sends ``release`` (batches it
+dropped that no plan message carried back: ``PlanBatches.released_leases``, applied
+by the servicer) and ``abandon`` (a stream it stopped) messages, and the daemon sends
+``retired`` notices (segments it removed, to unmap). The session's slot leases
+are kept by the ledger (server/scheduling/ledger.py); when the call ends, however it ends,
+every lease goes back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from loaderd.server.rpc.requests import BadRequestError
+from loaderd.server.rpc.watchdog import Watchdog
+from loaderd.server.scheduling.ledger import SlotLedger
+from loaderd.server.security.auth import ANONYMOUS, Identity
+from loaderd.server.shm.arena import create_probe
+from loaderd.v1 import loaderd_pb2 as pb
+
+log = logging.getLogger("loaderd.sessions")
+
+# How often the session's handler re-checks that its client is still there.
+_POLL_S = 0.25
+
+
+@dataclass
+class ClientSession:
+    """One client process's session with the daemon."""
+
+    session_id: int
+    peer: str
+    identity: Identity = ANONYMOUS
+    shm: bool = False
+    closed: bool = False
+    # Set once ``shm`` is final: the proof was checked (or none was asked for), or the session ended.
+    decided: threading.Event = field(default_factory=threading.Event)
+    # time.monotonic() by which the proof must arrive (the session is cut then): a stream waits no longer.
+    verdict_by: float = 0.0
+    # Messages for the client (segments it should unmap), sent by the session's handler; None only
+    # wakes the handler (the session was closed).
+    outbox: queue.Queue[pb.SessionResponse | None] = field(default_factory=queue.Queue)
+
+
+class SessionForeignError(Exception):
+    """A stream named a session that another identity opened."""
+
+
+class SessionRegistry:
+    """Every open session."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[int, ClientSession] = {}
+
+    def open(self, peer: str, identity: Identity = ANONYMOUS) -> ClientSession:
+        with self._lock:
+            session_id = 0
+            while not session_id or session_id in self._sessions:
+                session_id = secrets.randbits(63)  # unguessable: ids are not handed out in order
+            session = ClientSession(session_id=session_id, peer=peer, identity=identity)
+            self._sessions[session_id] = session
+            return session
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def shm_session(self, session_id: int, identity: Identity) -> ClientSession | None:
+        """The open session ``session_id`` if it proved shared memory, else None; SessionForeignError
+        if ``identity`` is not the one that opened it.
+
+        A session whose proof is still on its way (its client named it right after
+        sending the proof) is waited for, until the proof's own deadline at most.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.closed:
+                return None
+            if session.identity != identity:
+                raise SessionForeignError(f"session {session_id} was opened by {session.identity}, not {identity}")
+        session.decided.wait(max(0.0, session.verdict_by - time.monotonic()))
+        return session if session.shm and not session.closed else None
+
+    def close(self, session: ClientSession) -> bool:
+        """Forget ``session``; False if it was closed already."""
+        with self._lock:
+            if session.closed:
+                return False
+            session.closed = True
+            self._sessions.pop(session.session_id, None)
+        session.decided.set()  # a stream waiting for its verdict finds it closed
+        session.outbox.put(None)  # its handler ends the call now, not at its next poll
+        return True
+
+    def announce_retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
+        """Tell every shared-memory client which segments are gone, so it unmaps them."""
+        message = pb.SessionResponse(retired=pb.SegmentsRetired(names=names, prefixes=prefixes))
+        with self._lock:
+            for session in self._sessions.values():
+                if session.shm:
+                    session.outbox.put(message)
+
+    def open_sessions(self) -> list[ClientSession]:
+        with self._lock:
+            return list(self._sessions.values())
+
+
+class SessionHost:
+    """Runs the ``Session`` call: the handshake, then the client's releases until it goes away."""
+
+    def __init__(
+        self, registry: SessionRegistry, ledger: SlotLedger, shm_prefix: str | None, watchdog: Watchdog, proof_timeout: float
+    ) -> None:
+        """``proof_timeout``: seconds a client has to answer the challenge (``watchdog`` cuts the call after)."""
+        self.registry = registry
+        self._ledger = ledger
+        self._shm_prefix = shm_prefix
+        self._watchdog = watchdog
+        self._proof_timeout = proof_timeout
+        self._probes = itertools.count()
+
+    def end(self, session: ClientSession) -> None:
+        """The client is gone: every slot it held goes back to its worker. Idempotent."""
+        if not self.registry.close(session):
+            return
+        released = self._ledger.close_session(session.session_id)
+        if released:
+            log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, released)
+
+    def close_all(self) -> None:
+        """Shutdown: end every session (each gives back what it held, as when its client goes); the
+        handlers of those past their handshake end their calls at once."""
+        for session in self.registry.open_sessions():
+            self.end(session)
+
+    def serve(
+        self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext, identity: Identity
+    ) -> Iterator[pb.SessionResponse]:
+        """The session's responses, from the challenge on (see the module docstring)."""
+        session = self.registry.open(context.peer(), identity)
+        self._ledger.open_session(session.session_id)
+        context.add_callback(lambda: self.end(session))
+        try:
+            probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
+            if probe is None:
+                reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
+            else:
+                path, token = probe
+                session.verdict_by = time.monotonic() + self._proof_timeout
+                alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
+                try:
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=session.session_id))
+                    proof = next(requests, None)
+                except (grpc.RpcError, BadRequestError):
+                    return  # cut (no proof in time), gone, or garbage: the session ends
+                finally:
+                    alarm.disarm()
+                    _unlink(path)
+                if proof is None or proof.WhichOneof("kind") != "proof":
+                    return
+                session.shm = proof.proof.token == token
+                reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
+            session.decided.set()
+            verdict = "yes" if session.shm else f"no ({reason})"
+            log.info(
+                "session %d from %s (pid %d): shared memory %s; identity: %s",
+                session.session_id,
+                context.peer(),
+                hello.pid,
+                verdict,
+                identity,
+            )
+            yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
+            reader = threading.Thread(
+                target=self._read, args=(requests, session), name=f"loaderd-session-{session.session_id}", daemon=True
+            )
+            reader.start()
+            while not session.closed and context.is_active():
+                try:
+                    message = session.outbox.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                if message is not None:
+                    yield message
+        finally:
+            self.end(session)
+
+    def _read(self, requests: Iterator[pb.SessionRequest], session: ClientSession) -> None:
+        """Apply the client's releases until it goes away; then every slot it held goes back."""
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "release":
+                    self._ledger.release_leases(session.session_id, list(request.release.leases))
+                elif kind == "abandon":
+                    abandon = request.abandon
+                    self._ledger.abandon(session.session_id, abandon.stream_token, list(abandon.kept_leases))
+        except grpc.RpcError:
+            pass  # the client went away
+        except BadRequestError as exc:
+            log.warning("session %d (%s) ended: %s", session.session_id, session.peer, exc)
+        finally:
+            self.end(session)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,135 @@
+"""SlotWriter: a worker's reusable shared-memory segments, one batch in each at a time.
+
+The worker's side of server/shm/arena.py (names, sizes and the daemon's reading side
+live there). Segments are pre-allocated with ``posix_fallocate`` and kept for
+reuse; collation writes straight into slices of a uint8 tensor over each.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import torch
+
+from loaderd.server.shm.arena import INLINE_BYTES, SlotRef, segment_size
+from loaderd.wire.codec import EncodedBatch
+from loaderd.wire.limits import SHM_DIR
+from loaderd.wire.mapping import map_fd
+
+log = logging.getLogger("loaderd.arena")
+
+
+class SlotWriter:
+    """A worker's reusable segments: one batch per segment at a time."""
+
+    def __init__(self, prefix: str, cap_bytes: int) -> None:
+        self.prefix = prefix
+        self.cap_bytes = cap_bytes
+        self._maps: dict[str, memoryview] = {}
+        # A uint8 tensor over each segment: collation writes into slices of it.
+        self._bases: dict[str, torch.Tensor] = {}
+        self._free: list[str] = []
+        self._counter = 0
+        self._total = 0
+        self._disabled = False
+        self._warned_full = False
+        self.retired: list[str] = []  # destroyed since the daemon was last told
+
+    def _create(self, size: int) -> str | None:
+        name = f"{self.prefix}{self._counter}"
+        self._counter += 1
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            log.warning("cannot create shared memory %s (%s); sending batches over the pipe", path, exc)
+            self._disabled = True
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._maps[name] = map_fd(fd, size, writable=True)
+            self._bases[name] = torch.frombuffer(self._maps[name], dtype=torch.uint8)
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                if not self._warned_full:  # once per worker: this repeats for every batch while full
+                    log.warning("%s is full; batches that find no free slot are copied over gRPC instead", SHM_DIR)
+                    self._warned_full = True
+            else:
+                log.warning("cannot size shared memory %s (%s); sending batches over the pipe", path, exc)
+            return None
+        finally:
+            os.close(fd)
+        self._total += size
+        return name
+
+    def acquire(self, nbytes: int) -> tuple[str, torch.Tensor] | None:
+        """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
+        if self._disabled or nbytes < INLINE_BYTES:
+            return None
+        fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
+        if fitting:
+            name = min(fitting, key=lambda n: len(self._maps[n]))
+            self._free.remove(name)
+            return name, self._bases[name]
+        size = segment_size(nbytes)
+        # Make room by dropping idle segments (smallest first): batch sizes change
+        # between streams, and idle small segments must not starve big batches.
+        for idle in sorted(self._free, key=lambda n: len(self._maps[n])):
+            if self._total + size <= self.cap_bytes:
+                break
+            self._destroy(idle)
+        if self._total + size > self.cap_bytes:
+            return None
+        created = self._create(size)
+        return None if created is None else (created, self._bases[created])
+
+    def commit(self, name: str, batch: EncodedBatch) -> SlotRef | None:
+        """Copy the payload parts not already in segment ``name`` into it; None (segment freed) if it does not fit."""
+        target = memoryview(self._maps[name])
+        if batch.payload_bytes > len(target):
+            self.release(name)
+            return None
+        for offset, buf in batch.buffers:
+            target[offset : offset + buf.nbytes] = buf
+        return SlotRef(name=name, size=len(target))
+
+    def write(self, batch: EncodedBatch) -> SlotRef | None:
+        """Copy a batch payload into a free segment; None if there is no room (use the pipe)."""
+        acquired = self.acquire(batch.payload_bytes)
+        return None if acquired is None else self.commit(acquired[0], batch)
+
+    def release(self, name: str) -> None:
+        if name in self._maps and name not in self._free:
+            self._free.append(name)
+
+    def trim(self) -> None:
+        """Remove every idle segment (the worker has been idle a while); the daemon hears of it via ``retired``."""
+        for name in list(self._free):
+            self._destroy(name)
+
+    def _destroy(self, name: str) -> None:
+        """Remove one idle segment to make room; the daemon hears of it via ``retired``."""
+        self.retired.append(name)
+        self._free.remove(name)
+        self._total -= len(self._maps[name])
+        self._remove(name)
+
+    def _remove(self, name: str, unlink: bool = True) -> None:
+        # The mapping goes when the last view of it does.
+        self._bases.pop(name, None)
+        self._maps.pop(name)
+        if unlink:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+
+    def close(self, unlink: bool) -> None:
+        """Drop every mapping; with ``unlink``, remove the segments too (the daemon's own mappings stay valid)."""
+        for name in list(self._maps):
+            self._remove(name, unlink)
+        self._free.clear()
+        self._total = 0

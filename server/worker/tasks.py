@@ -1,0 +1,133 @@
+"""Messages between the daemon and its worker processes.
+
+These are pickled over the pool's own pipes: both ends are loaderd's code in
+processes the daemon started, never a client. Array bytes of a finished batch
+follow a ``BatchDone`` as raw buffers, not pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loaderd.server.shm.arena import SlotRef
+
+# A map-style batch's indices: a list to collate, or one index when auto_collation is off.
+Indices = tuple[int, ...] | int
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    """What the client needs to plan: the dataset's kind and length."""
+
+    iterable: bool
+    length: int | None
+
+
+# ------------------------------------------------------------- daemon -> worker
+
+
+@dataclass(frozen=True)
+class FetchTask:
+    """Fetch and collate one batch of a map-style dataset."""
+
+    stream_id: int
+    seq: int
+    dataset: str
+    indices: Indices
+    auto_collation: bool
+    seed: int
+    # Send the payload over the pipe, not in shared memory (the daemon could not map a slot).
+    inline: bool = False
+    # The batch's position in the client's epoch (its seed follows it); -1: ``seq``.
+    position: int = -1
+
+
+@dataclass(frozen=True)
+class IterTask:
+    """Produce batch ``batch_index`` of one replica of an iterable dataset."""
+
+    stream_id: int
+    seq: int
+    dataset: str
+    replica: int
+    # torch's num_workers for this stream; 0 means one replica that sees no worker info.
+    num_replicas: int
+    batch_index: int
+    batch_size: int  # 0 = no automatic batching
+    drop_last: bool
+    base_seed: int
+    inline: bool = False  # as FetchTask.inline
+
+
+@dataclass(frozen=True)
+class ReleaseStream:
+    """Forget a finished stream's iterable replicas."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseSlot:
+    """The daemon is done with a shared-memory segment: the worker may reuse it."""
+
+    name: str
+
+
+# Work for a batch position (what producers hand out), and everything a worker's task pipe carries.
+BatchTask = FetchTask | IterTask
+Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot
+
+
+# ------------------------------------------------------------- worker -> daemon
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    worker_id: int
+    datasets: dict[str, DatasetMeta]
+
+
+@dataclass(frozen=True)
+class WorkerStartFailed:
+    worker_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """A batch is ready: its payload is in ``slot``, or (no room in shared
+    memory) ``len(buffer_offsets)`` raw buffers follow on the pipe."""
+
+    stream_id: int
+    seq: int
+    value: bytes  # serialized loaderd.v1.Value
+    payload_bytes: int
+    slot: SlotRef | None
+    buffer_offsets: tuple[int, ...] = ()
+    # Segments the worker removed since its last batch (the daemon unmaps them).
+    retired: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    stream_id: int
+    seq: int
+    error: bytes  # serialized loaderd.v1.RemoteError
+
+
+@dataclass(frozen=True)
+class ReplicaExhausted:
+    """The replica that ``seq`` asked for has no more batches."""
+
+    stream_id: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class SlotsRetired:
+    """An idle worker removed its idle segments (the daemon unmaps them): /dev/shm goes back between bursts."""
+
+    retired: tuple[str, ...]
+
+
+Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted | SlotsRetired

@@ -1,0 +1,52 @@
+"""The config's own code: its ``python_path`` applied, and the callables it names imported.
+
+This is the one place the daemon's code imports a user's module. The daemon never
+calls it in its own process (its import check forks a child, server/worker/import_check.py);
+the fork server, the workers, ``loaderd check`` and ``loaderd bench`` do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from loaderd.server.config.schema import ConfigError, LoaderConfig
+
+
+def apply_python_path(python_path: Sequence[str]) -> None:
+    """Prepend a config's ``python_path`` to sys.path (daemon, fork server and workers alike)."""
+    for entry in reversed(python_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def resolve(import_path: str) -> Callable[..., Any]:
+    """Import 'module:attr' (attr may be dotted). Raises ConfigError naming it."""
+    module_name, _, attr = import_path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - a user's module may raise anything on import: the error names it
+        raise ConfigError(f"cannot import module {module_name!r} (from {import_path!r}): {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r} (from {import_path!r})") from None
+    if not callable(obj):
+        raise ConfigError(f"{import_path!r} is not callable")
+    return obj
+
+
+def check_imports(config: LoaderConfig) -> None:
+    """Import every callable the config names, so a typo fails before any worker starts."""
+    apply_python_path(config.python_path)
+    for spec in config.datasets.values():
+        for key, value in (("dataset", spec.factory), ("collate_fn", spec.collate_fn), ("worker_init_fn", spec.worker_init_fn)):
+            if value is None:
+                continue
+            try:
+                resolve(value)
+            except ConfigError as exc:
+                raise ConfigError(f"datasets.{spec.name}.{key}: {exc}") from None
