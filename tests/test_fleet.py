@@ -23,6 +23,7 @@ from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.lane import Lane, LaneEvent
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Target
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 INFO = pb.DatasetInfo(kind=pb.DatasetInfo.MAP, has_length=True, length=10)
 
@@ -37,7 +38,7 @@ class _HeldDescribe:
     def result(self) -> pb.DescribeDatasetResponse:
         self.asked.set()
         assert self.answer.wait(10)
-        return pb.DescribeDatasetResponse(protocol_revision=99, pool_workers=2, dataset=INFO)
+        return pb.DescribeDatasetResponse(protocol_revision=PROTOCOL_REVISION, pool_workers=2, dataset=INFO)
 
 
 @pytest.mark.timeout(30)
@@ -50,7 +51,7 @@ def test_a_recheck_that_finds_a_daemon_back_after_its_stream_broke_is_a_change(m
     monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: connection)
     fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "grpc")
     member = fleet.members["A:1"]
-    member.up, member.protocol_revision, member.next_probe = True, 99, 0.0  # up, its recheck due
+    member.up, member.next_probe = True, 0.0  # up, its recheck due
     fleet.reference = ("A:1", INFO)
     changed: list[bool] = []
     monitor = threading.Thread(target=lambda: changed.append(fleet.probe_due()))
@@ -62,6 +63,25 @@ def test_a_recheck_that_finds_a_daemon_back_after_its_stream_broke_is_a_change(m
     monitor.join(10)
     assert changed == [True]
     assert [u.address for u in fleet.usable()] == ["A:1"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("theirs", [PROTOCOL_REVISION - 1, PROTOCOL_REVISION + 1])
+def test_a_daemon_of_another_protocol_revision_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch, theirs: int) -> None:
+    """Only the revision this client speaks is accepted (no older one is kept working): the refusal names both."""
+    answer = pb.DescribeDatasetResponse(protocol_revision=theirs, pool_workers=2, dataset=INFO)
+    describe = types.SimpleNamespace(result=lambda: answer)
+    connection = types.SimpleNamespace(credentials=None, describe_later=lambda dataset: describe)
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: connection)
+    fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "grpc")
+    fleet.probe_due()
+    member = fleet.members["A:1"]
+    assert not member.up and fleet.usable() == []
+    older = "an older" if theirs < PROTOCOL_REVISION else "a newer"
+    assert str(member.refused) == (
+        f"loaderd at A:1 runs {older} loaderd (protocol revision {theirs}; this client speaks revision {PROTOCOL_REVISION}): "
+        "run the same loaderd release on the daemons and their clients"
+    )
 
 
 @pytest.mark.timeout(30)
@@ -161,7 +181,7 @@ class _Fleet:
         self.up = addresses
 
     def usable(self) -> list[Usable]:
-        return [Usable(a, 1, 5) for a in sorted(self.up)]
+        return [Usable(a, 1) for a in sorted(self.up)]
 
     def mark_answering(self, address: str) -> None:
         pass

@@ -52,7 +52,6 @@ from loaderd import RemoteDataLoader
 from loaderd.server.shm import arena as loaderd_arena
 from loaderd.shm.leases import Leases
 from loaderd.shm.session import ShmSession
-from loaderd.wire.limits import PROTOCOL_REVISION
 
 SHM_DIR = "/dev/shm"
 MiB = 1 << 20
@@ -490,21 +489,6 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     # carries the leases dropped since the previous one, and only the last ~9 of each epoch's 25 go
     # by the session.
     assert len(by_plan) >= batches // 2, f"{len(by_plan)} of {batches} leases rode plans, {len(by_session)} the session"
-
-
-@pytest.mark.timeout(90)
-def test_with_a_daemon_before_revision_5_the_session_gives_every_lease_back(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Such a daemon would ignore a plan's releases: none rides a plan, and none is lost."""
-    monkeypatch.setattr(loaderd.stream.lane, "PLAN_RELEASES_REVISION", PROTOCOL_REVISION + 1)
-    by_plan, by_session = release_routes(monkeypatch)
-    daemon = roomy.get()
-    before = set(segment_sizes(daemon_pid(daemon)))
-    batches = shm_epochs(daemon, 3)
-    wait_for(lambda: len(by_session) >= batches, 5, "every dropped batch's lease to go back on the session")
-    assert by_plan == []
-    assert len(set(by_session)) == len(by_session), "a lease went back twice"
-    # Leases came back in time to be reused: 75 batches of 128 KiB took a few new segments at most.
-    assert len(set(segment_sizes(daemon_pid(daemon))) - before) <= 12
 
 
 # ------------------------------------------------------------------ 6. transport choice

@@ -24,7 +24,6 @@ from cluster import cluster
 from compare import assert_same_batches
 from conftest import RunningDaemon, daemon_status, oracle_loader, running_daemon, wait_for
 
-import loaderd.stream.lane
 from loaderd import RemoteDataLoader
 from loaderd.errors import LimitExceededError
 from loaderd.server.rpc.call_requests import CallRequests
@@ -35,7 +34,6 @@ from loaderd.stream.stream_call import CallEpoch, StreamCall, _Receiver, _Route
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
-from loaderd.wire.limits import PROTOCOL_REVISION
 
 N = 100
 # The daemon waits this long on a call for the next epoch's `open` (limits.handshake_timeout).
@@ -102,18 +100,6 @@ def test_an_epoch_left_early_does_not_lend_its_call(daemon: RunningDaemon, trans
     second = receivers() - before - first
     assert len(first) == 1 and len(second) == 1, (first, second)
     wait_for(lambda: not (first & receivers()), 5, "the call of the epoch left early to end")
-
-
-@pytest.mark.timeout(60)
-def test_a_daemon_without_revision_4_gets_a_call_per_epoch(daemon: RunningDaemon, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a client does with an older daemon: it half-closes each epoch's call and opens a new one."""
-    monkeypatch.setattr(loaderd.stream.lane, "CALL_PER_LOADER_REVISION", PROTOCOL_REVISION + 1)
-    loader = RemoteDataLoader("squares", batch_size=8, address=daemon.address, transport=transport, plan_ahead=False)
-    got, added = epochs_with_receivers(loader, 2)
-    for epoch in got:
-        assert_same_batches(epoch, list(oracle_loader(datasets.Squares(N), batch_size=8)))
-    assert len(added[0]) == 1 and len(added[1] - added[0]) == 1, added
-    wait_for(lambda: not (added[0] & receivers()), 5, "the first epoch's call to end")
 
 
 def _raw_call(daemon: RunningDaemon, requests: list[pb.StreamRequest]) -> tuple[list[pb.StreamResponse], grpc.StatusCode, float]:

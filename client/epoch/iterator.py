@@ -199,7 +199,6 @@ class RemoteLoaderIter:
             stream.pin_memory,
             stream.buffers,
             stream.calls,
-            revision=member.protocol_revision,
         )
         self._lanes[address] = lane
         if self._outage_since is not None:

@@ -6,7 +6,8 @@ import atexit
 import os
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -63,36 +64,49 @@ class DaemonConnection:
             response_deserializer=None,  # raw bytes: payload chunks are read without a copy
         )
         self._session: ShmSession | None = None
+        self._sessions: list[ShmSession] = []  # every session opened, joined at close
         self._session_lock = threading.Lock()
-        # Cancellers of open streams (weakref.finalize objects), run at close.
-        self._stream_closers: set[Any] = set()
+        # Each stream's canceller (a weakref.finalize) and the join of its threads, run at close.
+        self._streams: list[tuple[weakref.finalize, Callable[[float], bool]]] = []
 
-    def track_stream(self, closer: Any) -> None:
-        """Remember how to cancel an open stream, so close() can end it."""
+    def track_stream(self, closer: weakref.finalize, join: Callable[[float], bool]) -> None:
+        """Remember how to cancel an open stream and join its threads, so close() and join() can end
+        them. ``join`` holds no reference to the stream (its finalizer cancels it once dropped)."""
         with self._session_lock:
-            self._stream_closers = {c for c in self._stream_closers if c.alive}
-            self._stream_closers.add(closer)
+            self._streams = [(c, j) for c, j in self._streams if c.alive or not j(0)]
+            self._streams.append((closer, join))
 
     def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
         """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.wire.framing)."""
         return self._stream_batches(requests)
 
     def close(self) -> None:
-        """Cancel open streams, end the shared-memory session and close the channel."""
+        """Cancel open streams, end the shared-memory session and close the channel; ``join`` then
+        waits for their threads."""
         with self._session_lock:
-            closers, self._stream_closers = self._stream_closers, set()
+            streams = list(self._streams)
             session, self._session = self._session, None
-        for closer in closers:
+        for closer, _ in streams:
             closer()  # a finalize object: runs at most once
         if session is not None:
             session.close()
         self.channel.close()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s in all for the threads of every stream and session this connection
+        opened (after ``close``). True if all of them ended."""
+        deadline = time.monotonic() + timeout
+        with self._session_lock:
+            joins = [join for _, join in self._streams] + [session.join for session in self._sessions]
+        return all([join(deadline - time.monotonic()) for join in joins])
 
     def session(self) -> ShmSession:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
         with self._session_lock:
             if self._session is None or not self._session.alive:
                 self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
+                self._sessions = [s for s in self._sessions if not s.join(0)]
+                self._sessions.append(self._session)
             return self._session
 
     def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
@@ -101,15 +115,33 @@ class DaemonConnection:
         return self.stub.DescribeDataset.future(pb.DescribeDatasetRequest(name=dataset), timeout=timeout)
 
 
-_connections: dict[tuple[int, str, Credentials], DaemonConnection] = {}
+_connections: dict[tuple[str, Credentials], DaemonConnection] = {}
 _lock = threading.Lock()
 # Set when the interpreter exits: threads that would keep calling daemons (fleet monitors) stop.
 EXITING = threading.Event()
+# How long the exit waits for the threads of the process's calls (closing cancels them all).
+EXIT_JOIN_S = 1.0
+
+
+# A forked child's copies of its parent's connections: kept, never used or closed (collecting
+# them would run gRPC's teardown on the parent's state, which is not this process's).
+_inherited: list[DaemonConnection] = []
+
+
+def _forget_parents_connections() -> None:
+    """In a forked child: the child opens its own connections on first use."""
+    global _lock
+    _lock = threading.Lock()  # a parent's thread may have held it at the fork
+    _inherited.extend(_connections.values())
+    _connections.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 def get_connection(address: str, credentials: Credentials) -> DaemonConnection:
     """The process's connection to ``address`` with ``credentials``; a forked child gets its own."""
-    key = (os.getpid(), address, credentials)
+    key = (address, credentials)
     with _lock:
         conn = _connections.get(key)
         if conn is None:
@@ -128,15 +160,12 @@ def _close_all() -> None:
     """
     EXITING.set()
     with _lock:
-        connections = [c for (pid, _, _), c in _connections.items() if pid == os.getpid()]
+        connections = list(_connections.values())
         _connections.clear()
     for conn in connections:
         conn.close()
-    # Closing cancels every call; give the threads that were inside one (ours, and
-    # gRPC's request senders, which our closed request queues let go) a moment to leave.
-    deadline = time.monotonic() + 1.0
-    for thread in threading.enumerate():
-        if thread is threading.current_thread() or not thread.daemon:
-            continue
-        if thread.name.startswith("loaderd-") or "consume_request_iterator" in thread.name:
-            thread.join(max(0.0, deadline - time.monotonic()))
+    # Closing cancels every call; give the threads that were inside one (ours, and gRPC's
+    # request senders, which our closed request queues let go) a moment to leave.
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for conn in connections:
+        conn.join(deadline - time.monotonic())

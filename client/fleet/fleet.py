@@ -38,7 +38,7 @@ from loaderd.fleet.connection import EXITING, DaemonConnection, get_connection
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Resolved, Target
-from loaderd.wire.limits import MIN_PROTOCOL_REVISION
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 log = logging.getLogger("loaderd.fleet")
 
@@ -59,6 +59,15 @@ def dataset_shape(info: pb.DatasetInfo) -> str:
     return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
 
 
+def revision_mismatch(theirs: int) -> str:
+    """Why a daemon of protocol revision ``theirs`` is refused (both sides must speak the same one)."""
+    older = "an older" if theirs < PROTOCOL_REVISION else "a newer"
+    return (
+        f"runs {older} loaderd (protocol revision {theirs}; this client speaks revision {PROTOCOL_REVISION}): "
+        "run the same loaderd release on the daemons and their clients"
+    )
+
+
 @dataclass
 class Member:
     """One daemon address and what the loader knows of it."""
@@ -69,8 +78,6 @@ class Member:
     draining: bool = False
     reason: str = "not tried yet"
     pool_workers: int = 1
-    # What its protocol can do (DescribeDatasetResponse.protocol_revision).
-    protocol_revision: int = 0
     # Listed by the last look-up (a DNS name's records can drop it).
     listed: bool = True
     next_probe: float = 0.0
@@ -86,11 +93,10 @@ class Member:
 
 @dataclass(frozen=True)
 class Usable:
-    """A member that is up: where a lane can open, its pool size (its window follows it), and its protocol revision."""
+    """A member that is up: where a lane can open, and its pool size (its window follows it)."""
 
     address: str
     pool_workers: int
-    protocol_revision: int
 
 
 @dataclass
@@ -155,7 +161,7 @@ class Fleet:
         """Members that are up, listed and not draining, in address order."""
         with self._lock:
             return [
-                Usable(m.address, m.pool_workers, m.protocol_revision)
+                Usable(m.address, m.pool_workers)
                 for m in sorted(self.members.values(), key=lambda m: m.address)
                 if m.up and m.listed and not m.draining
             ]
@@ -235,13 +241,8 @@ class Fleet:
                 except (grpc.RpcError, LoaderdError) as exc:
                     session_error = exc
             described = describing.result()
-            if described.protocol_revision < MIN_PROTOCOL_REVISION:
-                return self._probed(
-                    member,
-                    f"runs an older loaderd (protocol revision {described.protocol_revision}; this client needs "
-                    f"{MIN_PROTOCOL_REVISION}): upgrade the daemons before the clients",
-                    refused=True,
-                )
+            if described.protocol_revision != PROTOCOL_REVISION:
+                return self._probed(member, revision_mismatch(described.protocol_revision), refused=True)
             if session_error is not None:
                 raise session_error
             if not together:
@@ -275,7 +276,6 @@ class Fleet:
                 return False
             changed = not member.up or member.draining
             member.pool_workers = max(1, described.pool_workers)
-            member.protocol_revision = described.protocol_revision
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
             if member.sessionless:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import time
 import warnings
@@ -34,6 +33,7 @@ from loaderd.fleet.fleet import Fleet
 from loaderd.loader.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
 from loaderd.loader.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.loader.plan import build_plan, proxy_dataset
+from loaderd.process_tuning import freeze_imports
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
@@ -125,6 +125,7 @@ class RemoteDataLoader:
         token: str | None = None,
         plan_ahead: bool = True,
     ) -> None:
+        freeze_imports()  # once per process; see loaderd.process_tuning (LOADERD_PROCESS_TUNING=0: off)
         refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
         check_options(num_workers, timeout, prefetch_factor, transport, failover_timeout)
         distributed = check_distributed(rank, world_size, sampler, batch_sampler)
@@ -486,13 +487,3 @@ class _LoaderPlansAhead:
         loader = self._loader()
         if loader is not None:
             loader._stop_planning_ahead()
-
-
-# Everything imported by now (torch, numpy, grpc, loaderd) lives as long as the process:
-# move it to the collector's permanent generation. Otherwise the first full collection
-# rescans torch's whole import heap (~90 ms on the development machine) at a moment
-# chosen by allocation counts, typically inside a fresh process's first RemoteDataLoader
-# or its first batch (tests/bench/bench_loaders.py "fresh client process"). Objects made
-# later are collected as usual. Here, at the end of this module, so that any way of
-# loading RemoteDataLoader (``from loaderd import``, unpickling) does it once.
-gc.freeze()

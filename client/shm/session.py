@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from loaderd.channel.rpc_errors import error_from_rpc
+from loaderd.channel.threads import SenderThread, join_all
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.shm.copy_fence import CopyFence
 from loaderd.shm.leases import Leases
@@ -142,6 +143,7 @@ class ShmSession:
         self._leases = Leases()
         self._stop = threading.Event()
         self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
+        self._sender = SenderThread()
         self._call = stub.Session(self._request_stream())
         cut = threading.Timer(handshake_timeout, self._call.cancel)
         cut.daemon = True
@@ -152,15 +154,13 @@ class ShmSession:
                 challenge = response.challenge
                 token, problem = _read_probe(challenge.path)
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
-                if challenge.session_id:
-                    # The id is usable at once (a stream naming it waits in the daemon for the
-                    # verdict), and the verdict is what this process just read: the file's name
-                    # carries the daemon's random token. `ready` follows; the watcher reads it.
-                    response = pb.SessionResponse(
-                        ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem)
-                    )
-                else:  # a daemon before protocol revision 3: its id comes with `ready`
-                    response = next(self._call)
+                if not challenge.session_id:  # a daemon of an older revision (its probe refuses it too)
+                    self._end_call()
+                    raise LoaderdError(f"loaderd at {address} runs an older loaderd (its session challenge carries no id)")
+                # The id is usable at once (a stream naming it waits in the daemon for the
+                # verdict), and the verdict is what this process just read: the file's name
+                # carries the daemon's random token. `ready` follows; the watcher reads it.
+                response = pb.SessionResponse(ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem))
         except StopIteration:  # the daemon ended the call without a reply
             self._end_call()
             raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
@@ -191,8 +191,8 @@ class ShmSession:
                 if kind == "retired":
                     self.maps.forget(response.retired.names, response.retired.prefixes)
                 elif kind == "ready" and response.ready.shm != self.shm:
-                    # A revision-3 daemon's verdict (an older one's `ready` was read in __init__), and it
-                    # disagrees with what this process read: its streams send bytes over gRPC.
+                    # The daemon's verdict, and it disagrees with what this process read: its
+                    # streams send bytes over gRPC.
                     verdict = "usable" if response.ready.shm else "not usable"
                     log.warning("loaderd at %s: shared memory %s after all (%s)", self.address, verdict, response.ready.reason)
                     # The reason first: a reader that sees shm off finds why.
@@ -203,6 +203,7 @@ class ShmSession:
             self._stop.set()
 
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
+        self._sender.seen()
         tick_at: float | None = None  # while releases are pending: when to send those no plan took
         while not self._stop.is_set():
             wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
@@ -257,8 +258,14 @@ class ShmSession:
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 
     def close(self) -> None:
-        self._fence.close()  # pinned slots still being copied go back first
+        self._fence.close()  # pinned slots still being copied go back first (its thread joined)
         self._end_call()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the session's threads to leave (after ``close``); True if they did."""
+        if os.getpid() != self._pid:
+            return True  # a forked child: the threads are the parent's
+        return join_all((self._watcher, self._sender.thread), timeout)
 
     def _end_call(self) -> None:
         """Stop sending and cancel the call (all a session that failed to open has to undo)."""

@@ -14,13 +14,16 @@ messages come from the heap and reuse its pages.
 
 Nothing is fixed: glibc keeps sliding as before, and where the user fixed the
 threshold (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``, ``mallopt``) glibc
-ignores the nudge. Off glibc it is one allocation and its free.
+ignores the nudge. Off glibc it is one allocation and its free. ``LOADERD_PROCESS_TUNING=0``
+turns it off (``loaderd.process_tuning``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+
+from loaderd import process_tuning
 
 # Above the largest message at the default chunk_bytes (4 MiB plus framing), so the trim
 # threshold (twice this) keeps a few messages' worth at a heap's top; at most glibc's own
@@ -33,10 +36,11 @@ _raised = False
 
 def raise_mmap_threshold() -> bool:
     """Allocate and free one ``BLOCK_BYTES`` block (untouched, so no page is faulted in), once per
-    process. Returns whether this call did it."""
+    process and only where process tuning is enabled (``loaderd.process_tuning``). Returns whether
+    this call did it."""
     global _raised
     with _lock:
-        if _raised:
+        if _raised or not process_tuning.enabled():
             return False
         _raised = True
     try:

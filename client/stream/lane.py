@@ -32,7 +32,6 @@ from loaderd.shm.session import ShmSession
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import CallEpoch, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.limits import CALL_PER_LOADER_REVISION, PLAN_RELEASES_REVISION
 
 _stream_tokens = itertools.count(1)
 
@@ -88,11 +87,8 @@ class Lane:
         pin_memory: bool,
         buffers: ReceiveBuffers,
         calls: StreamCalls,
-        revision: int,
     ) -> None:
-        """``calls``: the loader's parked calls (this lane takes one, and parks its own at a clean end);
-        ``revision``: the daemon's protocol revision (from 4 it serves epoch after epoch on one call,
-        from 5 a plan carries the stream's released leases)."""
+        """``calls``: the loader's parked calls (this lane takes one, and parks its own at a clean end)."""
         self.address = address
         self.window = opening.window
         # Map-style: positions sent and not yet answered, in the order the daemon answers them.
@@ -117,15 +113,14 @@ class Lane:
         self._calls = calls
         token = next(_stream_tokens)
         self._token = token
-        # Plans carry this stream's released leases (else the session sends them).
-        self._plan_releases = session if revision >= PLAN_RELEASES_REVISION else None
+        # Plans carry this stream's released leases (those no plan takes, the session sends).
+        self._plan_releases = session
         opening.session_id = session.session_id if session is not None else 0
         opening.stream_token = token
         epoch = CallEpoch(functools.partial(_post, weakref.ref(self), events), token, pin_memory, buffers)
-        reusable = revision >= CALL_PER_LOADER_REVISION
-        call = calls.take(address, connection, session) if reusable else None
+        call = calls.take(address, connection, session)
         if call is None or not call.open(opening, epoch):  # none parked, or it ended just now
-            call = calls.new(address, connection, session, reusable)
+            call = calls.new(address, connection, session)
             if not call.open(opening, epoch):
                 # Over before the epoch was on it (the daemon refused the call at once, e.g. at its
                 # max_streams): its receiver told nobody, so the epoch hears it here.
@@ -163,7 +158,6 @@ class Lane:
         self._call.send(pb.StreamRequest(plan=plan))
         if end:
             self.ended = True
-            self._call.plan_ended()
 
     def credit(self, consumed: int, stalled_us: int) -> None:
         """Tell an iterable lane how far the caller got (its credit), or any lane how long it waited."""
@@ -210,7 +204,7 @@ class Lane:
         (its plan over, every position it was sent answered), else close. Idempotent."""
         if self.closed:
             return
-        if not (self.ended and not self.sent and self._call.reusable):
+        if not (self.ended and not self.sent):
             self.close()
             return
         self.closed = True

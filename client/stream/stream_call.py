@@ -1,7 +1,7 @@
 """StreamCall: one StreamBatches call to one daemon, carrying one epoch after another.
 
 A loader's epoch opens a call per daemon it streams from (a ``Lane`` each).
-With a daemon of protocol revision 4 the call outlives the epoch: once the
+The call outlives the epoch: once the
 epoch has every batch, its lane parks the call in the loader's ``StreamCalls``
 and the loader's next epoch sends its ``open`` on it. The next epoch then
 starts without a new call, without new threads on either side, and without
@@ -22,6 +22,7 @@ when the daemon's wait has not begun), else it is cancelled and a new one opens.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -36,6 +37,7 @@ import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.channel.rpc_errors import error_from_rpc, is_transient, rpc_summary
+from loaderd.channel.threads import SenderThread, join_all
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
@@ -112,8 +114,11 @@ class _Route:
             return waiting, first
 
 
-def _request_stream(requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event) -> Iterator[pb.StreamRequest]:
+def _request_stream(
+    requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event, sender: SenderThread
+) -> Iterator[pb.StreamRequest]:
     """The call's requests. A free function: gRPC's sending thread holds this generator."""
+    sender.seen()
     while not stop.is_set():
         try:
             request = requests.get(timeout=POLL_S)
@@ -135,11 +140,9 @@ def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: i
 class StreamCall:
     """One StreamBatches call; its methods are called from an epoch iterator's thread."""
 
-    def __init__(self, address: str, connection: DaemonConnection, session: ShmSession | None, reusable: bool) -> None:
-        """``reusable``: the daemon takes another epoch's ``open`` after a StreamEnd (revision 4)."""
+    def __init__(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> None:
         self.address = address
         self.session = session
-        self.reusable = reusable
         self._connection = connection
         self._pid = os.getpid()
         self._stop = threading.Event()
@@ -147,13 +150,15 @@ class StreamCall:
         self._route = _Route()
         if session is None:  # batches arrive as multi-MiB messages: keep their memory on the heap
             raise_mmap_threshold()
-        call = connection.stream_batches(_request_stream(self._requests, self._stop))
+        self._sender = SenderThread()
+        call = connection.stream_batches(_request_stream(self._requests, self._stop, self._sender))
         # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
         self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid)
-        connection.track_stream(self._closer)
         receiver = _Receiver(call, session, address, self._route, self._stop)
         self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         self._receiver.start()
+        # The connection joins the call's threads at exit, even once this object is gone.
+        connection.track_stream(self._closer, functools.partial(_join_call, self._receiver, self._sender))
 
     def open(self, opening: pb.OpenStream, epoch: CallEpoch) -> bool:
         """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s.
@@ -173,11 +178,6 @@ class StreamCall:
     def send(self, request: pb.StreamRequest) -> None:
         self._requests.put(request)
 
-    def plan_ended(self) -> None:
-        """The epoch's plan is complete: a call that cannot take another epoch half-closes."""
-        if not self.reusable:
-            self._requests.put(None)
-
     @property
     def over(self) -> bool:
         """The call has ended (or will take no further epoch)."""
@@ -188,7 +188,7 @@ class StreamCall:
         """Whether the next epoch can open on this call (same process, connection and session, and
         the daemon still waits for it)."""
         route = self._route
-        if not self.reusable or self._stop.is_set() or self._pid != os.getpid():
+        if self._stop.is_set() or self._pid != os.getpid():
             return False
         if connection is not self._connection or session is not self.session:
             return False
@@ -204,11 +204,15 @@ class StreamCall:
         self._closer()
 
     def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the call's receiver thread to leave (after ``cancel``); True if it did."""
+        """Wait up to ``timeout`` s for the call's threads to leave (after ``cancel``); True if they did."""
         if self._pid != os.getpid():
-            return True  # a forked child has no such thread
-        self._receiver.join(max(0.0, timeout))
-        return not self._receiver.is_alive()
+            return True  # a forked child has no such threads
+        return _join_call(self._receiver, self._sender, timeout)
+
+
+def _join_call(receiver: threading.Thread, sender: SenderThread, timeout: float) -> bool:
+    """A call's receiver thread and gRPC's thread that sends its requests, joined (no reference to the call)."""
+    return join_all((receiver, sender.thread), timeout)
 
 
 class StreamCalls:
@@ -221,12 +225,12 @@ class StreamCalls:
         self._made: weakref.WeakSet[StreamCall] = weakref.WeakSet()  # a call nobody holds cancels itself
         self._closed = False
 
-    def new(self, address: str, connection: DaemonConnection, session: ShmSession | None, reusable: bool) -> StreamCall:
+    def new(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall:
         """Open a call for one of this loader's epochs (see ``StreamCall``)."""
         with self._lock:
             if self._closed:
                 raise LoaderdError("this RemoteDataLoader is closed")
-            call = StreamCall(address, connection, session, reusable)
+            call = StreamCall(address, connection, session)
             self._made.add(call)
         return call
 

@@ -7,20 +7,11 @@ from __future__ import annotations
 MAX_MESSAGE_BYTES = 64 << 20
 # Where `loaderd serve` listens when its config has no listen:, and where a loader looks when given no address.
 DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
-# DescribeDatasetResponse.protocol_revision this code speaks; a client refuses daemons below
-# MIN_PROTOCOL_REVISION (an older daemon would ignore a batch's position and seed it wrongly).
-# Revision 3: a session's challenge carries its id, usable before `ready` (clients of either
-# revision work with daemons of either: a challenge without an id means "wait for ready").
-# Revision 4: a StreamBatches call takes the next epoch's `open` after its StreamEnd (a
-# client reuses the call only with daemons that say 4).
-# Revision 5: a plan carries the releases of its stream's slots (a client piggybacks them
-# only on daemons that say 5; older ones get them on the session call).
+# DescribeDatasetResponse.protocol_revision this code speaks. A client uses only daemons of the
+# same revision (loaderd is unreleased: no older revision is kept working). Revision 5: a session's
+# challenge carries its id, usable before `ready`; a StreamBatches call takes the next epoch's
+# `open` after its StreamEnd; a plan carries the releases of its stream's slots.
 PROTOCOL_REVISION = 5
-# The first revision whose daemons serve epoch after epoch on one StreamBatches call.
-CALL_PER_LOADER_REVISION = 4
-# The first revision whose daemons apply PlanBatches.released_leases.
-PLAN_RELEASES_REVISION = 5
-MIN_PROTOCOL_REVISION = 2
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)
 # its header still fits in one message.

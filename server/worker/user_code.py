@@ -1,8 +1,9 @@
 """The config's own code: its ``python_path`` applied, and the callables it names imported.
 
-This is the one place the daemon's code imports a user's module. The daemon never
-calls it in its own process (its import check forks a child, server/worker/import_check.py);
-the fork server, the workers, ``loaderd check`` and ``loaderd bench`` do.
+With ``prebuilt`` (the fork server's preload of the config's modules), the only code of the
+daemon's that imports a user's module. The daemon never calls it in its own process (its
+import check forks a child, server/worker/import_check.py); the fork server, the workers,
+``loaderd check`` and ``loaderd bench`` do.
 """
 
 from __future__ import annotations

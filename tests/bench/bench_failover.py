@@ -310,7 +310,7 @@ def client_sample() -> dict[str, int]:
         "anon_kb": _kb(status.get("RssAnon", "")),
         "maps": maps,
         "maps_unlinked": unlinked,
-        "channels": sum(1 for key in loaderd.fleet.connection._connections if key[0] == pid),
+        "channels": len(loaderd.fleet.connection._connections),
         "dead_sessions": counts["sessions"] - live_sessions,
         "settle_ms": int(1000 * (time.monotonic() - started)),
         **counts,
