@@ -155,12 +155,7 @@ def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(
 
 
 class _Call:
-    reusable = True
-
     def send(self, request: Any) -> None:
-        pass
-
-    def plan_ended(self) -> None:
         pass
 
 
