@@ -14,7 +14,7 @@ replacement): at the first ``next()``, a seed from the global RNG when the
 sampler has no generator; then ``num_samples // n`` permutations of ``n``, each
 drawn when the one before runs out, and one more permutation cut to
 ``num_samples % n`` (drawn, even when cut to nothing, when the consumer asks
-past the last full one). ``tests/test_index_batches.py`` compares batches and
+past the last full one). ``tests/unit/test_index_batches.py`` compares batches and
 generator states with torch's for every shape of that.
 """
 

@@ -382,7 +382,7 @@ class _Receiver:
             # A failed call is its own exception: its traceback holds this frame, which holds
             # the call (self._call, and gRPC's frames under it), and the frame reaches whatever
             # its locals and self do. Anything else that holds the call (a closure of gRPC's own
-            # did, seen in tests/test_next_epoch.py) then keeps that alive: an epoch keeps its
+            # did, seen in tests/integration/test_next_epoch.py) then keeps that alive: an epoch keeps its
             # queue, whose events keep their lane, the lane's loader's parked calls and the slots
             # of their batches, and no finalizer of theirs runs. So the traceback is dropped
             # above, and the frame lets go of all that here.

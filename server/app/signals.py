@@ -10,7 +10,7 @@ bytecodes, and that thread spends its life in ``woken.wait()`` (and
 holds around its checks, so a handler setting the event the interrupted wait
 holds waits for itself forever (CPython issue 126434): the daemon then ignored
 SIGTERM while its watchdog pings went on (a CI run hung in
-tests/test_notify.py). The handler here only puts the signal number on a
+tests/integration/test_notify.py). The handler here only puts the signal number on a
 ``queue.SimpleQueue``, whose ``put`` is reentrant; a thread of its own sets the
 events.
 """

@@ -31,7 +31,7 @@ log = logging.getLogger("loaderd")
 
 # Arenas: each thread that allocates may get one (default: 8 per core), and arenas keep their
 # high-water mark: a burst of multi-MiB requests on dozens of handler threads left ~100 MB behind
-# that malloc_trim could not return (tests/test_fuzz.py). The daemon's threads mostly wait; two
+# that malloc_trim could not return (tests/integration/test_fuzz.py). The daemon's threads mostly wait; two
 # arenas cost it no measurable speed.
 ARENAS = 2
 # Blocks up to this size come from the heap, not a fresh mmap each (glibc's largest allowed value on

@@ -4,7 +4,7 @@ Every method of ``loaderd.v1.Loader`` is registered with an identity request
 deserializer: the handler gets the raw bytes and parses them here, so a
 malformed request is answered INVALID_ARGUMENT by our code (naming the message
 type) instead of failing inside grpcio's deserialization path, which leaks
-memory per failed request (grpc/grpc#36908; tests/test_fuzz.py checks RSS).
+memory per failed request (grpc/grpc#36908; tests/integration/test_fuzz.py checks RSS).
 Streaming methods get an iterator of parsed messages that raises
 ``BadRequestError`` at a malformed one. A method listed in ``raw_responses``
 returns bytes already in the wire format (loaderd.wire.framing), so it is

@@ -4,13 +4,13 @@
                                          [--cycles 100] [--minutes 5] [--interval 3] [--clients 3]
                                          [--scale-rounds 5] [--transport auto] [--seed 0] [--log-copy DIR]
 
-Daemons: tests/cluster.py, four real `loaderd serve` processes of 2 workers each on 127.0.0.2-5 (one
+Daemons: tests/support/cluster.py, four real `loaderd serve` processes of 2 workers each on 127.0.0.2-5 (one
 port), restarted on the same address after each SIGKILL; daemon i below is cluster member i. Dataset:
 bench_datasets.Sleepy: item i sleeps a few ms (sleep-bound: the pool's workers, not this machine's cores,
 are the limit) and is 8192 float32 equal to i, so a batch of 4 (128 KiB) travels in a shared-memory slot
 (same host, transport auto). Every epoch any part consumes is checked batch by batch, as it arrives,
-against torch's DataLoader over the same dataset without the sleep (tests/conftest.py oracle_loader,
-tests/compare.py assert_same: what assert_same_batches applies to each batch; the batches are not kept, so
+against torch's DataLoader over the same dataset without the sleep (tests/support/daemons.py oracle_loader,
+tests/support/compare.py assert_same: what assert_same_batches applies to each batch; the batches are not kept, so
 the daemons' slots are not held); a different, missing, extra or reordered batch, a loader error or a hang
 is a loader problem.
 
@@ -64,7 +64,7 @@ scale     one client over N = 1, 2, 4 daemons (2 workers each; items sleep 20 ms
           >= 0.8 x N x the one-daemon figure.
 
 --quick: 1 round of each failover, 1 soak cycle, ~6 s of soak (b) with one kill, tiny scale epochs; start
-and end samples only (a smoke test: tests/test_bench_smoke.py). On a 2-core machine a daemon takes ~5 s to
+and end samples only (a smoke test: tests/integration/test_bench_smoke.py). On a 2-core machine a daemon takes ~5 s to
 start (two torch imports), which is most of the run time.
 
 Markdown report on stdout, progress on stderr. Exit status: 0 no problem, every target met, everything
@@ -110,9 +110,9 @@ sys.path.insert(0, str(TESTS_DIR))  # cluster, conftest (the oracle), compare, a
 from bench_datasets import Sleepy  # noqa: E402
 from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, machine_line, median, print_findings  # noqa: E402
 from bench_soak import _fd_count, _kb, _proc_status, descendants, line_count, log_summary  # noqa: E402
-from cluster import Cluster, Member, cluster  # noqa: E402
-from compare import assert_same  # noqa: E402
-from conftest import oracle_loader  # noqa: E402
+from support.cluster import Cluster, Member, cluster  # noqa: E402
+from support.compare import assert_same  # noqa: E402
+from support.daemons import oracle_loader  # noqa: E402
 
 PARTS = ("failover", "soak", "scale")
 SIZE = 4  # daemons: failover uses 0-1, soak 0 and 0-2, scale 0..N-1
@@ -1328,7 +1328,7 @@ def print_report(bench: Bench, outcome: Outcome, wall_s: float, load_before: tup
         f"transport={s.transport}, seed={s.seed}, soak clients' step {s.step_s * 1e3:g} ms per batch"
     )
     p(
-        f"- {SIZE} daemons x {WORKERS} workers (tests/cluster.py, 127.0.0.2-{1 + SIZE}); bench_datasets.Sleepy, batch {BATCH} x "
+        f"- {SIZE} daemons x {WORKERS} workers (tests/support/cluster.py, 127.0.0.2-{1 + SIZE}); bench_datasets.Sleepy, batch {BATCH} x "
         f"{DIM} float32 ({BATCH * DIM * 4 // 1024} KiB); item sleep {DELAY_S * 1e3:g} ms ({SCALE_DELAY_S * 1e3:g} ms in scale); "
         f"epochs: failover {bench.sizes.failover_items // BATCH}, soak {bench.sizes.soak_items // BATCH}, "
         f"scale {bench.sizes.scale_items // BATCH} batches"

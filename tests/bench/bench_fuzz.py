@@ -1,10 +1,10 @@
-"""Fuzz benchmark: a long seeded run of tests/fuzzing.py against one daemon.
+"""Fuzz benchmark: a long seeded run of tests/support/fuzzing.py against one daemon.
 
     python tests/bench/bench_fuzz.py [--requests 1000000] [--seed N] [--concurrency 8] [--stream-concurrency 32]
                                      [--workers 2] [--warmup 1000]
     python tests/bench/bench_fuzz.py --seed N --replay INDEX   # send only case INDEX of seed N (a reproducer)
 
-Starts one ``loaderd serve`` (temp unix socket; the datasets of tests/fuzzing.py),
+Starts one ``loaderd serve`` (temp unix socket; the datasets of tests/support/fuzzing.py),
 sends ``--requests`` fuzzed calls to every RPC of loaderd.v1.Loader and to
 grpc.health.v1.Health/Check (the generators test_fuzz.py uses), and prints a
 markdown summary: calls sent, status codes per RPC, calls/s, the daemon's fds,
@@ -58,7 +58,7 @@ def say(text: str) -> None:
 
 def settle(daemon: Daemon, sessions: int) -> str:
     """Wait until the daemon holds no fuzz stream or session; '' or what is still open."""
-    from conftest import wait_for
+    from support.daemons import wait_for
 
     pid = daemon.process.pid
     try:
@@ -108,7 +108,7 @@ def run(settings: Settings) -> int:
         settings.seed = int.from_bytes(os.urandom(4), "little")
     daemon = start_fuzz_daemon(settings.workers)
     try:
-        from conftest import wait_serving
+        from support.daemons import wait_serving
 
         wait_serving(daemon.unix_address, daemon.process, daemon.log_path, STARTUP_TIMEOUT_S)  # type: ignore[arg-type]
         pid = daemon.process.pid

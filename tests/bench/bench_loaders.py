@@ -202,7 +202,7 @@ def wait_serving(daemon: Daemon, timeout: float) -> None:
 
     Imported here, not at the top: it creates this process's first gRPC channel."""
     sys.path.insert(0, str(BENCH_DIR.parent))
-    from conftest import wait_serving as wait_healthy
+    from support.daemons import wait_serving as wait_healthy
 
     try:
         wait_healthy(daemon.unix_address, daemon.process, daemon.log_path, timeout)

@@ -26,7 +26,7 @@ threads and RSS, its segments in /dev/shm (count and allocated size), and the su
 descendants (fork server and pool workers) of RSS and fds. Each part prints the table of
 samples and one verdict per metric: flat when the end is within the stated tolerance of
 the start. Then one normal epoch per loader kind must equal a local torch DataLoader
-(tests/conftest.py oracle_loader), batch for batch.
+(tests/support/daemons.py oracle_loader), batch for batch.
 
 Markdown report on stdout, progress on stderr. Exit status: 0 all flat and no problem;
 1 a loader problem (client error or hang, wrong batches, a daemon that did not settle,
@@ -277,7 +277,7 @@ class Sample:
 def status_counts(address: str) -> tuple[int, int, int, int] | None:
     """(open streams, sessions, shared jobs, worker restarts) from the Status RPC; None if it failed."""
     import grpc
-    from conftest import daemon_status
+    from support.daemons import daemon_status
 
     try:
         reply = daemon_status(address)
@@ -676,8 +676,8 @@ def part_streams(bench: Bench, rng: random.Random) -> Part:
 def parity(bench: Bench) -> list[tuple[str, str]]:
     """One normal epoch per loader kind against torch's DataLoader: (case, "same" or what differed)."""
     from bench_datasets import Costly, CostlyStream
-    from compare import assert_same_batches
-    from conftest import oracle_loader
+    from support.compare import assert_same_batches
+    from support.daemons import oracle_loader
 
     from loaderd import RemoteDataLoader
 

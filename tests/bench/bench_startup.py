@@ -49,7 +49,7 @@ def log(message: str) -> None:
 
 def serve(tree: Tree, workers: int) -> Daemon:
     """`loaderd serve` of ``tree`` over the tests' Squares dataset (bench_loaders.start_daemon)."""
-    return start_daemon(workers, {"sq": {"dataset": "datasets:Squares"}}, python_path=TESTS_DIR, env=tree.env())
+    return start_daemon(workers, {"sq": {"dataset": "support.datasets:Squares"}}, python_path=TESTS_DIR, env=tree.env())
 
 
 def stop(serving: Daemon) -> None:

@@ -1,0 +1,198 @@
+"""Smoke runs of the benchmarks with tiny sizes, so CI catches bench rot.
+
+The benchmarks themselves (tests/bench/) are not part of the test run. This runs
+every part of bench_tenancy.py end to end (daemons, client processes, /proc
+memory accounting, the report) on toy sizes and checks that each completes and
+reports no loader problem; the numbers mean nothing. The memory part and the
+other two run side by side (each has its own daemon and clients) to stay fast.
+bench_soak.py runs as its own process, from its command line: it SIGKILLs client
+processes that come from a fork server of its own. bench_fuzz.py runs in this
+process on a few hundred fuzzed calls. bench_failover.py --quick runs as its own
+process too: it SIGKILLs and restarts real daemons, and its soak clients come from
+its own fork server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_tenancy
+
+TINY = bench_tenancy.Settings(
+    parts=[],
+    quick=True,
+    rounds=1,
+    memory_rounds=1,
+    mb=4,
+    layouts=["pylist"],
+    procs=1,
+    consumers=2,
+    items=128,
+    batch_size=8,
+    seconds=0.2,
+)
+
+
+@pytest.mark.timeout(60)
+def test_tenancy_bench_runs_every_part(capsys: pytest.CaptureFixture[str]) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(bench_tenancy.run, dataclasses.replace(TINY, parts=parts))
+            for parts in (["memory"], ["shared", "fairness"])
+        ]
+        codes = [run.result() for run in runs]
+    out = capsys.readouterr().out
+    assert codes == [0, 0], out
+    for row in (
+        "| memory, 1 procs, pylist 4 MB, loaderd | footprint (PSS) |",
+        "| memory, 1 procs, pylist 4 MB, loaderd once | footprint (PSS) |",
+        "| shared job, 2 consumers | __getitem__ calls |",
+        "| fairness, beside stalled map |",
+        "| fairness, beside stalled iterable |",
+        "| fairness, beside active reader |",
+    ):
+        assert row in out, out
+    assert "ERROR" not in out and "n/a" not in out, out
+
+
+def run_bench(script: Path, args: list[str], timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """Run a bench script to completion in a session of its own; its exit code and output.
+
+    If it overruns ``timeout``, SIGTERM lets it stop its daemons and clients (``grace`` s),
+    then the whole session is killed and the test fails with its output.
+    """
+    bench = subprocess.Popen(
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = bench.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)
+        try:
+            out, err = bench.communicate(timeout=grace)
+        finally:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        raise AssertionError(f"{script.name} did not finish within {timeout:g} s:\n{out}\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(bench.args, bench.returncode, out, err)
+
+
+
+SOAK = Path(__file__).resolve().parents[1] / "bench" / "bench_soak.py"
+TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
+
+
+@pytest.mark.timeout(100)
+def test_soak_bench_runs_both_parts() -> None:
+    bench = run_bench(SOAK, TINY_SOAK, timeout=75)
+    out, err = bench.stdout, bench.stderr
+    # 2: no loader problem, but a metric grew beyond its tolerance (on toy sizes the numbers mean nothing).
+    assert bench.returncode in (0, 2), f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    for row in (
+        "### A. killed clients: 6 clients",
+        "### B. many streams: 8 streams",
+        "| start |",
+        "| 50% |",
+        "| end (settled) |",
+        "| daemon open fds |",
+        "| workers' open fds (sum) |",
+        "| map, shm, shuffle | same (32 batches) |",
+        "| map, grpc, shuffle | same (32 batches) |",
+        "| iterable, shm, 2 replicas | same (32 batches) |",
+        "No loader errors, hangs or wrong batches were seen.",
+    ):
+        assert row in out, out
+    killed = sum(int(n) for n in re.findall(r"killed (?:holding|reading): (\d+)", out))
+    assert killed == 6, out
+    assert "processes finished: 2" in out and "streams opened: 8" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_fuzz_bench_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_fuzz.py end to end on a few hundred calls: its report has every part, and no finding."""
+    import bench_fuzz
+
+    code = bench_fuzz.run(bench_fuzz.Settings(requests=300, seed=7, warmup=100))
+    out = capsys.readouterr().out
+    for row in (
+        "## Status codes per RPC",
+        "| warm-up (30 calls) |",
+        "| 50% |",
+        "| end (settled) |",
+        "post-run epochs equal torch's: **yes**",
+        "health after the run: SERVING",
+    ):
+        assert row in out, out
+    assert code == 0, out
+    assert "ERROR" not in out, out
+
+
+FAILOVER = Path(__file__).resolve().parents[1] / "bench" / "bench_failover.py"
+
+
+@pytest.mark.timeout(420)
+def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
+    """bench_failover.py --quick --parts failover,soak on toy sizes (the scale part, four daemons started
+    for a throughput figure, is left out to keep the suite short; it shares their code)."""
+    bench = run_bench(FAILOVER, ["--quick", "--parts", "failover,soak"], timeout=360, grace=30)
+    out, err = bench.stdout, bench.stderr
+    # A failover over 1 s, a soak metric that grew or any loader problem fails the test.
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    for row in (
+        "| (a) kill: SIGKILL -> first batch the killed daemon owed arrives, from the other daemon | 1 |",
+        "| (b) restart: restarted daemon answers SERVING -> the blocked next() returns | 1 | 1 |",
+        "#### soak (a): one client, 1 SIGKILL + restart cycles of its daemon",
+        "#### soak (b): 3 clients over 3 daemons",
+        "| start |",
+        "| end |",
+        "| daemon open fds |",
+        "| client open fds |",
+        "| client sessions of killed daemons still alive |",
+        "| /dev/shm entries left by killed daemons |",
+        "| processes of killed daemons still alive |",
+        "No loader errors, hangs or wrong batches were seen.",
+    ):
+        assert row in out, out
+    assert re.search(r"^\| 1 \| \d+/100 \| [\d.]+ \| \d+ \| yes \| [\d.]+ \| same \|$", out, re.M), out
+    soaks = re.findall(r"epochs: (\d+), equal to torch's: (\d+); batches received [\d,]+, lost 0, duplicated or foreign 0", out)
+    assert len(soaks) == 2 and all(int(n) > 0 and n == same for n, same in soaks), out
+
+
+STARTUP = Path(__file__).resolve().parents[1] / "bench" / "bench_startup.py"
+
+
+@pytest.mark.timeout(180)
+def test_startup_bench_times_starts_and_a_replaced_worker() -> None:
+    bench = run_bench(STARTUP, ["--quick"], timeout=150)
+    out, err = bench.stdout, bench.stderr
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    assert "## Startup: 2 workers, 2 rounds" in out, out
+    assert re.search(r"^\| this checkout \| \d+ ms \(\d+, \d+\) \| \d+ ms \(\d+, \d+\) \|$", out, re.M), out
+
+
+AB = Path(__file__).resolve().parents[1] / "bench" / "bench_ab.py"
+
+
+@pytest.mark.timeout(180)
+def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
+    bench = run_bench(AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:grpc,first:shm"], timeout=150)
+    out, err = bench.stdout, bench.stderr
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    assert "## A/B: this checkout vs baseline HEAD" in out, out
+    for source in ("this checkout", "baseline HEAD"):
+        throughput = rf"^\| tiny:grpc \| {source} \| [\d,.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d,]+ \| [\d.]+ \|$"
+        first = rf"^\| first:shm \| {source} \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \|$"
+        assert re.search(throughput, out, re.M) and re.search(first, out, re.M), out
+    for workload in ("tiny:grpc", "first:shm"):
+        assert re.search(rf"^- {workload}: this checkout faster in [01] of 1 rounds$", out, re.M), out

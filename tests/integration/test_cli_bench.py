@@ -1,0 +1,62 @@
+"""`loaderd bench`: torch's DataLoader beside RemoteDataLoader (shm, gRPC) on a config's dataset, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from support.daemons import loaderd_cli, running_daemon, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+DATASETS = {
+    "squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 200}},
+    "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 64}},  # iterable, no len()
+}
+ROW = re.compile(r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|\s+(\d+) ms \|$", re.M)
+
+
+def rows(stdout: str) -> dict[str, tuple[float, float, float, int]]:
+    """loader -> (batches/s, MB/s, ratio to torch, first batch ms), from the table."""
+    return {m[1]: (float(m[2]), float(m[3]), float(m[4]), int(m[5])) for m in ROW.finditer(stdout)}
+
+
+def test_bench_with_a_private_daemon(short_tmp: Path) -> None:
+    config = write_config(short_tmp, DATASETS)
+    result = loaderd_cli("bench", "--config", str(config), "--dataset", "squares", "--batch-size", "8", "--epochs", "2", timeout=170)
+    assert result.returncode == 0, result.stderr
+    table = rows(result.stdout)
+    assert set(table) == {"torch DataLoader", "loaderd, shared memory", "loaderd, gRPC"}, result.stdout
+    assert table["torch DataLoader"][2] == 1.0
+    assert all(rate > 0 and first > 0 for rate, _, _, first in table.values()), result.stdout  # MB/s: 128-byte batches print 0.0
+    assert "dataset 'squares' (map-style, 200 items), batch_size 8, 2 workers; 2 epoch(s)" in result.stdout
+    # Progress went to stderr, one line per epoch measured (not a terminal), and the private daemon is gone.
+    assert len(re.findall(r"^round \d/2 (torch|shm|grpc): 25 batches in", result.stderr, re.M)) == 6, result.stderr
+    log_dir = re.search(r"\(log: (\S+)/daemon\.log\)", result.stderr)
+    assert log_dir and not Path(log_dir[1]).exists(), result.stderr
+
+
+def test_bench_against_a_running_daemon_and_a_wrong_name(short_tmp: Path) -> None:
+    with running_daemon(DATASETS, prefix="ld-bench-") as daemon:
+        result = loaderd_cli(
+            "bench", "--config", str(daemon.config_path), "--dataset", "squares", "--address", daemon.address,
+            "--batch-size", "8", "--epochs", "1", "--max-batches", "10", "--no-shuffle", timeout=170,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert set(rows(result.stdout)) == {"torch DataLoader", "loaderd, shared memory", "loaderd, gRPC"}, result.stdout
+        assert f"first 10 batches of each loader, interleaved; loaderd: {daemon.address}" in result.stdout
+        stream = loaderd_cli(
+            "bench", "--config", str(daemon.config_path), "--dataset", "stream", "--address", daemon.address,
+            "--batch-size", "8", "--epochs", "1", timeout=170,
+        )  # fmt: skip
+        assert stream.returncode == 0, stream.stderr
+        assert "(iterable, no len())" in stream.stdout and len(rows(stream.stdout)) == 3, stream.stdout
+
+    wrong = loaderd_cli("bench", "--config", str(write_config(short_tmp, DATASETS)), "--dataset", "sqaures")
+    assert wrong.returncode == 1 and wrong.stderr.startswith("loaderd: no dataset named 'sqaures'"), wrong.stderr
+    broken = write_config(short_tmp, {"boom": {"dataset": "support.datasets:broken_factory"}})
+    failed = loaderd_cli("bench", "--config", str(broken), "--dataset", "boom")
+    assert failed.returncode == 1 and failed.stderr.strip().splitlines() == [
+        "loaderd: dataset 'boom': building support.datasets:broken_factory failed: RuntimeError: factory exploded on purpose"
+    ], failed.stderr

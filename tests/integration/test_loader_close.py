@@ -1,0 +1,59 @@
+"""RemoteDataLoader.close() and ``with``: a loader ends its epochs and joins every thread it started."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from support.compare import assert_same_batches
+from support.daemons import RunningDaemon, oracle_loader
+from support.datasets import Squares
+
+from loaderd import LoaderdError, RemoteDataLoader
+
+# The threads a loader's epochs start (the process's sessions and copy fence belong to its
+# connections, which every loader of the process shares and which close at exit).
+LOADER_THREADS = ("loaderd-receiver", "loaderd-fleet")
+
+
+def loader_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith(LOADER_THREADS) and t.is_alive()]
+
+
+@pytest.mark.timeout(120)
+def test_with_block_serves_torchs_batches_and_joins_its_threads(start_daemon: Callable[..., RunningDaemon], transport: str) -> None:
+    daemon = start_daemon({"squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 100}}})
+    before = set(threading.enumerate())
+    torch.manual_seed(7)
+    expected = [list(oracle_loader(Squares(100), batch_size=8, shuffle=True)) for _ in range(2)]
+    torch.manual_seed(7)
+    with RemoteDataLoader("squares", batch_size=8, shuffle=True, address=daemon.address, transport=transport) as loader:
+        got = [list(loader) for _ in range(2)]  # the second epoch runs on the call the first one parked
+        assert loader_threads(before), "the loader started no thread: nothing here checks that close() joins them"
+    for want, have in zip(expected, got):
+        assert_same_batches(want, have)
+    assert loader.closed
+    assert loader_threads(before) == []
+    with pytest.raises(LoaderdError, match="'squares' is closed"):
+        iter(loader)
+    loader.close()  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_close_mid_epoch_ends_the_epoch_and_its_threads(start_daemon: Callable[..., RunningDaemon], transport: str) -> None:
+    daemon = start_daemon({"squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 400}}})
+    before = set(threading.enumerate())
+    loader = RemoteDataLoader("squares", batch_size=4, address=daemon.address, transport=transport)
+    epoch = iter(loader)
+    first = next(epoch)
+    assert torch.equal(first[1], torch.arange(4))
+    assert loader_threads(before)
+    loader.close()
+    assert loader_threads(before) == []
+    with pytest.raises(StopIteration):
+        next(epoch)  # the epoch ended with its loader, as an iterator closed early
+    # The daemon let the stream go: another loader of this process streams at once.
+    with RemoteDataLoader("squares", batch_size=100, address=daemon.address, transport=transport) as other:
+        assert [b[1].tolist() for b in other] == [list(range(i, i + 100)) for i in range(0, 400, 100)]

@@ -1,0 +1,145 @@
+"""The edge checks (server/rpc/requests.py), admission, the watchdog and bounded error texts, without a daemon."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from support.fakes import catalog, lone_stream, map_spec
+
+from loaderd.errors import MAX_ERROR_MESSAGE, LimitExceededError, capture_exception
+from loaderd.server.config.schema import Limits
+from loaderd.server.rpc.admission import Admission
+from loaderd.server.rpc.requests import MAX_POSITION, BadRequestError, open_spec, plan_batches
+from loaderd.server.rpc.watchdog import Watchdog
+from loaderd.server.worker.tasks import DatasetMeta
+from loaderd.v1 import loaderd_pb2 as pb
+
+pytestmark = pytest.mark.timeout(10)
+
+LIMITS = Limits(max_streams=3, max_streams_per_client=2, max_sessions=1, max_plan_ahead=8, max_plan_indices=20, max_replicas=4, max_name_bytes=64)
+CATALOG = catalog(m=DatasetMeta(False, 100), it=DatasetMeta(True, None))
+
+
+def opening(**fields: object) -> pb.OpenStream:
+    return pb.OpenStream(**{"dataset": "m", "auto_collation": True, **fields})  # type: ignore[arg-type]
+
+
+def check(request: pb.OpenStream) -> object:
+    return open_spec(request, CATALOG, LIMITS, 64, peer="test")
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [{"start": 2**64 - 1}, {"start": MAX_POSITION}, {"batch_size": 2**32 - 1, "dataset": "it"}],
+)
+def test_absurd_numbers_are_invalid_arguments(request_fields: dict[str, object]) -> None:
+    with pytest.raises(BadRequestError, match="out of range"):
+        check(opening(**request_fields))
+
+
+@pytest.mark.parametrize(
+    "request_fields, limit",
+    [
+        ({"client": "x" * 10_000_000}, "max_name_bytes"),
+        ({"dataset": "y" * 1000}, "max_name_bytes"),
+        ({"share": pb.ShareSpec(name="s" * 100)}, "max_name_bytes"),
+        ({"dataset": "it", "num_workers": 2**32 - 1}, "max_replicas"),
+        ({"dataset": "it", "num_workers": 16_000_000}, "max_replicas"),
+    ],
+)
+def test_over_limit_quantities_are_refused_naming_the_limit(request_fields: dict[str, object], limit: str) -> None:
+    with pytest.raises(LimitExceededError, match=limit) as refused:
+        check(opening(**request_fields))
+    assert len(str(refused.value)) < 300, "a refusal never echoes what was sent"
+
+
+def plan_request(batches: list[list[int]], consumed: int = 0) -> pb.StreamRequest:
+    return pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=b) for b in batches], consumed=consumed))
+
+
+def test_a_plan_may_run_at_most_max_plan_ahead_past_consumption() -> None:
+    stream = lone_stream(map_spec())
+    items = plan_batches(plan_request([[i] for i in range(8)]), stream, LIMITS)
+    stream.add_plan(items.batches, False)
+    with pytest.raises(LimitExceededError, match="max_plan_ahead"):
+        plan_batches(plan_request([[9]]), stream, LIMITS)
+    assert plan_batches(plan_request([[9]], consumed=1), stream, LIMITS).batches == [(9,)]
+
+
+def test_a_plan_may_hold_at_most_max_plan_indices_undispatched() -> None:
+    stream = lone_stream(map_spec())
+    with pytest.raises(LimitExceededError, match="max_plan_indices"):
+        plan_batches(plan_request([list(range(7))] * 3), stream, LIMITS)
+    with pytest.raises(BadRequestError, match="out of range"):
+        plan_batches(plan_request([[1]], consumed=2**64 - 1), stream, LIMITS)
+
+
+def test_admission_counts_streams_per_client_and_in_all() -> None:
+    admission = Admission(LIMITS)
+    calls = [admission.admit_stream() for _ in range(3)]
+    with pytest.raises(LimitExceededError, match="limits.max_streams\\)"):
+        admission.admit_stream()  # counted from the call's start, before it says whose it is
+    a1, a2 = admission.admit_client_stream("a"), admission.admit_client_stream("a")
+    with pytest.raises(LimitExceededError, match="max_streams_per_client"):
+        admission.admit_client_stream("a")
+    admission.admit_client_stream("b")
+    a1.release()
+    a1.release()  # idempotent
+    admission.admit_client_stream("a")
+    calls[0].release()
+    assert admission.open_calls() == (0, 2)
+    session = admission.admit_session()
+    with pytest.raises(LimitExceededError, match="max_sessions"):
+        admission.admit_session()
+    session.release()
+    admission.admit_session()
+    a2.release()
+
+
+def test_the_watchdog_fires_armed_alarms_and_skips_disarmed_ones() -> None:
+    watchdog = Watchdog()
+    watchdog.start()
+    fired = threading.Event()
+    skipped = threading.Event()
+    try:
+        kept = watchdog.arm(0.05, fired.set)
+        dropped = watchdog.arm(0.01, skipped.set)
+        dropped.disarm()
+        assert fired.wait(5) and kept.fired
+        assert not skipped.is_set() and not dropped.fired
+    finally:
+        watchdog.stop()
+    started = time.monotonic()
+    watchdog.stop()  # idempotent
+    assert time.monotonic() - started < 1
+
+
+def test_captured_errors_are_bounded_and_never_fail() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    big = capture_exception(ValueError("x" * 10_000_000), "here", seq=2**70)
+    assert big.seq == 0 and len(big.message) < MAX_ERROR_MESSAGE + 100 and "characters cut" in big.message
+    assert len(big.traceback) < 40_000
+    assert capture_exception(Unprintable(), "here").message == "<unprintable: RuntimeError>"
+
+
+def test_positioned_streams_are_map_style_without_share_or_start_and_check_positions() -> None:
+    import dataclasses
+
+    for fields in ({"dataset": "it", "auto_collation": True}, {"start": 3}, {"share": pb.ShareSpec(name="s")}):
+        with pytest.raises(BadRequestError, match="positioned"):
+            check(opening(positioned=True, **fields))  # type: ignore[arg-type]
+    assert check(opening(positioned=True)).spec.positioned  # type: ignore[attr-defined]
+    stream = lone_stream(dataclasses.replace(map_spec(), positioned=True))
+    far = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1], position=MAX_POSITION)]))
+    with pytest.raises(BadRequestError, match="position"):
+        plan_batches(far, stream, LIMITS)
+    ok = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1], position=77)]))
+    assert plan_batches(ok, stream, LIMITS).positions == [77]
+    # A plain stream refuses positions (a client that mixed the two up).
+    with pytest.raises(BadRequestError, match="not opened positioned"):
+        plan_batches(ok, lone_stream(map_spec()), LIMITS)

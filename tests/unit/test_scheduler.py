@@ -1,0 +1,268 @@
+"""The scheduler against a fake pool: dispatch, fairness, windows, routing, crash recovery.
+
+No processes and no gRPC: each test drives ``Scheduler.step`` by hand and says
+what the fake workers did.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
+
+from loaderd.errors import exception_from_remote
+from loaderd.server.scheduling.producer import END, StreamFailed
+from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.share import ShareKey, ShareMismatchError
+from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream
+from loaderd.v1 import loaderd_pb2 as pb
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture
+def pool() -> FakePool:
+    return FakePool(size=2)
+
+
+@pytest.fixture
+def scheduler(pool: FakePool) -> Iterator[Scheduler]:
+    observed: list[tuple[str, float]] = []
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4), on_batch=lambda d, s: observed.append((d, s)))
+    sched.observed = observed  # type: ignore[attr-defined]
+    yield sched
+    sched.stop()
+
+
+def plan(sched: Scheduler, stream, n: int, start: int = 0, end: bool = True) -> None:
+    sched.add_plan(stream, [(i, i + 1) for i in range(start, start + n)], end)
+
+
+def test_dispatch_fills_each_worker_to_its_queue_limit(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=64))
+    plan(scheduler, stream, 20)
+    scheduler.step(0)
+    per_worker = [sum(1 for w, _ in pool.batch_tasks() if w == worker) for worker in range(pool.size)]
+    assert per_worker == [PER_WORKER] * pool.size
+    assert [t.seq for _, t in pool.batch_tasks()] == list(range(PER_WORKER * pool.size))
+
+
+def test_round_robin_between_streams(scheduler: Scheduler, pool: FakePool) -> None:
+    a = scheduler.open_stream(map_spec(window=64))
+    b = scheduler.open_stream(map_spec(window=64))
+    plan(scheduler, a, 10)
+    plan(scheduler, b, 10)
+    scheduler.step(0)
+    owners = [t.stream_id for _, t in pool.batch_tasks()]
+    assert sorted(owners) == sorted([a.stream_id, b.stream_id] * 2), owners
+
+
+def test_window_bounds_what_is_dispatched_until_delivered(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=2))
+    plan(scheduler, stream, 10)
+    scheduler.step(0)
+    first = pool.batch_tasks()
+    assert [t.seq for _, t in first] == [0, 1]
+    for _, task in first:
+        pool.finish(task)
+    scheduler.step(0)
+    assert len(pool.batch_tasks()) == 2, "a full window must wait for the client, not the pool"
+    assert [d.seq for d in drain(stream)] == [0, 1]
+    scheduler.step(0)
+    assert [t.seq for _, t in pool.batch_tasks()] == [0, 1, 2, 3]
+
+
+def test_results_out_of_order_are_delivered_in_order(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=8))
+    plan(scheduler, stream, 4)
+    scheduler.step(0)
+    tasks = [t for _, t in pool.batch_tasks()]
+    for task in reversed(tasks):
+        pool.finish(task, value=f"b{task.seq}".encode())
+    scheduler.step(0)
+    deliveries = drain(stream)
+    assert [d.seq for d in deliveries] == [0, 1, 2, 3, -1]
+    assert [d.batch.done.value for d in deliveries[:4]] == [b"b0", b"b1", b"b2", b"b3"]
+    assert deliveries[-1] is END
+    assert stream.delivered == 4
+    assert scheduler.counters["m"].batches_computed == 4
+    assert [d for d, _ in scheduler.observed] == ["m"] * 4  # type: ignore[attr-defined]
+
+
+def test_map_tasks_carry_the_plan_and_a_seed_per_position(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=8, start=5))
+    scheduler.add_plan(stream, [(3, 1), (4, 4)], True)
+    scheduler.step(0)
+    tasks = [t for _, t in pool.batch_tasks()]
+    assert [(t.seq, t.indices) for t in tasks] == [(5, (3, 1)), (6, (4, 4))]
+    assert all(isinstance(t, FetchTask) for t in tasks)
+    assert len({t.seed for t in tasks}) == 2
+
+
+def test_a_dead_worker_is_replaced_and_its_tasks_rerun_first(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=8))
+    plan(scheduler, stream, 6)
+    scheduler.step(0)
+    lost = [t.seq for w, t in pool.batch_tasks() if w == 0]
+    pool.die(0)
+    scheduler.step(0)  # the death is handled ...
+    assert pool.respawned == [0]
+    scheduler.step(0)  # ... and the lost tasks go out again, before new work
+    rerun = [t for _, t in pool.batch_tasks()[4:]]
+    assert [t.seq for t in rerun] == lost
+    survivors = [t for w, t in pool.batch_tasks()[:4] if w == 1]
+    for task in rerun + survivors:
+        pool.finish(task)
+    scheduler.step(0)
+    assert [d.seq for d in drain(stream)] == [0, 1, 2, 3]
+
+
+def test_a_batch_that_kills_its_worker_three_times_becomes_an_error(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=1))
+    plan(scheduler, stream, 2)
+    for _ in range(MAX_ATTEMPTS):
+        scheduler.step(0)
+        worker, task = pool.batch_tasks()[-1]
+        assert task.seq == 0
+        pool.die(worker)
+        scheduler.step(0)
+    first = drain(stream)[0]
+    assert first.seq == 0 and first.error is not None
+    error = exception_from_remote(pb.RemoteError.FromString(first.error))
+    assert type(error).__name__ == "WorkerCrashedError" and "died 3 times" in str(error)
+    scheduler.step(0)
+    assert pool.batch_tasks()[-1][1].seq == 1, "the epoch goes on after the skipped batch"
+
+
+def test_results_of_a_closed_stream_are_dropped(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(map_spec(window=4))
+    plan(scheduler, stream, 4)
+    scheduler.step(0)
+    scheduler.close_stream(stream)
+    for _, task in pool.batch_tasks():
+        pool.finish(task)
+    scheduler.step(0)
+    assert stream.ready == {}
+    assert scheduler.counters["m"].delivered_closed == 0
+    scheduler.close_stream(stream)  # idempotent
+
+
+def test_iterable_replicas_stay_on_their_worker_and_stop_when_spent(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(iter_spec(replicas=2, window=4))
+    scheduler.step(0)
+    tasks = pool.batch_tasks()
+    assert all(isinstance(t, IterTask) for _, t in tasks)
+    assert {(t.replica, w) for w, t in tasks} == {(0, (stream.stream_id + 0) % 2), (1, (stream.stream_id + 1) % 2)}
+    assert [t.replica for _, t in tasks] == [0, 1, 0, 1], "torch's round-robin over replicas"
+    replica0 = [t for _, t in tasks if t.replica == 0]
+    replica1 = [t for _, t in tasks if t.replica == 1]
+    pool.finish(replica0[0])
+    pool.exhaust(replica1[0])
+    pool.finish(replica0[1])
+    pool.exhaust(replica1[1])
+    scheduler.step(0)
+    assert [d.seq for d in drain(stream)] == [0, 2], "a spent replica's positions are skipped"
+    scheduler.add_plan(stream, [], False, consumed=2)
+    scheduler.step(0)
+    later = [t for _, t in pool.batch_tasks()[4:]]
+    assert later and all(t.replica == 0 for t in later), "a spent replica gets no more tasks"
+    for task in later:
+        pool.exhaust(task)
+    scheduler.step(0)
+    assert drain(stream) == [END]
+    scheduler.close_stream(stream)
+    released = {w for w, t in pool.submitted if isinstance(t, ReleaseStream)}
+    assert released == {0, 1}, "each worker holding a replica forgets it"
+
+
+def test_iterable_credit_bounds_production_past_consumption(scheduler: Scheduler, pool: FakePool) -> None:
+    stream = scheduler.open_stream(iter_spec(replicas=1, window=2))
+    for _ in range(3):
+        scheduler.step(0)
+        for _, task in pool.batch_tasks()[-2:]:
+            pool.finish(task)
+        scheduler.step(0)
+        drain(stream)  # delivered, but the client has not reported consuming them
+    assert len(pool.batch_tasks()) == 2
+    scheduler.add_plan(stream, [], False, consumed=2)
+    scheduler.step(0)
+    assert len(pool.batch_tasks()) == 4
+
+
+def test_shared_job_runs_each_position_once_for_every_consumer(scheduler: Scheduler, pool: FakePool) -> None:
+    key = ShareKey("sweep", 0, "m", "fp", True, 7)
+    a = scheduler.open_stream(map_spec(window=8), key)
+    b = scheduler.open_stream(map_spec(window=8), key)
+    plan(scheduler, a, 3)
+    plan(scheduler, b, 3)
+    scheduler.step(0)
+    tasks = [t for _, t in pool.batch_tasks()]
+    assert sorted(t.seq for t in tasks) == [0, 1, 2]
+    for task in tasks:
+        pool.finish(task)
+    scheduler.step(0)
+    assert [d.seq for d in drain(a)] == [0, 1, 2, -1]
+    assert [d.seq for d in drain(b)] == [0, 1, 2, -1]
+    assert [j.produced for j in scheduler.jobs()] == [3]
+    scheduler.close_stream(a)
+    assert len(scheduler.jobs()) == 1
+    scheduler.close_stream(b)
+    assert scheduler.jobs() == [], "the job ends with its last consumer"
+
+
+def test_a_plan_that_arrives_after_its_consumer_closed_is_ignored(scheduler: Scheduler, pool: FakePool) -> None:
+    key = ShareKey("late", 0, "m", "fp", True, 7)
+    a = scheduler.open_stream(map_spec(window=8), key)
+    b = scheduler.open_stream(map_spec(window=8), key)
+    plan(scheduler, a, 1)
+    scheduler.step(0)
+    pool.finish(pool.batch_tasks()[0][1])
+    scheduler.step(0)
+    scheduler.close_stream(b)
+    plan(scheduler, b, 1)  # buffered at the job: it must not be handed to the closed stream
+    assert b.ready == {} and [j.waiters for j in scheduler.jobs()] == [{}]
+
+
+def test_a_share_refuses_a_loader_with_other_parameters(scheduler: Scheduler) -> None:
+    scheduler.open_stream(map_spec(), ShareKey("s", 0, "m", "fp", True, 7))
+    with pytest.raises(ShareMismatchError, match="same parameters"):
+        scheduler.open_stream(map_spec(), ShareKey("s", 0, "m", "other", True, 7))
+    with pytest.raises(ShareMismatchError, match="base seed"):
+        scheduler.open_stream(map_spec(), ShareKey("s", 0, "m", "fp", True, 8))
+
+
+def test_stop_fails_every_stream_with_unavailable(scheduler: Scheduler) -> None:
+    stream = scheduler.open_stream(map_spec())
+    scheduler.stop("going away")
+    with pytest.raises(StreamFailed) as failed:
+        stream.next_delivery(0)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
+    # A stream opened after (a call that got past the drain check as the daemon stopped) fails alike,
+    # instead of waiting for a scheduler thread that is gone until gRPC's grace ends the call.
+    late = scheduler.open_stream(map_spec())
+    with pytest.raises(StreamFailed) as failed:
+        late.next_delivery(0)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
+
+
+def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4))
+    stream = sched.open_stream(map_spec(window=4))
+    sched.start()
+    plan(sched, stream, 1)
+    task = None
+    for _ in range(200):
+        tasks = pool.batch_tasks()
+        if tasks:
+            task = tasks[0][1]
+            break
+        stream.next_delivery(0.01)
+    assert task is not None, "the scheduler thread never dispatched"
+    pool.finish(task)
+    sched.wake()
+    assert stream.next_delivery(5.0).seq == 0
+    sched.stop()
+    assert "loaderd-scheduler" not in {t.name for t in threading.enumerate()}
