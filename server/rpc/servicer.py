@@ -27,7 +27,7 @@ from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, Sess
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog, UnknownDatasetError
 from loaderd.server.scheduling.ledger import SlotLedger
-from loaderd.server.scheduling.producer import END, Delivery, StreamFailed
+from loaderd.server.scheduling.producer import END, Delivery, FailReason, StreamFailed
 from loaderd.server.scheduling.scheduler import Scheduler
 from loaderd.server.scheduling.share import ShareMismatchError
 from loaderd.server.scheduling.stream import BatchStream
@@ -51,6 +51,16 @@ _REFUSALS: dict[type[Exception], grpc.StatusCode] = {
     LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _REFUSED = tuple(_REFUSALS)
+
+
+# Why a stream failed (the daemon's reason) -> the status code the client sees.
+_FAILURES: dict[FailReason, grpc.StatusCode] = {
+    FailReason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    FailReason.INTERNAL: grpc.StatusCode.INTERNAL,
+    FailReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    FailReason.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    FailReason.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 def _code(exc: Exception) -> grpc.StatusCode:
@@ -268,7 +278,7 @@ class LoaderServicer:
             ended = yield from self._deliver(stream, session, context)
         except StreamFailed as failure:
             log.warning("stream %d of %s failed: %s", stream.stream_id, who, failure)
-            context.abort(failure.code, str(failure))
+            context.abort(_FAILURES[failure.reason], str(failure))
         finally:
             if not ended:
                 log.info("stream %d of %s ended by the client after %d batches", stream.stream_id, who, stream.delivered)
@@ -350,7 +360,8 @@ class LoaderServicer:
     def _fail_stream(self, stream: BatchStream, exc: BadRequestError | LimitExceededError) -> None:
         """A request of ``stream``'s the daemon will not serve: the stream ends with it (the client hears why)."""
         self._throttle.log(logging.WARNING, type(exc).__name__, "stream %d: %s", stream.stream_id, exc)
-        self._scheduler.fail_stream(stream, StreamFailed(_code(exc), str(exc)))
+        reason = FailReason.LIMIT if isinstance(exc, LimitExceededError) else FailReason.INVALID
+        self._scheduler.fail_stream(stream, StreamFailed(reason, str(exc)))
 
 
 class _EpochHold:

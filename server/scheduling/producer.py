@@ -22,10 +22,9 @@ to the job, which hands results back through the ``Consumer`` side.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import grpc
 
 from loaderd.server.scheduling.ledger import FinishedBatch
 from loaderd.server.worker.tasks import BatchTask, Indices
@@ -78,12 +77,23 @@ class WorkerSlots:
         return int(rendezvous(str(key), left)) if left else slot
 
 
-class StreamFailed(Exception):
-    """The stream cannot go on; carries the gRPC status to end it with."""
+class FailReason(enum.Enum):
+    """Why a stream cannot go on, in the daemon's terms (the RPC layer maps each to a gRPC status:
+    server/rpc/servicer.py ``_FAILURES``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    UNAVAILABLE = "unavailable"  # the daemon cannot serve it (stopping, no worker can run it): elsewhere, it may
+    INTERNAL = "internal"  # the daemon failed handling it: its own bug
+    INVALID = "invalid"  # the client's request is malformed or out of range
+    MISMATCH = "mismatch"  # the request contradicts what the stream already is (a share's plan)
+    LIMIT = "limit"  # the request is over one of the daemon's limits
+
+
+class StreamFailed(Exception):
+    """The stream cannot go on, and why (``reason``); the message is what the client reads."""
+
+    def __init__(self, reason: FailReason, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.reason = reason
 
 
 class Producer(Protocol):

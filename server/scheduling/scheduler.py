@@ -23,15 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import grpc
-
 from loaderd.errors import BatchTimeoutError, TransportError, WorkerCrashedError, capture_exception, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.pool.pool import PoolEvent, PoolLostError, WorkerDied, WorkerMessage
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
 from loaderd.server.scheduling.ledger import SlotLedger
-from loaderd.server.scheduling.producer import Delivery, Producer, StreamFailed, WorkerSlots
+from loaderd.server.scheduling.producer import Delivery, FailReason, Producer, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.share import SharedJob, ShareKey
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.worker.tasks import (
@@ -43,6 +41,7 @@ from loaderd.server.worker.tasks import (
     IterTask,
     ReleaseStream,
     ReplicaExhausted,
+    Result,
     SlotsRetired,
     Task,
     WorkerReady,
@@ -151,6 +150,13 @@ BatchObserver = Callable[[str, float], None]
 FatalHandler = Callable[[str], None]
 
 
+def _stream_of(result: Result) -> int | None:
+    """The stream a worker's result is for; None for what concerns the worker alone."""
+    if isinstance(result, (BatchDone, BatchFailed, ReplicaExhausted)):
+        return result.stream_id
+    return None
+
+
 class Scheduler:
     """Routes tasks from producers to the pool and results back."""
 
@@ -220,7 +226,7 @@ class Scheduler:
             self._stop_reason = self._stop_reason or reason
             self._stop.set()  # under the lock: a stream opened after this finds it set (open_stream)
             for stream in self._streams.values():
-                stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, reason))
+                stream.fail(StreamFailed(FailReason.UNAVAILABLE, reason))
         self.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5.0)
@@ -237,7 +243,7 @@ class Scheduler:
                 self._producers[stream.producer_id] = stream
             self._streams[stream.stream_id] = stream
             if self._stop.is_set():  # opened as the daemon stops (no thread serves it): the client goes elsewhere now
-                stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, self._stop_reason))
+                stream.fail(StreamFailed(FailReason.UNAVAILABLE, self._stop_reason))
         self.wake()
         return stream
 
@@ -375,7 +381,7 @@ class Scheduler:
             except Exception as exc:
                 log.exception("handling %s failed", type(event).__name__)
                 if isinstance(event, WorkerMessage):
-                    self._fail_producer(getattr(event.result, "stream_id", None), exc)
+                    self._fail_producer(_stream_of(event.result), exc)
         self._check_timeouts()
         self._check_recycled()
         self._check_starts()
@@ -396,8 +402,8 @@ class Scheduler:
             woken = True
 
     def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:
-        """The daemon could not handle a result for ``producer_id``: end its streams with INTERNAL, not silence."""
-        failure = StreamFailed(grpc.StatusCode.INTERNAL, f"the daemon failed handling a batch: {type(exc).__name__}: {clip(str(exc), 300)}")
+        """The daemon could not handle a result for ``producer_id``: end its streams (INTERNAL), not silence."""
+        failure = StreamFailed(FailReason.INTERNAL, f"the daemon failed handling a batch: {type(exc).__name__}: {clip(str(exc), 300)}")
         with self.lock:
             for stream in self._streams_of(producer_id):
                 stream.fail(failure)

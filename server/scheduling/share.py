@@ -24,10 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from loaderd.server.scheduling.ledger import FinishedBatch
-from loaderd.server.scheduling.producer import Backlog, Consumer, Delivery, StreamFailed, WorkerSlots
+from loaderd.server.scheduling.producer import Backlog, Consumer, Delivery, FailReason, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.stream import fetch_task
 from loaderd.server.worker.tasks import BatchTask, Indices
 
@@ -119,7 +117,7 @@ class SharedJob:
         if known != indices:
             consumer.fail(
                 StreamFailed(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    FailReason.MISMATCH,
                     f"share {self.name!r} (epoch {self.epoch}): batch {seq} of this loader has other indices than "
                     "the share's; every loader of a share must sample the same batches (same sampler and seed)",
                 )

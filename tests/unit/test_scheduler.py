@@ -9,12 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-import grpc
 import pytest
 from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.errors import exception_from_remote
-from loaderd.server.scheduling.producer import END, StreamFailed
+from loaderd.server.scheduling.producer import END, FailReason, StreamFailed
 from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
 from loaderd.server.scheduling.share import ShareKey, ShareMismatchError
 from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream
@@ -239,13 +238,13 @@ def test_stop_fails_every_stream_with_unavailable(scheduler: Scheduler) -> None:
     scheduler.stop("going away")
     with pytest.raises(StreamFailed) as failed:
         stream.next_delivery(0)
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
+    assert failed.value.reason is FailReason.UNAVAILABLE and "going away" in str(failed.value)
     # A stream opened after (a call that got past the drain check as the daemon stopped) fails alike,
     # instead of waiting for a scheduler thread that is gone until gRPC's grace ends the call.
     late = scheduler.open_stream(map_spec())
     with pytest.raises(StreamFailed) as failed:
         late.next_delivery(0)
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "going away" in str(failed.value)
+    assert failed.value.reason is FailReason.UNAVAILABLE and "going away" in str(failed.value)
 
 
 def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
@@ -266,3 +265,12 @@ def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
     assert stream.next_delivery(5.0).seq == 0
     sched.stop()
     assert "loaderd-scheduler" not in {t.name for t in threading.enumerate()}
+
+
+
+def test_every_failure_reason_has_one_status() -> None:
+    """The daemon's domain says why a stream failed; the RPC layer alone turns that into a gRPC status
+    (pyproject's import-linter contracts keep grpc out of the domain layers)."""
+    from loaderd.server.rpc.servicer import _FAILURES
+
+    assert set(_FAILURES) == set(FailReason)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import pytest
 from support.fakes import batch_delivery, drain, iter_spec, lone_stream, map_spec
 
 from loaderd.server.scheduling.ledger import FinishedBatch
-from loaderd.server.scheduling.producer import END, Delivery, StreamFailed, WorkerSlots
+from loaderd.server.scheduling.producer import END, Delivery, FailReason, StreamFailed, WorkerSlots
 from loaderd.server.worker.tasks import FetchTask, IterTask
 
 pytestmark = pytest.mark.timeout(10)
@@ -162,8 +161,8 @@ def test_failure_and_close() -> None:
     dispatch_all(stream)
     ready = batch_delivery(0)
     stream.resolve(ready)
-    stream.fail(StreamFailed(grpc.StatusCode.INVALID_ARGUMENT, "bad plan"))
-    stream.fail(StreamFailed(grpc.StatusCode.UNAVAILABLE, "later"))
+    stream.fail(StreamFailed(FailReason.INVALID, "bad plan"))
+    stream.fail(StreamFailed(FailReason.UNAVAILABLE, "later"))
     with pytest.raises(StreamFailed, match="bad plan"):
         stream.next_delivery(0)
     assert not stream.wants_dispatch()
