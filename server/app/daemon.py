@@ -252,9 +252,7 @@ class Daemon:
         """Every MEMORY_TRIM_S on the watchdog's thread: while no stream is open, give free heap pages back."""
         scheduler = self.scheduler
         if scheduler is not None:
-            with scheduler.lock:
-                idle = not scheduler.streams()
-            if idle:
+            if not scheduler.open_streams():
                 give_back_free_pages()
         if not self.failed.is_set():
             self.watchdog.arm(MEMORY_TRIM_S, self._trim_memory)
@@ -292,7 +290,7 @@ class Daemon:
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + timeout
-        open_streams = self._open_streams(scheduler)
+        open_streams = scheduler.open_streams()
         log.info("draining: %d stream(s) open; stopping within %gs (drain_timeout)", open_streams, timeout)
         while open_streams and not abort.is_set() and not self.failed.is_set():
             left = deadline - time.monotonic()
@@ -300,14 +298,9 @@ class Daemon:
                 log.info("drain timeout: %d stream(s) still open are cut", open_streams)
                 return
             abort.wait(min(0.05, left))
-            open_streams = self._open_streams(scheduler)
+            open_streams = scheduler.open_streams()
         if not open_streams:
             log.info("drained: no stream open")
-
-    @staticmethod
-    def _open_streams(scheduler: Scheduler) -> int:
-        with scheduler.lock:
-            return len(scheduler.streams())
 
     def shutdown(self, grace: float = 2.0) -> None:
         """The shutdown protocol in the module docstring. Safe to call twice or after a failed start."""

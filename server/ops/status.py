@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,70 +47,68 @@ class StatusBoard:
 
     def snapshot(self) -> pb.StatusResponse:
         """A consistent snapshot of the pool, datasets, shares and streams."""
-        scheduler = self._scheduler
-        # Taken apart from the scheduler's lock: never hold both (no lock order to get wrong).
+        # Each part's figures come from its own snapshot: this takes no lock of theirs.
         reply = pb.StatusResponse(version=version(), sessions=self._sessions.open_count())
         known = self._catalog.datasets
-        with scheduler.lock:
-            reply.uptime_s = time.monotonic() - scheduler.started_at
-            for state in self._workers():
-                reply.workers.add(
-                    worker_id=state.worker_id,
-                    pid=state.pid,
-                    alive=state.alive,
-                    ready=state.ready,
-                    busy=scheduler.busy(state.worker_id),
-                    restarts=state.restarts,
-                    batches=scheduler.worker_batches.get(state.worker_id, 0),
-                )
-            datasets: dict[str, pb.DatasetStatus] = {}
-            for name in sorted(set(known) | set(scheduler.counters)):
-                meta = known.get(name)
-                counters = scheduler.counters.get(name)
-                entry = datasets[name] = reply.datasets.add()
-                entry.info.CopyFrom(dataset_info(name, meta) if meta is not None else pb.DatasetInfo(name=name))
-                if counters is not None:
-                    entry.batches_computed = counters.batches_computed
-                    entry.samples_fetched = counters.samples_fetched
-                    entry.errors = counters.errors
-                    entry.batches_delivered = counters.delivered_closed
-            for stream in sorted(scheduler.streams(), key=lambda s: s.stream_id):
-                spec = stream.spec
-                entry = datasets.get(spec.dataset)
-                if entry is not None:
-                    entry.batches_delivered += stream.delivered
-                    entry.open_streams += 1
-                    entry.queued += stream.queued()
-                reply.streams.add(
-                    stream_id=stream.stream_id,
-                    peer=spec.peer,
-                    client=spec.client,
-                    identity=spec.identity,
-                    dataset=spec.dataset,
-                    window=spec.window,
-                    delivered=stream.delivered,
-                    consumed=stream.consumed,
-                    in_flight=stream.in_flight(),
-                    stalled_s=stream.stalled_us / 1e6,
-                    open_s=time.monotonic() - stream.opened_at,
-                    share=spec.share or "",
-                    shm=spec.session_id != 0,
-                )
-            now = time.monotonic()
-            reply.clients.extend(scheduler.clients.rows((s.use(now) for s in scheduler.streams()), now))
-            for job in sorted(scheduler.jobs(), key=lambda j: (j.name, j.epoch)):
-                entry = datasets.get(job.dataset)
-                if entry is not None:
-                    entry.queued += job.queued()
-                reply.shares.add(
-                    name=job.name,
-                    epoch=job.epoch,
-                    dataset=job.dataset,
-                    consumers=len(job.consumers),
-                    produced=job.produced,
-                    recomputed=job.recomputed,
-                    buffered=len(job.buffer),
-                )
+        taken = self._scheduler.snapshot()
+        reply.uptime_s = taken.taken_at - taken.started_at
+        for state in self._workers():
+            reply.workers.add(
+                worker_id=state.worker_id,
+                pid=state.pid,
+                alive=state.alive,
+                ready=state.ready,
+                busy=taken.busy.get(state.worker_id, 0),
+                restarts=state.restarts,
+                batches=taken.worker_batches.get(state.worker_id, 0),
+            )
+        datasets: dict[str, pb.DatasetStatus] = {}
+        for name in sorted(set(known) | set(taken.counters)):
+            meta = known.get(name)
+            counters = taken.counters.get(name)
+            entry = datasets[name] = reply.datasets.add()
+            entry.info.CopyFrom(dataset_info(name, meta) if meta is not None else pb.DatasetInfo(name=name))
+            if counters is not None:
+                entry.batches_computed = counters.batches_computed
+                entry.samples_fetched = counters.samples_fetched
+                entry.errors = counters.errors
+                entry.batches_delivered = counters.delivered_closed
+        for stream in sorted(taken.streams, key=lambda s: s.stream_id):
+            spec = stream.spec
+            entry = datasets.get(spec.dataset)
+            if entry is not None:
+                entry.batches_delivered += stream.delivered
+                entry.open_streams += 1
+                entry.queued += stream.queued
+            reply.streams.add(
+                stream_id=stream.stream_id,
+                peer=spec.peer,
+                client=spec.client,
+                identity=spec.identity,
+                dataset=spec.dataset,
+                window=spec.window,
+                delivered=stream.delivered,
+                consumed=stream.consumed,
+                in_flight=stream.in_flight,
+                stalled_s=stream.stalled_us / 1e6,
+                open_s=taken.taken_at - stream.opened_at,
+                share=spec.share or "",
+                shm=spec.session_id != 0,
+            )
+        reply.clients.extend(taken.clients)
+        for job in sorted(taken.jobs, key=lambda j: (j.name, j.epoch)):
+            entry = datasets.get(job.dataset)
+            if entry is not None:
+                entry.queued += job.queued
+            reply.shares.add(
+                name=job.name,
+                epoch=job.epoch,
+                dataset=job.dataset,
+                consumers=job.consumers,
+                produced=job.produced,
+                recomputed=job.recomputed,
+                buffered=job.buffered,
+            )
         return reply
 
 

@@ -31,6 +31,7 @@ from loaderd.server.scheduling.client_tally import ClientTally
 from loaderd.server.scheduling.ledger import SlotLedger
 from loaderd.server.scheduling.producer import Delivery, FailReason, Producer, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.share import SharedJob, ShareKey
+from loaderd.server.scheduling.snapshot import DatasetCounters, JobRow, SchedulerSnapshot, StreamRow
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.worker.tasks import (
     BatchDone,
@@ -131,17 +132,6 @@ class _InFlight:
     sent_at: float = field(default_factory=time.monotonic)
     # When its worker started on it (None: still queued behind another task).
     started_at: float | None = None
-
-
-@dataclass
-class DatasetCounters:
-    """Totals per dataset since the daemon started (``loaderd status``, metrics)."""
-
-    batches_computed: int = 0
-    samples_fetched: int = 0
-    errors: int = 0
-    # Batches delivered by streams already closed; open streams add their own.
-    delivered_closed: int = 0
 
 
 # Told (dataset, seconds from dispatch to result) of each finished batch, under the scheduler's lock.
@@ -264,17 +254,51 @@ class Scheduler:
         log.info("share %r epoch %d started on %r", key.name, key.epoch, key.dataset)
         return job
 
-    def streams(self) -> list[BatchStream]:
-        """The open client streams (for status); call with ``lock`` held."""
-        return list(self._streams.values())
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler's figures, copied in one short hold of its lock (status, metrics)."""
+        with self.lock:
+            now = time.monotonic()
+            streams = list(self._streams.values())
+            return SchedulerSnapshot(
+                taken_at=now,
+                started_at=self.started_at,
+                busy={worker_id: len(tasks) for worker_id, tasks in self._inflight.items() if tasks},
+                worker_batches=dict(self.worker_batches),
+                counters={name: dataclasses.replace(c) for name, c in self.counters.items()},
+                streams=tuple(
+                    StreamRow(
+                        stream_id=s.stream_id,
+                        spec=s.spec,
+                        delivered=s.delivered,
+                        consumed=s.consumed,
+                        in_flight=s.in_flight(),
+                        queued=s.queued(),
+                        stalled_us=s.stalled_us,
+                        opened_at=s.opened_at,
+                    )
+                    for s in streams
+                ),
+                clients=tuple(self.clients.rows((s.use(now) for s in streams), now)),
+                jobs=tuple(
+                    JobRow(
+                        name=j.name,
+                        epoch=j.epoch,
+                        dataset=j.dataset,
+                        consumers=len(j.consumers),
+                        produced=j.produced,
+                        recomputed=j.recomputed,
+                        buffered=len(j.buffer),
+                        queued=j.queued(),
+                        waiting=len(j.waiters),
+                    )
+                    for j in self._jobs.values()
+                ),
+            )
 
-    def jobs(self) -> list[SharedJob]:
-        """The running shared jobs (for status); call with ``lock`` held."""
-        return list(self._jobs.values())
-
-    def busy(self, worker_id: int) -> int:
-        """Tasks queued or running in one worker; call with ``lock`` held."""
-        return len(self._inflight.get(worker_id, {}))
+    def open_streams(self) -> int:
+        """How many client streams are open now."""
+        with self.lock:
+            return len(self._streams)
 
     def add_plan(
         self,

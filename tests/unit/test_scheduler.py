@@ -205,11 +205,11 @@ def test_shared_job_runs_each_position_once_for_every_consumer(scheduler: Schedu
     scheduler.step(0)
     assert [d.seq for d in drain(a)] == [0, 1, 2, -1]
     assert [d.seq for d in drain(b)] == [0, 1, 2, -1]
-    assert [j.produced for j in scheduler.jobs()] == [3]
+    assert [j.produced for j in scheduler.snapshot().jobs] == [3]
     scheduler.close_stream(a)
-    assert len(scheduler.jobs()) == 1
+    assert len(scheduler.snapshot().jobs) == 1
     scheduler.close_stream(b)
-    assert scheduler.jobs() == [], "the job ends with its last consumer"
+    assert scheduler.snapshot().jobs == (), "the job ends with its last consumer"
 
 
 def test_a_plan_that_arrives_after_its_consumer_closed_is_ignored(scheduler: Scheduler, pool: FakePool) -> None:
@@ -222,7 +222,7 @@ def test_a_plan_that_arrives_after_its_consumer_closed_is_ignored(scheduler: Sch
     scheduler.step(0)
     scheduler.close_stream(b)
     plan(scheduler, b, 1)  # buffered at the job: it must not be handed to the closed stream
-    assert b.ready == {} and [j.waiters for j in scheduler.jobs()] == [{}]
+    assert b.ready == {} and [j.waiting for j in scheduler.snapshot().jobs] == [0]
 
 
 def test_a_share_refuses_a_loader_with_other_parameters(scheduler: Scheduler) -> None:

@@ -1,0 +1,69 @@
+"""What the scheduler holds, copied under its lock: status, metrics and the daemon read this.
+
+Nothing outside the scheduler takes its lock: ``Scheduler.snapshot()`` copies the figures
+into these frozen records in one short critical section, and their readers (server/ops/status.py)
+build their replies from the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from loaderd.server.scheduling.stream import StreamSpec
+from loaderd.v1 import loaderd_pb2 as pb
+
+
+@dataclass
+class DatasetCounters:
+    """Totals per dataset since the daemon started (``loaderd status``, metrics); the scheduler's own,
+    written under its lock (a snapshot holds copies)."""
+
+    batches_computed: int = 0
+    samples_fetched: int = 0
+    errors: int = 0
+    # Batches delivered by streams already closed; open streams add their own.
+    delivered_closed: int = 0
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """One open client stream, as it was at the snapshot."""
+
+    stream_id: int
+    spec: StreamSpec
+    delivered: int
+    consumed: int
+    in_flight: int
+    queued: int
+    stalled_us: int
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One running shared job, as it was at the snapshot."""
+
+    name: str
+    epoch: int
+    dataset: str
+    consumers: int
+    produced: int
+    recomputed: int
+    buffered: int
+    queued: int
+    waiting: int  # batch positions consumers wait for that the pool has not produced
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's figures at one moment (``taken_at``, monotonic seconds)."""
+
+    taken_at: float
+    started_at: float
+    busy: Mapping[int, int]  # worker id -> tasks queued or running in it (absent: none)
+    worker_batches: Mapping[int, int]  # worker id -> batches it finished
+    counters: Mapping[str, DatasetCounters]  # copies
+    streams: tuple[StreamRow, ...]
+    clients: tuple[pb.ClientStatus, ...]
+    jobs: tuple[JobRow, ...]
