@@ -29,7 +29,7 @@ import torch
 
 from loaderd.errors import TransportError, clip
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
-from loaderd.server.pool.launch import start_child
+from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.user_code import apply_python_path
 from loaderd.server.worker.worker import build_for_worker
 from loaderd.wire.codec import encode_batch

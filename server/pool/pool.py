@@ -20,9 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import select
 import selectors
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,9 +30,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from loaderd.server.config.schema import LoaderConfig
-from loaderd.server.pool.launch import start_child
 from loaderd.server.pool.task_pipe import TaskPipe
 from loaderd.server.process import glibc_tunables
+from loaderd.server.process.multiprocessing_private import (
+    fork_server_alive,
+    fork_server_environment,
+    fork_server_pid,
+    start_child,
+    stop_fork_server,
+)
 from loaderd.server.shm.arena import worker_prefix
 from loaderd.server.worker import prebuilt
 from loaderd.server.worker.entry import WorkerSpec, worker_main
@@ -50,46 +54,6 @@ _DEFER_S = 0.05
 _START_POLL_S = 0.05
 # What a selector key of the pool is for (its data is (worker, one of these)).
 _RESULTS, _DIED, _ROOM = "results", "died", "room"
-
-
-def _mp_fork_server() -> Any:
-    """multiprocessing's fork server of this process: the one place the pool reaches its private state
-    (``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``; the same in 3.11 to 3.14)."""
-    from multiprocessing import forkserver
-
-    return forkserver._forkserver
-
-
-def _stop_fork_server(timeout: float) -> None:
-    """Stop this process's fork server, if it started one, and reap it (so it does not outlive the daemon).
-
-    multiprocessing's own ``_stop`` waits without a timeout; this waits ``timeout`` seconds, then kills.
-    """
-    server = _mp_fork_server()
-    pid = server._forkserver_pid
-    if pid is None:
-        return
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)  # EOF tells it to exit
-        server._forkserver_alive_fd = None
-    deadline = time.monotonic() + timeout
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)  # SIGKILLed: returns at once
-                break
-            time.sleep(0.02)
-    except ChildProcessError:  # already reaped
-        pass
-    server._forkserver_pid = None
-    address = server._forkserver_address
-    server._forkserver_address = None
-    if address and not address.startswith("\0"):
-        try:
-            os.unlink(address)
-        except OSError:
-            pass
 
 
 class PoolStartError(Exception):
@@ -272,7 +236,7 @@ class WorkerPool:
         the fork server is killed, which ends the start waiting on it.
         """
         names = ", ".join(repr(s.name) for s in self._build_once)
-        if self._build_once and _mp_fork_server()._forkserver_pid is not None:
+        if self._build_once and fork_server_pid() is not None:
             # Its preloads ran already (another pool of this process): it would build nothing.
             raise PoolStartError(f"build: once ({names}) needs a fork server of its own; this process has one already")
         failure: list[BaseException] = []
@@ -296,37 +260,36 @@ class WorkerPool:
             raise PoolStartError(f"could not write the fork server's start file: {exc}") from None
         # The variable names the payload while workers start (the fork server reads the file
         # once, before its first fork, and drops the variable); neither outlives this call.
-        os.environ[prebuilt.ENV] = path
+        environment = {prebuilt.ENV: path}
         # The fork server (and so every worker) copies batches into slots past the cache; it puts
         # the variable back as ``tunables`` for what workers start, and so does this call, after.
         fork_server_tunables = glibc_tunables.fork_server_value(tunables)
         if fork_server_tunables is not None:
-            os.environ[glibc_tunables.VARIABLE] = fork_server_tunables
+            environment[glibc_tunables.VARIABLE] = fork_server_tunables
         stopped = ""
         thread = threading.Thread(target=spawn, name="loaderd-pool-start", daemon=True)
-        try:
-            thread.start()
-            while thread.is_alive() and not stopped:
-                thread.join(max(0.0, min(_START_POLL_S, deadline - time.monotonic())))
-                reason = give_up()
-                if reason:
-                    stopped = f"pool start stopped: {reason}"
-                elif time.monotonic() >= deadline and thread.is_alive():
-                    what = f"build the datasets with build: once ({names})" if names else "import the config's modules"
-                    stopped = f"the fork server did not {what} within {timeout:.0f}s"
-        except BaseException:  # e.g. KeyboardInterrupt in a program that starts a pool itself
-            stopped = "interrupted"
-            raise
-        finally:
-            if stopped:
-                halt.set()
-                _stop_fork_server(0.0)
-                if thread.is_alive():
-                    thread.join(10.0)
-                self.shutdown()  # stops a fork server that a start racing the halt launched again, too
-            os.environ.pop(prebuilt.ENV, None)
-            glibc_tunables.restore(tunables)
-            os.unlink(path)
+        with fork_server_environment(environment):  # the variables leave with the block
+            try:
+                thread.start()
+                while thread.is_alive() and not stopped:
+                    thread.join(max(0.0, min(_START_POLL_S, deadline - time.monotonic())))
+                    reason = give_up()
+                    if reason:
+                        stopped = f"pool start stopped: {reason}"
+                    elif time.monotonic() >= deadline and thread.is_alive():
+                        what = f"build the datasets with build: once ({names})" if names else "import the config's modules"
+                        stopped = f"the fork server did not {what} within {timeout:.0f}s"
+            except BaseException:  # e.g. KeyboardInterrupt in a program that starts a pool itself
+                stopped = "interrupted"
+                raise
+            finally:
+                if stopped:
+                    halt.set()
+                    stop_fork_server(0.0)
+                    if thread.is_alive():
+                        thread.join(10.0)
+                    self.shutdown()  # stops a fork server that a start racing the halt launched again, too
+                os.unlink(path)
         if stopped:
             raise PoolStartError(stopped)
         if failure:
@@ -339,7 +302,7 @@ class WorkerPool:
                 "constructor that ends its process, e.g. out of memory, ends the fork server; or no process "
                 "could be started; see the log above)"
             )
-        self._fork_server_pid = _mp_fork_server()._forkserver_pid
+        self._fork_server_pid = fork_server_pid()
 
     def respawn(self, worker_id: int) -> None:
         """Replace a dead worker; it reports WorkerReady (or WorkerStartFailed) through poll.
@@ -350,7 +313,7 @@ class WorkerPool:
         built once (multiprocessing would start a new one, which builds nothing, so
         each start would fail; the daemon exits for its supervisor to start it afresh).
         """
-        if self._build_once and not self._fork_server_alive():
+        if self._build_once and not fork_server_alive(self._fork_server_pid):
             names = ", ".join(repr(s.name) for s in self._build_once)
             raise PoolLostError(
                 f"the pool's fork server (pid {self._fork_server_pid}) died, and with it the datasets it built "
@@ -361,24 +324,6 @@ class WorkerPool:
         self._spawn(worker_id)
         self.restarts += 1
         self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
-
-    def _fork_server_alive(self) -> bool:
-        """Whether the fork server this pool started still runs.
-
-        Asked of the write end of its liveness pipe (multiprocessing's ``_forkserver_alive_fd``;
-        the fork server holds the only read end): POLLERR once the fork server's descriptors
-        are closed, the moment its workers' sentinels read EOF. waitid would say so only once
-        the kernel has made it a zombie, a moment later: a respawn in between would let
-        multiprocessing start a new fork server, which built nothing.
-        """
-        server = _mp_fork_server()
-        if self._fork_server_pid is None or server._forkserver_pid != self._fork_server_pid:
-            return False  # never started, or multiprocessing replaced it already
-        if server._forkserver_alive_fd is None:
-            return False  # stopped (shutdown)
-        poller = select.poll()
-        poller.register(server._forkserver_alive_fd, select.POLLOUT)
-        return not any(events & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, events in poller.poll(0))
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.
@@ -480,7 +425,7 @@ class WorkerPool:
             self._close(w)
         self._extra.clear()
         self._selector.close()  # its epoll descriptor; a closed selector closes again quietly
-        _stop_fork_server(timeout)
+        stop_fork_server(timeout)
 
     # ------------------------------------------------------------ messaging
 

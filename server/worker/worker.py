@@ -30,6 +30,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.server.config.schema import DatasetSpec
 from loaderd.server.process.log_format import configure_logging
+from loaderd.server.process.multiprocessing_private import drop_fork_server_handle
 from loaderd.server.worker.entry import WorkerSpec
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
@@ -398,26 +399,6 @@ class WorkerRuntime:
 _END = object()
 
 
-def _drop_fork_server_handle() -> None:
-    """Close this worker's copy of the fork server's liveness pipe.
-
-    The fork server hands every child the write end of the pipe whose EOF tells
-    it the daemon is gone. A worker keeping it would keep the fork server alive
-    after a SIGKILLed daemon, and the worker, watching its parent (the fork
-    server), would never exit either. Workers start no processes, so drop it.
-    """
-    from multiprocessing import forkserver
-
-    server: Any = forkserver._forkserver
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        server._forkserver_alive_fd = None
-
-
 def _prefer_oom_kill() -> None:
     """Make this worker the kernel OOM killer's first pick among the daemon's processes.
 
@@ -437,7 +418,7 @@ def _prefer_oom_kill() -> None:
 
 def run_worker(spec: WorkerSpec) -> None:
     """A worker process's life (started through ``loaderd.server.worker.entry.worker_main``)."""
-    _drop_fork_server_handle()
+    drop_fork_server_handle()  # see server/process/multiprocessing_private.py
     _prefer_oom_kill()
     # What the fork server imported and built is shared copy-on-write: out of the collector's
     # way, or the first full collection writes to (copies) every page holding those objects.

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from loaderd.server.pool import launch
-from loaderd.server.pool.launch import start_child
+from loaderd.server.process import multiprocessing_private as launch
+from loaderd.server.process.multiprocessing_private import start_child
 
 pytestmark = pytest.mark.timeout(60)
 
