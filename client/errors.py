@@ -58,7 +58,16 @@ class DaemonMismatchError(LoaderdError):
 
 
 class LimitExceededError(LoaderdError):
-    """The daemon refused a request over one of its limits (the config's ``limits:``); the message names it."""
+    """The daemon refused a request over one of its limits (the config's ``limits:``); the message names it.
+
+    ``admission``: the limit counts calls the daemon has open (``max_streams``, ``max_sessions``,
+    ``max_streams_per_client``), so another daemon, or this one later, may take the call; else the
+    request itself is over a limit, and every daemon refuses it alike.
+    """
+
+    def __init__(self, message: str = "", *, admission: bool = False) -> None:
+        super().__init__(message)
+        self.admission = admission
 
 
 class AuthenticationError(LoaderdError, PermissionError):

@@ -1,6 +1,8 @@
 """The one place where a failed gRPC call becomes a loaderd error (loaderd.errors holds the classes).
 
-:func:`error_from_rpc` maps status codes to the error a user can act on;
+:func:`error_from_rpc` maps status codes to the error a user can act on, and reads the
+daemon's reason (``loaderd.wire.reasons``) where the code alone cannot say (a limit of calls
+open, which another daemon may not have reached, or of the request itself);
 :func:`is_transient` says whether another daemon (or this one, later) may serve
 the call; the rest words connection and TLS failures for people.
 """
@@ -19,6 +21,7 @@ from loaderd.errors import (
     LoaderdError,
 )
 from loaderd.wire.limits import DEFAULT_ADDRESS
+from loaderd.wire.reasons import Reason, reason_of
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[LoaderdError]] = {
     grpc.StatusCode.NOT_FOUND: DatasetNotFoundError,
@@ -130,4 +133,6 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     cls = _STATUS_ERRORS.get(code, LoaderdError) if code is not None else LoaderdError
     if cls is DaemonUnavailableError:
         return cls(f"loaderd at {address} is unavailable: {details}")
+    if cls is LimitExceededError:
+        return LimitExceededError(details, admission=reason_of(exc) is Reason.ADMISSION_LIMIT)
     return cls(details)

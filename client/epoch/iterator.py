@@ -541,11 +541,10 @@ class RemoteLoaderIter:
         self._reconcile()
 
     def _full_elsewhere(self, lane: Lane, error: object) -> bool:
-        """Whether ``error`` is a limit that refused ``lane`` before it answered, with another daemon usable.
-
-        The client cannot tell an admission limit from a per-request one (both RESOURCE_EXHAUSTED):
-        a request every daemon refuses alike reaches the caller once no other daemon is usable."""
-        return isinstance(error, LimitExceededError) and not lane.answered and bool(self._usable - {lane.address})
+        """Whether ``error`` is an admission limit (calls open: the daemon's reason says so) that refused
+        ``lane`` before it answered, with another daemon usable. A request over a limit of its own
+        reaches the caller at once: every daemon would refuse it alike."""
+        return isinstance(error, LimitExceededError) and error.admission and not lane.answered and bool(self._usable - {lane.address})
 
     def _epoch_over(self) -> bool:
         if self._mode is _Mode.ITERABLE:

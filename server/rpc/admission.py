@@ -30,6 +30,11 @@ def handler_threads(limits: Limits) -> int:
     return limits.max_sessions + limits.max_streams + SHORT_CALL_THREADS
 
 
+class AdmissionRefused(LimitExceededError):
+    """Over one of the daemon's admission limits (calls open, in all or per client): the client hears
+    ``Reason.ADMISSION_LIMIT``, and another daemon may take the call."""
+
+
 class Ticket:
     """One admitted call; ``release`` it when the call ends (idempotent, thread-safe)."""
 
@@ -57,7 +62,7 @@ class Admission:
     def admit_session(self) -> Ticket:
         with self._lock:
             if self._sessions >= self._limits.max_sessions:
-                raise LimitExceededError(
+                raise AdmissionRefused(
                     f"the daemon has {self._sessions} client sessions open, its limit (limits.max_sessions)"
                 )
             self._sessions += 1
@@ -71,7 +76,7 @@ class Admission:
         """A new ``StreamBatches`` call, counted from its start (before its first message)."""
         with self._lock:
             if self._streams >= self._limits.max_streams:
-                raise LimitExceededError(f"the daemon has {self._streams} streams open, its limit (limits.max_streams)")
+                raise AdmissionRefused(f"the daemon has {self._streams} streams open, its limit (limits.max_streams)")
             self._streams += 1
         return Ticket(self._leave_stream)
 
@@ -84,7 +89,7 @@ class Admission:
         with self._lock:
             mine = self._per_client.get(client, 0)
             if mine >= self._limits.max_streams_per_client:
-                raise LimitExceededError(
+                raise AdmissionRefused(
                     f"this client has {mine} streams open, the daemon's limit per client (limits.max_streams_per_client)"
                 )
             self._per_client[client] = mine + 1

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError, Message
 
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.reasons import Reason, abort
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Loader"]
 SERVICE_NAME = SERVICE.full_name
@@ -58,7 +59,7 @@ def _unary(method: Callable[..., Any], cls: type[Message]) -> Callable[..., Any]
         try:
             request = parse(cls, data)
         except BadRequestError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), Reason.BAD_REQUEST)
         return method(request, context)
 
     return handle
@@ -91,7 +92,7 @@ def _parse_or_abort(parse: Callable[[bytes], Any], data: bytes, context: grpc.Se
     try:
         return parse(data)
     except (DecodeError, RuntimeError, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {len(data)} bytes that do not parse")
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {len(data)} bytes that do not parse", Reason.BAD_REQUEST)
 
 
 def _parse_each_or_abort(parse: Callable[[bytes], Any], requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:

@@ -19,7 +19,7 @@ import grpc
 from loaderd.errors import LimitExceededError, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.process.throttle import LogThrottle
-from loaderd.server.rpc.admission import Admission, Ticket
+from loaderd.server.rpc.admission import Admission, AdmissionRefused, Ticket
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.requests import BadRequestError, Opening, open_spec, plan_batches, shown
@@ -34,6 +34,7 @@ from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.security.auth import Authenticator
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
+from loaderd.wire.reasons import Reason, abort
 
 log = logging.getLogger("loaderd.servicer")
 
@@ -43,28 +44,28 @@ _POLL_S = 0.25
 _call_ids = itertools.count(1)
 STATUS_MAX_BYTES = (4 << 20) - (64 << 10)
 
-# Why a request is refused -> the status code the client sees.
-_REFUSALS: dict[type[Exception], grpc.StatusCode] = {
-    UnknownDatasetError: grpc.StatusCode.NOT_FOUND,
-    BadRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    ShareMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
-    LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+# Why a request is refused -> the status code and reason the client sees (the first class that matches).
+_REFUSALS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
+    UnknownDatasetError: (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_DATASET),
+    BadRequestError: (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_REQUEST),
+    ShareMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, Reason.SHARE_MISMATCH),
+    AdmissionRefused: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.ADMISSION_LIMIT),
+    LimitExceededError: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REQUEST_LIMIT),
 }
 _REFUSED = tuple(_REFUSALS)
 
-
-# Why a stream failed (the daemon's reason) -> the status code the client sees.
-_FAILURES: dict[FailReason, grpc.StatusCode] = {
-    FailReason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    FailReason.INTERNAL: grpc.StatusCode.INTERNAL,
-    FailReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    FailReason.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    FailReason.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+# Why a stream failed (the daemon's reason) -> the status code and reason the client sees.
+_FAILURES: dict[FailReason, tuple[grpc.StatusCode, Reason]] = {
+    FailReason.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, Reason.UNAVAILABLE),
+    FailReason.INTERNAL: (grpc.StatusCode.INTERNAL, Reason.INTERNAL),
+    FailReason.INVALID: (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_REQUEST),
+    FailReason.MISMATCH: (grpc.StatusCode.FAILED_PRECONDITION, Reason.SHARE_MISMATCH),
+    FailReason.LIMIT: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REQUEST_LIMIT),
 }
 
 
-def _code(exc: Exception) -> grpc.StatusCode:
-    return next(code for kind, code in _REFUSALS.items() if isinstance(exc, kind))
+def _refusal(exc: Exception) -> tuple[grpc.StatusCode, Reason]:
+    return next(refusal for kind, refusal in _REFUSALS.items() if isinstance(exc, kind))
 
 
 class LoaderServicer:
@@ -110,20 +111,20 @@ class LoaderServicer:
         try:
             return self._catalog.describe(request.name)
         except UnknownDatasetError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            raise AssertionError("unreachable: abort raises") from None
+            abort(context, grpc.StatusCode.NOT_FOUND, str(exc), Reason.UNKNOWN_DATASET)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return bounded_status(self._status(), self._max_status_bytes)
 
     def _refuse_if_draining(self, context: grpc.ServicerContext) -> None:
         if self._drain.active:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"loaderd is draining: it stops within {self._drain.stop_in():.0f}s")
+            message = f"loaderd is draining: it stops within {self._drain.stop_in():.0f}s"
+            abort(context, grpc.StatusCode.UNAVAILABLE, message, Reason.DRAINING)
 
     def _refuse(self, context: grpc.ServicerContext, exc: Exception, what: str) -> NoReturn:
         self._throttle.log(logging.WARNING, type(exc).__name__, "%s from %s refused: %s", what, context.peer(), exc)
-        context.abort(_code(exc), str(exc))
-        raise AssertionError("unreachable: abort raises")
+        code, reason = _refusal(exc)
+        abort(context, code, str(exc), reason)
 
     def _first(self, requests: Iterator[Any], context: grpc.ServicerContext, what: str) -> Any:
         """The call's first request, or None if it never came within the handshake timeout (the call is cut)."""
@@ -155,7 +156,7 @@ class LoaderServicer:
         try:
             hello = self._first(request_iterator, context, "session")
             if hello is None or hello.WhichOneof("kind") != "hello":
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'")
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'", Reason.BAD_REQUEST)
             yield from self._session_host.serve(hello.hello, request_iterator, context, self._auth.identify(context))
         finally:
             ticket.release()
@@ -180,7 +181,7 @@ class LoaderServicer:
         """
         first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request")
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request", Reason.BAD_REQUEST)
         reader = CallRequests(request_iterator, self._plan_request, f"loaderd-plan-{next(_call_ids)}", on_bad=self._fail_stream)
         epoch = _EpochHold()
 
@@ -225,10 +226,8 @@ class LoaderServicer:
             if session is None:
                 self._throttle.log(logging.WARNING, "session", "stream from %s refused: session %d unknown or closed", who, opening.session_id)
                 # ABORTED: retry with a new session (after a daemon restart the old id means nothing).
-                context.abort(
-                    grpc.StatusCode.ABORTED,
-                    f"session {opening.session_id} is unknown, closed, or cannot use shared memory",
-                )
+                message = f"session {opening.session_id} is unknown, closed, or cannot use shared memory"
+                abort(context, grpc.StatusCode.ABORTED, message, Reason.UNKNOWN_SESSION)
         try:
             checked = open_spec(
                 opening,
@@ -278,7 +277,8 @@ class LoaderServicer:
             ended = yield from self._deliver(stream, session, context)
         except StreamFailed as failure:
             log.warning("stream %d of %s failed: %s", stream.stream_id, who, failure)
-            context.abort(_FAILURES[failure.reason], str(failure))
+            code, reason = _FAILURES[failure.reason]
+            abort(context, code, str(failure), reason)
         finally:
             if not ended:
                 log.info("stream %d of %s ended by the client after %d batches", stream.stream_id, who, stream.delivered)

@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from loaderd.server.process.throttle import LogThrottle
+from loaderd.wire.reasons import Reason, abort
 
 log = logging.getLogger("loaderd.auth")
 
@@ -222,17 +223,17 @@ class Authenticator:
 def _refuse(handler: grpc.RpcMethodHandler, method: str, why: str, throttle: LogThrottle) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind that answers UNAUTHENTICATED without reading the request."""
 
-    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
         throttle.log(logging.WARNING, "unauthenticated", "%s from %s refused: %s", method, context.peer(), why)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        abort(context, grpc.StatusCode.UNAUTHENTICATED, why, Reason.UNAUTHENTICATED)
 
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
+        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

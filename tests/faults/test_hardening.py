@@ -27,6 +27,7 @@ from loaderd import RemoteDataLoader
 from loaderd.server.worker.worker import OOM_SCORE_ADJ_BOOST
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
+from loaderd.wire.reasons import Reason, reason_of
 
 BIG = 16384  # int64 items per batch: 128 KiB, so batches travel through shared-memory slots
 DATASETS = {
@@ -181,6 +182,7 @@ def test_streams_per_client_are_capped_with_resource_exhausted(daemon: RunningDa
         wait_for(lambda: len(daemon_status(daemon.address).streams) >= 8, 20, "8 streams open")
         error = raw_stream(daemon.address, [opening])
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams_per_client" in error.details()
+        assert reason_of(error) is Reason.ADMISSION_LIMIT  # another daemon may take it (loaderd.wire.reasons)
         for call in held:
             call.cancel()
     wait_for(lambda: not daemon_status(daemon.address).streams, 20, "the held streams to close")
@@ -247,6 +249,7 @@ def test_huge_names_errors_and_structures_stay_bounded(daemon: RunningDaemon) ->
     opening = pb.StreamRequest(open=pb.OpenStream(dataset="squares", auto_collation=True, client="n" * 10_000_000))
     error = raw_stream(daemon.address, [opening])
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(error.details()) < 300
+    assert reason_of(error) is Reason.REQUEST_LIMIT  # every daemon would refuse it alike
     assert daemon_status(daemon.address).version
     outcomes = iterate_outcomes(RemoteDataLoader("shouty", batch_size=None, address=daemon.address, timeout=30))
     assert len(outcomes) == 8

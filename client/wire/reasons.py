@@ -1,0 +1,72 @@
+"""Why a daemon refused or ended a call, as structured details both sides read.
+
+The daemon ends a failed call with its gRPC status and message (for people) and a
+``google.rpc.ErrorInfo`` in the status details (domain ``loaderd``, reason one of ``Reason``),
+carried in the ``grpc-status-details-bin`` trailer (grpcio-status). The client decides what a
+failure means from the reason, never from the message's text; a call that failed before any
+daemon answered (a connection refused, a TLS handshake) has none.
+
+grpcio-status and its protos are imported on first use: a failure, not every process that
+imports this layer.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NoReturn
+
+DOMAIN = "loaderd"
+
+
+class Reason(enum.Enum):
+    """What the daemon said a failed call failed for."""
+
+    UNKNOWN_DATASET = "UNKNOWN_DATASET"  # the daemon's config has no such dataset
+    BAD_REQUEST = "BAD_REQUEST"  # malformed or out of range: no daemon would take it
+    SHARE_MISMATCH = "SHARE_MISMATCH"  # the loader's plan contradicts its share's
+    ADMISSION_LIMIT = "ADMISSION_LIMIT"  # the daemon has as many calls as its limits allow: another may take it
+    REQUEST_LIMIT = "REQUEST_LIMIT"  # the request itself is over a limit: every daemon refuses it alike
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"  # a session the daemon does not know (it restarted): open a new one
+    DRAINING = "DRAINING"  # the daemon is stopping and sends clients elsewhere
+    UNAVAILABLE = "UNAVAILABLE"  # the daemon cannot serve the call now (stopping, no worker can run it)
+    INTERNAL = "INTERNAL"  # the daemon failed handling the call: its own bug
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token
+
+
+def status_with_reason(code: Any, message: str, reason: Reason) -> Any:
+    """A ``grpc.Status`` for ``context.abort_with_status``: ``code`` (a grpc.StatusCode), ``message``
+    and an ErrorInfo naming ``reason``."""
+    from google.protobuf import any_pb2
+    from google.rpc import error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
+def reason_of(exc: Any) -> Reason | None:
+    """The reason a daemon gave for the failed call ``exc`` (a grpc.RpcError), if it gave one."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(exc)
+    except (ValueError, AttributeError):  # details that disagree with the call's status, or not a call
+        return None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == DOMAIN:
+                try:
+                    return Reason(info.reason)
+                except ValueError:  # a newer daemon's reason: the status code still says enough
+                    return None
+    return None
+
+
+def abort(context: Any, code: Any, message: str, reason: Reason) -> NoReturn:
+    """End the call behind ``context`` (a grpc.ServicerContext) with ``code``, ``message`` and ``reason``."""
+    context.abort_with_status(status_with_reason(code, message, reason))
+    raise AssertionError("unreachable: abort_with_status raises")
