@@ -188,7 +188,7 @@ def run_child(target: Any, *args: Any) -> Any:
     """Run ``target(*args, out)`` in a fresh process (forkserver: no gRPC state inherited) and load its result."""
     out = args[-1]
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "datasets"])  # as conftest.oracle_loader: children start in milliseconds
+    context.set_forkserver_preload(["torch", "support.datasets"])  # as conftest.oracle_loader: children start in milliseconds
     process = context.Process(target=target, args=args, name=f"resume-{target.__name__}")
     process.start()
     process.join(CHILD_TIMEOUT_S)

@@ -122,7 +122,7 @@ def oracle_loader(dataset: Any, **kwargs: Any) -> DataLoader:
     forking this process, which runs gRPC threads, can deadlock the forked worker."""
     if kwargs.get("num_workers", 0) > 0:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "datasets"])  # workers start in milliseconds, not seconds
+        context.set_forkserver_preload(["torch", "support.datasets"])  # workers start in milliseconds, not seconds
         kwargs["multiprocessing_context"] = context
     return DataLoader(dataset, **kwargs)
 
