@@ -51,6 +51,7 @@ from typing import Any
 from loaderd.channel.rpc_errors import NO_DAEMON_HINT
 from loaderd.epoch.epoch_stream import EpochStream, window_size
 from loaderd.epoch.next_epoch import Readiness
+from loaderd.epoch.outage import OutageClock
 from loaderd.errors import (
     AuthenticationError,
     BatchTimeoutError,
@@ -138,12 +139,7 @@ class RemoteLoaderIter:
         self._events: queue.Queue[LaneEvent | str] = queue.Queue()
         self._lanes: dict[str, Lane] = {}
         self._usable: set[str] = set()
-        # An outage: from the moment no lane is open until some lane answers. Its clock runs only
-        # while no lane is open (a daemon working through a long replay is not an outage), and a
-        # lane that opens and breaks without answering does not end it.
-        self._outage = False
-        self._outage_since: float | None = None  # the current stretch without an open lane
-        self._outage_s = 0.0  # earlier stretches of this outage
+        self._outage = OutageClock()  # no lane open since ..., until one answers (loaderd.epoch.outage)
         self._stop = threading.Event()
         # Cancels the streams when the caller drops the iterator (break, del, exception)
         # without relying on __del__; close() does it explicitly.
@@ -201,23 +197,15 @@ class RemoteLoaderIter:
             stream.calls,
         )
         self._lanes[address] = lane
-        if self._outage_since is not None:
-            self._outage_s += time.monotonic() - self._outage_since
-            self._outage_since = None
+        self._outage.lane_opened()
         return lane
 
     def _answered(self, lane: Lane) -> None:
         """``lane`` delivered something: its daemon is healthy, and an outage is over."""
         if lane.answered == 1:
             self._fleet.mark_answering(lane.address)
-        if self._outage:
+        if self._outage.answered():
             log.warning("loaderd: streaming %r again, from %s", self._stream.dataset, lane.address)
-            self._outage, self._outage_since, self._outage_s = False, None, 0.0
-
-    def _outage_s_now(self) -> float:
-        """How long this outage has gone without an open lane."""
-        running = time.monotonic() - self._outage_since if self._outage_since is not None else 0.0
-        return self._outage_s + running
 
     def _drop_lane(self, lane: Lane) -> None:
         """Close ``lane``; the positions it owed and no other lane holds wait for a lane again."""
@@ -266,17 +254,13 @@ class RemoteLoaderIter:
             for address in order:  # the first choice, else the next one that opens
                 if self._lanes or self._open_lane(members[address]) is not None:
                     break
-        if not self._lanes and not self._finished:
-            if self._outage_since is None:
-                self._outage_since = time.monotonic()
-            if not self._outage:
-                self._outage = True
-                log.warning(
-                    "loaderd: no daemon can serve %r now (%s); waiting up to %gs for one (failover_timeout)",
-                    self._stream.dataset,
-                    self._fleet.report(),
-                    self._stream.failover_timeout,
-                )
+        if not self._lanes and not self._finished and self._outage.no_lane():
+            log.warning(
+                "loaderd: no daemon can serve %r now (%s); waiting up to %gs for one (failover_timeout)",
+                self._stream.dataset,
+                self._fleet.report(),
+                self._stream.failover_timeout,
+            )
         self._dispatch()
 
     # ------------------------------------------------------------ plan
@@ -565,14 +549,14 @@ class RemoteLoaderIter:
                 raise failure
             if self._fleet.mismatch is not None:
                 raise DaemonMismatchError(str(self._fleet.mismatch))
-            denied = self._fleet.denied() if self._outage else None
+            denied = self._fleet.denied() if self._outage.active else None
             if denied is not None:  # e.g. restarted with the token revoked: not an outage to wait out
                 raise AuthenticationError(str(denied))
             if self._epoch_over():
                 return "end", None
             now = time.monotonic()
             waited = now - started
-            if self._outage and self._outage_s_now() >= self._stream.failover_timeout:
+            if self._outage.active and self._outage.elapsed() >= self._stream.failover_timeout:
                 raise DaemonUnavailableError(
                     f"no loaderd could serve {self._stream.dataset!r} for {self._stream.failover_timeout:g}s "
                     f"(failover_timeout); tried {self._fleet.report()}. {NO_DAEMON_HINT}"

@@ -19,6 +19,7 @@ import pytest
 
 import loaderd.fleet.fleet as fleet_module
 from loaderd.epoch.iterator import RemoteLoaderIter, _Mode
+from loaderd.epoch.outage import OutageClock
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.lane import Lane, LaneEvent
 from loaderd.v1 import loaderd_pb2 as pb
@@ -197,9 +198,10 @@ def _spreading_iterator(lanes: list[Lane]) -> RemoteLoaderIter:
     it._stream = types.SimpleNamespace(dataset="d", failover_timeout=30)
     it._indices, it._holders, it._unassigned, it._hedged, it._asked_at, it._received = {}, {}, [], set(), {}, {}
     it._consumed = it._planned = 0
-    it._plan_done = it._half_closed = it._outage = it._finished = False
-    it._stalled_s = it._outage_s = 0.0
-    it._outage_since = it._failure = it._end_at = None
+    it._plan_done = it._half_closed = it._finished = False
+    it._outage = OutageClock()
+    it._stalled_s = 0.0
+    it._failure = it._end_at = None
     it._events, it._timeout = queue.Queue(), 2.0
     it._lanes = {lane.address: lane for lane in lanes}
     it._usable = set(it._lanes)
