@@ -61,6 +61,7 @@ from loaderd.errors import (
     exception_from_remote,
 )
 from loaderd.fleet.fleet import FleetMonitor, Usable
+from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane, LaneEvent, client_name
 from loaderd.stream.stream_call import POLL_S
 from loaderd.v1 import loaderd_pb2 as pb
@@ -133,7 +134,7 @@ class RemoteLoaderIter:
         self._hedged: set[int] = set()
         self._asked_at: dict[int, float] = {}  # when a lane was first asked for each outstanding position
         # Answers that arrived ahead of the caller, by position.
-        self._received: dict[int, tuple[str, Any]] = {}
+        self._received: dict[int, tuple[Heard, Any]] = {}
         self._end_at: int | None = None  # iterable: the epoch ends at this position
         self._half_closed = False
         self._events: queue.Queue[LaneEvent | str] = queue.Queue()
@@ -473,9 +474,9 @@ class RemoteLoaderIter:
         if lane.closed:
             return  # a lane this epoch let go of; what it sends is dropped
         kind = event.kind
-        if kind in ("batch", "error", "end"):
+        if kind in (Heard.BATCH, Heard.ERROR, Heard.END):
             self._answered(lane)
-        if kind in ("batch", "error"):
+        if kind in (Heard.BATCH, Heard.ERROR):
             position = lane.answer()
             if self._mode is not _Mode.ITERABLE:
                 if self._holders.pop(position, None) is None:
@@ -489,32 +490,32 @@ class RemoteLoaderIter:
             if position >= self._consumed:
                 self._received.setdefault(position, (kind, event.payload))
             self._dispatch()
-        elif kind == "end":
+        elif kind is Heard.END:
             lane.ended = True
             if self._mode is _Mode.ITERABLE:
                 self._end_at = lane.next_position
-        elif kind == "draining":
+        elif kind is Heard.DRAINING:
             self._fleet.mark_draining(lane.address)
             self._reconcile()
-        elif kind == "retry":  # nothing wrong with the daemon: a new call
+        elif kind is Heard.RETRY:  # nothing wrong with the daemon: a new call
             self._drop_lane(lane)
             self._reconcile()
-        elif kind == "lost":
+        elif kind is Heard.LOST:
             self._leave(lane, str(event.payload))
-        elif kind == "failed" and lane.opened_ahead and not lane.answered and isinstance(event.payload, LimitExceededError):
+        elif kind is Heard.FAILED and lane.opened_ahead and not lane.answered and isinstance(event.payload, LimitExceededError):
             # The call opened ahead was refused (counted beside the previous epoch's, still open then):
             # its work goes to a lane on the loader's own call, and the loader plans no more ahead.
             self._missed()
             self._drop_lane(lane)
             self._reconcile()
-        elif kind == "failed" and self._full_elsewhere(lane, event.payload):
+        elif kind is Heard.FAILED and self._full_elsewhere(lane, event.payload):
             # A daemon at its admission limits (max_streams, ...) refused the call before it
             # answered: the others take its work, and it is asked again later (the backoff of one
             # whose streams break, up to MAX_FULL_BACKOFF_S). With no other daemon the refusal is the loader's.
             log.info("loaderd: %s refused a stream of %r (%s); the other daemons take its work",
                      lane.address, self._stream.dataset, event.payload)
             self._leave(lane, f"refused a stream: {event.payload}", full=True)
-        elif kind == "failed" and self._failure is None:
+        elif kind is Heard.FAILED and self._failure is None:
             self._failure = event.payload
 
     def _leave(self, lane: Lane, reason: str, full: bool = False) -> None:
@@ -535,8 +536,8 @@ class RemoteLoaderIter:
             return self._end_at is not None and self._consumed >= self._end_at
         return self._plan_done and self._consumed >= self._planned
 
-    def _next_answer(self) -> tuple[str, Any]:
-        """The answer for position ``consumed`` ("batch" or "error", payload), or ("end", None)."""
+    def _next_answer(self) -> tuple[Heard, Any]:
+        """The answer for position ``consumed`` (BATCH or ERROR, payload), or (END, None)."""
         started = time.monotonic()
         while True:
             answer = self._received.pop(self._consumed, None)
@@ -553,7 +554,7 @@ class RemoteLoaderIter:
             if denied is not None:  # e.g. restarted with the token revoked: not an outage to wait out
                 raise AuthenticationError(str(denied))
             if self._epoch_over():
-                return "end", None
+                return Heard.END, None
             now = time.monotonic()
             waited = now - started
             if self._outage.active and self._outage.elapsed() >= self._stream.failover_timeout:
@@ -604,13 +605,13 @@ class RemoteLoaderIter:
             raise
         finally:
             self._stalled_s += time.monotonic() - waiting_since
-        if kind == "end":
+        if kind is Heard.END:
             self._record.done = True
             self.close()
             raise StopIteration
         self._consumed += 1
         self._record.yielded = self._consumed  # what state_dict() reports (an error counts: it took a position)
-        if kind == "error":
+        if kind is Heard.ERROR:
             raise exception_from_remote(payload)
         return payload
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
+from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import CallEpoch, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
@@ -45,24 +46,19 @@ def client_name() -> str:
 class LaneEvent:
     """Something a lane's stream said.
 
-    ``kind``: "batch" (payload: the batch), "error" (a RemoteError: user code
-    raised; it takes its position like a batch), "end" (the daemon finished
-    the lane's plan), "draining" (the daemon is stopping), "retry" (the lane
-    was opened on a reused call the daemon had just let go: open it again, the
-    daemon is fine), "lost" (payload: why, in words; the call is over and its
-    work must move), "failed" (payload: the exception to raise; the call is over).
+    ``kind`` says what, and what ``payload`` holds (loaderd.stream.heard).
     """
 
     lane: Lane
-    kind: str
+    kind: Heard
     payload: Any = None
 
 
-def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: str, payload: Any = None) -> None:
+def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, payload: Any = None) -> None:
     """Queue what the lane's call said, while the lane is there (a dropped lane's messages are dropped)."""
     lane = lane_ref()
     if lane is not None:
-        if kind == "draining":
+        if kind is Heard.DRAINING:
             lane.end_ahead()
         events.put(LaneEvent(lane, kind, payload))
 

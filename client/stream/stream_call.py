@@ -42,6 +42,7 @@ from loaderd.errors import LoaderdError, TransportError
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
 from loaderd.stream.c_heap import raise_mmap_threshold
+from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, view_batch
@@ -55,8 +56,8 @@ POLL_S = 0.25
 class CallEpoch:
     """Where one epoch's messages go, and how its batches are built."""
 
-    # post(kind, payload): kinds as LaneEvent's ("batch", "error", "end", "draining", "retry", "lost", "failed").
-    post: Callable[[str, Any], None]
+    # post(kind, payload): the kinds are Heard's (loaderd.stream.heard).
+    post: Callable[[Heard, Any], None]
     # The epoch's stream token (its shared-memory leases are claimed under it).
     token: int
     pin_memory: bool
@@ -77,7 +78,7 @@ class _Route:
         self.keep_open_s = 0.0  # how long the daemon waits after it for another open
         # What the call ended with ((kind, payload) as posted to the epochs waiting then): for an
         # epoch that comes too late to wait on it (see StreamCall.outcome). Ended without a word: retry.
-        self.outcome: tuple[str, Any] = ("retry", None)
+        self.outcome: tuple[Heard, Any] = (Heard.RETRY, None)
 
     def add(self, epoch: CallEpoch) -> bool:
         """``epoch`` waits for messages after those before it; False if the call is over."""
@@ -101,7 +102,7 @@ class _Route:
             self.ended_at = time.monotonic()
             self.keep_open_s = keep_open_s
 
-    def finish(self, outcome: tuple[str, Any] | None = None) -> tuple[list[CallEpoch], CallEpoch | None]:
+    def finish(self, outcome: tuple[Heard, Any] | None = None) -> tuple[list[CallEpoch], CallEpoch | None]:
         """The call is over: the epochs still waiting on it (the oldest may have had messages), and
         ``first`` as it was. The route holds no epoch after. ``outcome``: what it ended with, if it
         broke (kept from the first call that ends it)."""
@@ -169,7 +170,7 @@ class StreamCall:
         self._requests.put(pb.StreamRequest(open=opening))
         return True
 
-    def outcome(self) -> tuple[str, Any]:
+    def outcome(self) -> tuple[Heard, Any]:
         """What the call ended with, (kind, payload) as its epochs heard it: for an epoch whose ``open``
         came after (a call the daemon refused at once, before its first epoch was added)."""
         with self._route.lock:
@@ -290,7 +291,7 @@ class _Receiver:
         self._stop = stop
         self._heard: CallEpoch | None = None  # the last epoch a message was for
 
-    def _post(self, epoch: CallEpoch, kind: str, payload: Any = None) -> None:
+    def _post(self, epoch: CallEpoch, kind: Heard, payload: Any = None) -> None:
         if not self._stop.is_set():
             epoch.post(kind, payload)
 
@@ -319,7 +320,7 @@ class _Receiver:
                     # An epoch that opened on the call just now (after current() above) was sent
                     # before the daemon could read its open: it asks again, on a new call.
                     for late in self._route.finish()[0]:
-                        self._post(late, "retry")
+                        self._post(late, Heard.RETRY)
                     continue
                 if kind == "batch" and header is not None and header.HasField("slot"):
                     if self._session is None:
@@ -327,11 +328,11 @@ class _Receiver:
                     try:
                         view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
                     except TransportError as exc:  # the slot is gone: its daemon died (and a new one swept it)
-                        self._tell_all("lost", str(exc))
+                        self._tell_all(Heard.LOST, str(exc))
                         return
                     batch = self._finish(view_batch(header, view), epoch)
                     del view  # the batch's tensors now hold the lease
-                    self._post(epoch, "batch", batch)
+                    self._post(epoch, Heard.BATCH, batch)
                     batch = None  # this frame must not keep the batch (and its slot) alive
                     continue
                 if kind == "batch" and header is not None:
@@ -343,20 +344,20 @@ class _Receiver:
                         raise LoaderdError("daemon sent a data chunk outside a batch")
                     assembler.feed(frame.data)
                 elif kind == "error" and frame.message is not None:
-                    self._post(epoch, "error", frame.message.error)
+                    self._post(epoch, Heard.ERROR, frame.message.error)
                     continue
                 elif kind == "draining":
-                    self._post(epoch, "draining")
+                    self._post(epoch, Heard.DRAINING)
                     continue
                 elif kind == "end":
                     keep_open_ms = frame.message.end.keep_open_ms if frame.message is not None else 0
                     self._route.ended(keep_open_ms / 1000)
-                    self._post(epoch, "end")
+                    self._post(epoch, Heard.END)
                     epoch = self._heard = None  # an ended epoch is not kept from its queue's collection
                     continue
                 if assembler is not None and assembler.complete:
                     batch, assembler = self._finish(assembler.build(), epoch), None
-                    self._post(epoch, "batch", batch)
+                    self._post(epoch, Heard.BATCH, batch)
                     batch = None
             # Ended (OK) with epochs waiting. One the daemon said nothing for, on a call made for
             # an earlier epoch, was sent as the daemon let the call go (its wait for the next
@@ -364,17 +365,17 @@ class _Receiver:
             left, first = self._route.finish()
             for waiting in left:
                 if waiting is self._heard or waiting is first:
-                    self._post(waiting, "lost", "ended the stream early")
+                    self._post(waiting, Heard.LOST, "ended the stream early")
                 else:
-                    self._post(waiting, "retry")
+                    self._post(waiting, Heard.RETRY)
         except grpc.RpcError as exc:
             if is_transient(exc):
-                self._tell_all("lost", rpc_summary(exc))
+                self._tell_all(Heard.LOST, rpc_summary(exc))
             else:
-                self._tell_all("failed", error_from_rpc(exc, self._address))
+                self._tell_all(Heard.FAILED, error_from_rpc(exc, self._address))
             exc.__traceback__ = None  # see below
         except Exception as exc:  # noqa: BLE001 - a decoding error: surface it to the caller
-            self._tell_all("failed", exc)
+            self._tell_all(Heard.FAILED, exc)
         finally:
             self._route.finish()
             # The call is over: its requests too (gRPC's thread sending them leaves).
@@ -390,7 +391,7 @@ class _Receiver:
             epoch = first = waiting = assembler = None
             raw = frame = header = view = batch = None
 
-    def _tell_all(self, kind: str, payload: Any) -> None:
+    def _tell_all(self, kind: Heard, payload: Any) -> None:
         """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed"),
         and so does one that opens on it too late (``StreamCall.outcome``)."""
         for waiting in self._route.finish((kind, payload))[0]:

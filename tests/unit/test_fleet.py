@@ -21,6 +21,7 @@ import loaderd.fleet.fleet as fleet_module
 from loaderd.epoch.iterator import RemoteLoaderIter, _Mode
 from loaderd.epoch.outage import OutageClock
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
+from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane, LaneEvent
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Target
@@ -227,7 +228,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     _plan(it, 4)  # 0, 1 to A; 2, 3 to C
 
     def answer(lane: Lane, position: int) -> None:
-        it._handle(LaneEvent(lane, "batch", f"batch {position}"))
+        it._handle(LaneEvent(lane, Heard.BATCH, f"batch {position}"))
 
     for position in list(fast.sent):
         answer(fast, position)
@@ -241,7 +242,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     _plan(it, 2)  # 4, 5: only C has room
     assert list(fast.sent) == [4, 5]
     it._consumed = 4
-    it._handle(LaneEvent(fast, "lost", "UNAVAILABLE"))
+    it._handle(LaneEvent(fast, Heard.LOST, "UNAVAILABLE"))
     assert list(it._lanes) == ["A"] and it._unassigned == [4, 5]
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
