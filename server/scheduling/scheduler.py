@@ -29,6 +29,7 @@ from loaderd.server.pool.pool import PoolEvent, PoolLostError, WorkerDied, Worke
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
 from loaderd.server.scheduling.ledger import SlotLedger
+from loaderd.server.scheduling.lifecycle import RECYCLE_GRACE_S, WorkerLifecycle
 from loaderd.server.scheduling.producer import Delivery, FailReason, Producer, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.share import SharedJob, ShareKey
 from loaderd.server.scheduling.snapshot import DatasetCounters, JobRow, SchedulerSnapshot, StreamRow
@@ -55,13 +56,6 @@ log = logging.getLogger("loaderd.scheduler")
 PER_WORKER = 2
 # A batch that kills its worker this many times is reported to the client instead.
 MAX_ATTEMPTS = 3
-# A worker slot whose replacement fails to start this many times in a row is given up.
-MAX_RESPAWN_FAILURES = 5
-# A worker asked to exit (recycling) that is still alive this long after is SIGKILLed: a thread or
-# process its dataset started (not a daemon one) keeps it from ending, and it would hold its slot for good.
-RECYCLE_GRACE_S = 10.0
-# Seconds before retrying a failed start: doubling from the first, up to the last.
-RESPAWN_BACKOFF_S = (0.5, 30.0)
 # The scheduler thread survives a failing round; this many within FATAL_WINDOW_S
 # seconds mean it cannot work any more: the daemon says NOT_SERVING and exits.
 FATAL_FAILURES = 20
@@ -179,17 +173,9 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._inflight: dict[int, dict[tuple[int, int], _InFlight]] = {w: {} for w in range(pool.size)}
         self._attempts: dict[tuple[int, int], int] = {}
-        self._respawn_failures: dict[int, int] = {}
-        self._respawn_due: dict[int, float] = {}  # worker slot -> when to try starting it again
-        self._pool_lost = False  # the pool said no worker can ever start again (PoolLostError)
-        self._starting: dict[int, float] = {}  # replacement not ready yet -> when it was started
-        self._start_killed: set[tuple[int, int]] = set()  # (slot, generation) killed by _check_starts
-        self._slots = WorkerSlots(pool.size)  # the pool's slots, and those given up (MAX_RESPAWN_FAILURES)
-        # Workers the scheduler ended itself (timeout, recycling): their deaths blame no task.
-        self._expected_deaths: set[tuple[int, int]] = set()
-        self._draining: set[int] = set()  # to be recycled once idle: no new work
-        self._asked_to_exit: dict[int, float] = {}  # recycled worker -> when it was asked to exit
-        self._tasks_done: dict[int, int] = {}
+        # Each slot's state from start to death and replacement (server/scheduling/lifecycle.py).
+        self._lifecycle = WorkerLifecycle(pool.size)
+        self._slots = WorkerSlots(pool.size)  # the pool's slots, and those given up (as producers see them)
         self._failures: deque[float] = deque()
         # A pipe rather than an Event: the scheduler thread waits on it together with the workers' pipes.
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
@@ -293,6 +279,7 @@ class Scheduler:
                     )
                     for j in self._jobs.values()
                 ),
+                slots={worker_id: self._lifecycle.view(worker_id) for worker_id in range(self._pool.size)},
             )
 
     def open_streams(self) -> int:
@@ -448,7 +435,7 @@ class Scheduler:
         """Hand out tasks round-robin over producers until workers or windows are full."""
         size = self._pool.size
         capacity = {
-            w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self._pool.is_ready(w) and w not in self._draining
+            w: PER_WORKER - len(self._inflight[w]) for w in range(size) if self._pool.is_ready(w) and self._lifecycle.takes_work(w)
         }
         progress = True
         while progress and any(c > 0 for c in capacity.values()):
@@ -480,21 +467,16 @@ class Scheduler:
     def _on_result(self, message: WorkerMessage) -> None:
         result = message.result
         if isinstance(result, WorkerReady):
-            if (message.worker_id, message.generation) in self._start_killed:
-                return  # ready as it was killed (the message was in its pipe): still a failed start
-            self._respawn_failures.pop(message.worker_id, None)
-            self._starting.pop(message.worker_id, None)
-            log.info("worker %d ready", message.worker_id)
+            if self._lifecycle.ready(message.worker_id, message.generation):  # else ready as it was killed: a failed start
+                log.info("worker %d ready", message.worker_id)
             return
         if isinstance(result, SlotsRetired):
             self._ledger.forget(result.retired)
             return
         if isinstance(result, WorkerStartFailed):
-            if (message.worker_id, message.generation) in self._start_killed:
-                return  # failed as it was killed: its death starts the next try
-            self._starting.pop(message.worker_id, None)
-            log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
-            self._respawn(message.worker_id)
+            if self._lifecycle.start_failed(message.worker_id, message.generation):  # else failed as it was killed
+                log.error("replacement worker %d failed to start: %s", message.worker_id, clip(result.message, 2000))
+                self._respawn(message.worker_id)
             return
         unmappable = False
         if isinstance(result, BatchDone):
@@ -552,18 +534,12 @@ class Scheduler:
                 self._on_batch(task.dataset, time.monotonic() - record.sent_at)
 
     def _on_death(self, event: WorkerDied) -> None:
-        expected = (event.worker_id, event.generation) in self._expected_deaths
-        self._expected_deaths.discard((event.worker_id, event.generation))
+        expected = self._lifecycle.died(event.worker_id, event.generation)
         if expected:
             log.info("worker %d exited as asked; replacing it", event.worker_id)
         else:
             log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
-        self._starting.pop(event.worker_id, None)
-        self._start_killed.discard((event.worker_id, event.generation))
         with self.lock:
-            self._draining.discard(event.worker_id)
-            self._asked_to_exit.pop(event.worker_id, None)
-            self._tasks_done.pop(event.worker_id, None)
             lost = self._inflight[event.worker_id]
             self._inflight[event.worker_id] = {}
             for position, (key, record) in enumerate(lost.items()):
@@ -587,40 +563,29 @@ class Scheduler:
 
     def _respawn(self, worker_id: int) -> None:
         """Start a replacement for worker slot ``worker_id`` now, or later if its last starts failed."""
-        if self._pool_lost:
+        failures = self._lifecycle.respawn(worker_id)
+        if failures is None:
             return
-        failures = self._respawn_failures.get(worker_id, 0)
-        if failures >= MAX_RESPAWN_FAILURES:
-            log.error(
-                "giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures
-            )
-            self._slots = dataclasses.replace(self._slots, given_up=self._slots.given_up | {worker_id})
-            if len(self._slots.given_up) == self._pool.size:
-                self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
-            return
-        first, most = RESPAWN_BACKOFF_S
-        delay = 0.0 if failures == 0 else min(most, first * 2 ** (failures - 1))
-        self._respawn_due[worker_id] = time.monotonic() + delay
+        log.error(
+            "giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures
+        )
+        self._slots = dataclasses.replace(self._slots, given_up=self._lifecycle.given_up())
+        if len(self._slots.given_up) == self._pool.size:
+            self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
 
     def _start_due_workers(self) -> None:
-        now = time.monotonic()
-        for worker_id, due in list(self._respawn_due.items()):
-            if due > now:
-                continue
-            del self._respawn_due[worker_id]
-            self._respawn_failures[worker_id] = self._respawn_failures.get(worker_id, 0) + 1
+        for worker_id in self._lifecycle.due():
             try:
                 self._pool.respawn(worker_id)
             except PoolLostError as exc:
-                self._pool_lost = True  # no start can succeed again: none is tried, and this is said once
-                self._respawn_due.clear()
+                self._lifecycle.pool_lost()  # no start can succeed again: none is tried, and this is said once
                 self._fatal(str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - out of file descriptors, a fork server that died: try again later
                 log.error("cannot start a replacement for worker %d: %s: %s", worker_id, type(exc).__name__, exc)
                 self._respawn(worker_id)
             else:
-                self._starting[worker_id] = time.monotonic()
+                self._lifecycle.started(worker_id)
 
     def _check_starts(self) -> None:
         """SIGKILL a replacement still building its datasets ``start_timeout`` after it started.
@@ -629,19 +594,18 @@ class Scheduler:
         would hold the slot for good; killed, it counts as a failed start: its death
         brings the next try after the backoff, and ``MAX_RESPAWN_FAILURES`` gives it up.
         """
-        if not self._starting:  # every round: nothing to do unless a replacement is on its way
+        if not self._lifecycle.has_starting():  # every round: nothing to do unless a replacement is on its way
             return
         limit = self._policy.start_timeout
-        now = time.monotonic()
-        for worker_id in [w for w, started in self._starting.items() if now - started > limit]:
+        for worker_id in self._lifecycle.overdue_starts(limit):
             log.error(
                 "replacement worker %d did not build its datasets within %gs (--startup-timeout); killing it",
                 worker_id,
                 limit,
             )
-            del self._starting[worker_id]  # killed once; its death comes through the pool's poll
             with self.lock:
-                self._start_killed.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
+                generation = self._pool.stop_worker(worker_id, kill=True)
+            self._lifecycle.start_killed(worker_id, generation)  # killed once; its death comes through the pool's poll
 
     # ------------------------------------------------------------ task timeouts and recycling
 
@@ -664,7 +628,7 @@ class Scheduler:
                 assert record.started_at is not None
                 # Killed before its batch fails: a client that saw the error finds the worker gone
                 # from the ready ones (its death and replacement come through the pool's poll).
-                self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=True)))
+                self._lifecycle.killed(worker_id, self._pool.stop_worker(worker_id, kill=True))
                 del self._inflight[worker_id][key]
                 self._attempts.pop(key, None)
                 self.counters.setdefault(record.task.dataset, DatasetCounters()).errors += 1
@@ -697,9 +661,9 @@ class Scheduler:
 
     def _maybe_recycle(self, worker_id: int) -> None:
         """After a batch: replace a worker that did its share of tasks or grew too big, once it is idle."""
-        policy = self._policy
-        if worker_id not in self._draining:
-            done = self._tasks_done[worker_id] = self._tasks_done.get(worker_id, 0) + 1
+        policy, lifecycle = self._policy, self._lifecycle
+        if lifecycle.takes_work(worker_id):
+            done = lifecycle.task_done(worker_id)
             why = None
             if policy.max_tasks_per_worker and done >= policy.max_tasks_per_worker:
                 why = f"it ran {done} batches (max_tasks_per_worker)"
@@ -710,26 +674,23 @@ class Scheduler:
             if why is None:
                 return
             log.info("recycling worker %d: %s", worker_id, why)
-            self._draining.add(worker_id)
-        if not self._inflight[worker_id] and worker_id not in self._asked_to_exit:
-            self._expected_deaths.add((worker_id, self._pool.stop_worker(worker_id, kill=False)))
-            self._asked_to_exit[worker_id] = time.monotonic()
+            lifecycle.recycle(worker_id)
+        if lifecycle.exit_when_idle(worker_id, idle=not self._inflight[worker_id]):
+            lifecycle.asked_to_exit(worker_id, self._pool.stop_worker(worker_id, kill=False))
 
     def _check_recycled(self) -> None:
         """SIGKILL a worker that was asked to exit ``RECYCLE_GRACE_S`` ago and has not (its death replaces it)."""
-        if not self._asked_to_exit:  # every round: no lock when no worker is on its way out
+        if not self._lifecycle.has_exiting():  # every round: no lock when no worker is on its way out
             return
-        now = time.monotonic()
         with self.lock:
-            for worker_id in [w for w, asked in self._asked_to_exit.items() if now - asked > RECYCLE_GRACE_S]:
+            for worker_id in self._lifecycle.overdue_exits():
                 log.warning(
                     "worker %d has not exited %gs after it was asked to (a non-daemon thread or process its dataset "
                     "started?); killing it",
                     worker_id,
                     RECYCLE_GRACE_S,
                 )
-                del self._asked_to_exit[worker_id]  # killed once; its death (same generation) is expected already
-                self._pool.stop_worker(worker_id, kill=True)
+                self._pool.stop_worker(worker_id, kill=True)  # its death (same generation) is expected already
 
     @staticmethod
     def _crash_error(task: BatchTask, attempts: int, event: WorkerDied) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from loaderd.server.scheduling.lifecycle import SlotView
 from loaderd.server.scheduling.stream import StreamSpec
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -67,3 +68,5 @@ class SchedulerSnapshot:
     streams: tuple[StreamRow, ...]
     clients: tuple[pb.ClientStatus, ...]
     jobs: tuple[JobRow, ...]
+    # Each pool slot's state (server/scheduling/lifecycle.py), as the scheduler's thread last left it.
+    slots: Mapping[int, SlotView]

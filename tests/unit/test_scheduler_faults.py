@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
-import loaderd.server.scheduling.scheduler as scheduler_module
+import loaderd.server.scheduling.lifecycle as lifecycle_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
 from loaderd.server.pool.pool import PoolEvent, PoolLostError, WorkerMessage
+from loaderd.server.scheduling.lifecycle import MAX_RESPAWN_FAILURES, SlotState
 from loaderd.server.scheduling.producer import WorkerSlots
-from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, MAX_RESPAWN_FAILURES, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
 from loaderd.server.scheduling.share import ShareKey
 from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.shm.arena import SlotRef
@@ -106,7 +107,7 @@ def test_a_crash_error_for_a_position_past_uint64_is_still_delivered() -> None:
 
 
 def test_a_replacement_that_cannot_start_is_retried_later(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.01, 0.01))
+    monkeypatch.setattr(lifecycle_module, "RESPAWN_BACKOFF_S", (0.01, 0.01))
     pool = FakePool()
     pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
     sched = make(pool)
@@ -121,7 +122,7 @@ def test_a_replacement_that_cannot_start_is_retried_later(monkeypatch: pytest.Mo
 
 
 def test_when_no_worker_can_start_the_scheduler_says_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    monkeypatch.setattr(lifecycle_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
     fatal: list[str] = []
     pool = FakePool()
     pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
@@ -158,7 +159,7 @@ def step_until(sched: Scheduler, done: Callable[[], bool], seconds: float = 5.0)
 
 def hanging_replacement(monkeypatch: pytest.MonkeyPatch, worker: int, start_timeout: float, backoff: float = 0.001) -> tuple[FakePool, Scheduler]:
     """A scheduler whose ``worker`` just died; its replacements hang while building until the test says."""
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (backoff, backoff))
+    monkeypatch.setattr(lifecycle_module, "RESPAWN_BACKOFF_S", (backoff, backoff))
     pool = FakePool()
     pool.hanging_starts.add(worker)
     sched = make(pool, SchedulerPolicy(share_buffer=4, start_timeout=start_timeout))
@@ -179,12 +180,12 @@ def test_a_replacement_that_hangs_while_building_is_killed_and_started_again(mon
     time.sleep(0.3)
     sched.step(0)
     assert pool.stopped == [(0, True)] and pool.ready[0], "a replacement that got ready is left alone"
-    assert 0 not in sched._slots.given_up
+    assert sched.snapshot().slots[0].state is SlotState.SERVING
 
 
 def test_a_slot_whose_replacements_always_hang_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     pool, sched = hanging_replacement(monkeypatch, 1, start_timeout=0.01)
-    step_until(sched, lambda: 1 in sched._slots.given_up)
+    step_until(sched, lambda: sched.snapshot().slots[1].state is SlotState.GIVEN_UP)
     assert pool.stopped == [(1, True)] * MAX_RESPAWN_FAILURES and pool.respawned == [1] * MAX_RESPAWN_FAILURES
 
 
@@ -214,13 +215,15 @@ def test_a_replacement_that_got_ready_as_it_was_killed_still_counts_as_a_failed_
     step_until(sched, lambda: pool.stopped != [])  # killed; its death waits in the pool's events
     pool._events.insert(0, WorkerMessage(0, pool.generation[0], WorkerReady(0, {})))  # read first
     sched.step(0)
-    assert sched._respawn_failures.get(0) == 1 and 0 in sched._respawn_due, "a failed start, retried after the backoff"
+    slot = sched.snapshot().slots[0]
+    assert (slot.state, slot.failed_starts) == (SlotState.WAITING, 1), "a failed start, retried after the backoff"
+    assert slot.at is not None and slot.at > time.monotonic() + 30, "after the backoff"
 
 
 def test_an_iterable_replica_on_a_slot_that_cannot_start_moves_to_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, its tasks waited for that slot for ever, then its stream failed UNAVAILABLE; with
     num_workers >= the pool size every new stream had a replica there, so no iterable could be served."""
-    monkeypatch.setattr(scheduler_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
+    monkeypatch.setattr(lifecycle_module, "RESPAWN_BACKOFF_S", (0.001, 0.001))
     pool = FakePool()
     sched = make(pool)
     stream = sched.open_stream(iter_spec(replicas=2))
@@ -228,7 +231,7 @@ def test_an_iterable_replica_on_a_slot_that_cannot_start_moves_to_another(monkey
     victim = next(w for w, task in pool.batch_tasks(stream.stream_id) if task.replica == 1)
     pool.respawn_error = OSError(errno.EMFILE, "Too many open files")
     pool.die(victim)  # holding replica 1's first batches: they come back as retries
-    step_until(sched, lambda: victim in sched._slots.given_up)
+    step_until(sched, lambda: sched.snapshot().slots[victim].state is SlotState.GIVEN_UP)
     before = len(pool.batch_tasks(stream.stream_id))
     finished: set[tuple[int, int]] = set()
 
@@ -301,7 +304,7 @@ def test_a_recycled_worker_that_does_not_exit_is_killed_after_a_grace(monkeypatc
     sched = recycling_worker_0(pool)
     sched.step(0)
     assert pool.stopped == [(0, False)] and pool.respawned == [], "asked once; it lingers"
-    monkeypatch.setattr(scheduler_module, "RECYCLE_GRACE_S", 0.0)
+    monkeypatch.setattr(lifecycle_module, "RECYCLE_GRACE_S", 0.0)
     sched.step(0)
     assert pool.stopped == [(0, False), (0, True)], "killed after the grace"
     sched.step(0)
