@@ -8,7 +8,6 @@ import gc
 import os
 import resource
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import datasets
 from support.compare import assert_same_batches
 from support.daemons import RunningDaemon, daemon_status, oracle_loader, popen_serve, running_daemon, wait_for, write_config
+from support.processes import alive, cmdline, descendants
 
 import loaderd
 from loaderd import RemoteDataLoader
@@ -300,32 +300,16 @@ def test_a_dataset_whose_len_raises_stops_serve_naming_it(tmp_path: Path) -> Non
     assert "Traceback" not in log, log
 
 
-def descendants(pid: int) -> dict[str, str]:
-    """pid -> command line of every process under ``pid``."""
-    found: dict[str, str] = {}
-    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
-        found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        found.update(descendants(int(child)))
-    return found
-
-
-def running(pid: str) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(90)
 def test_sigterm_returns_after_every_process_of_the_daemon_has_exited() -> None:
     with running_daemon({"squares": DATASETS["squares"]}, prefix="loaderd-term-", expect_running=False) as d:
-        processes = descendants(d.process.pid)
+        processes = {p: cmdline(p) for p in descendants(d.process.pid)}
         assert any("forkserver" in command for command in processes.values()), processes
         assert d.stop(signal.SIGTERM) == 0
         # multiprocessing's resource tracker exits on its own once the daemon's end of its pipe closes.
-        alive = {p: c for p, c in processes.items() if running(p) and "resource_tracker" not in c}
-        assert alive == {}, f"processes outlived the daemon: {alive}"
-        wait_for(lambda: not any(running(p) for p in processes), 10, "the resource tracker to exit")
+        left = {p.pid: c for p, c in processes.items() if alive(p) and "resource_tracker" not in c}
+        assert left == {}, f"processes outlived the daemon: {left}"
+        wait_for(lambda: not any(alive(p) for p in processes), 10, "the resource tracker to exit")
 
 
 @pytest.mark.timeout(90)

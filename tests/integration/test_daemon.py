@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 import torch
 import yaml
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.compare import assert_same_batches
 from support.daemons import STARTUP_TIMEOUT_S, RunningDaemon, oracle_loader, popen_serve, running_daemon, serve_command, wait_serving, write_config
 from support.datasets import Squares
+from support.processes import cmdline, descendants, still_running
 
 import loaderd
 from loaderd import RemoteDataLoader
@@ -41,54 +43,7 @@ POOL_READY = "workers ready with datasets"
 # ------------------------------------------------------------------ helpers
 
 
-def _proc_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks (tells a live pid from a reused one); None if gone/zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):  # zombie or dead: not running
-        return None
-    return int(fields[19])
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid`` (children of every thread, recursively): pid -> start time."""
-    found: dict[int, int] = {}
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                start = _proc_start_time(child)
-                if start is not None and child not in found:
-                    found[child] = start
-                    todo.append(child)
-    return found
-
-
-def still_running(procs: dict[int, int]) -> list[str]:
-    alive = []
-    for pid, start in procs.items():
-        if _proc_start_time(pid) == start:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                cmd = "?"
-            alive.append(f"{pid}: {cmd[:150]}")
-    return alive
-
-
-def wait_gone(procs: dict[int, int], deadline: float) -> list[str]:
+def wait_gone(procs: list[psutil.Process], deadline: float) -> list[str]:
     """Wait until none of ``procs`` runs (orphaned helpers may take a moment to exit); what still runs."""
     while True:
         alive = still_running(procs)
@@ -217,7 +172,7 @@ def test_a_module_that_never_finishes_importing_is_cut_at_the_startup_timeout(sh
     path = _module_config(short_tmp, "import time\ntime.sleep(600)\n")
     assert_config_error(path, "config error", "longer than 2s", args=("--startup-timeout", "2"))
     # The child (forked: the daemon's command line) was killed with the daemon's exit, not left importing.
-    assert not [pid for pid in _pids() if str(path) in _cmdline(pid)]
+    assert not [pid for pid in psutil.pids() if str(path) in cmdline(pid)]
 
 
 # A dataset module that, when imported, waits (up to 20 s) for a second process to import it too, and
@@ -282,18 +237,6 @@ def test_a_module_the_pool_imports_before_the_check_reports_it_is_still_one_clea
     )
     assert_config_error(path, "config error", "datasets.second.dataset", "bad on purpose")
     assert len(os.listdir(short_tmp / "tried")) == 2  # the fork server tried it first, then the check
-
-
-def _pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @pytest.mark.timeout(60)

@@ -38,11 +38,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from support import datasets
 from support.compare import assert_same, assert_same_batches
 from support.daemons import TESTS_DIR, RunningDaemon, client_process, running_daemon, tensors_of, wait_for
+from support.processes import cmdline, descendants, pid_alive
 from torch.utils.data import DataLoader
 
 import loaderd
@@ -238,42 +240,12 @@ def iterate_epoch(loader: RemoteDataLoader, deadline_s: float) -> list[Any]:
     return kept
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (fork server, workers, resource tracker)."""
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        parent = stack.pop()
-        for path in glob.glob(f"/proc/{parent}/task/*/children"):
-            try:
-                with open(path) as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for kid in kids:
-                if kid not in found:
-                    found.append(kid)
-                    stack.append(kid)
-    return found
-
-
-def process_alive(pid: int) -> bool:
-    """Running, sleeping or stopped; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def mapped_segments(pid: int, daemon_pid: int) -> set[str]:
     """The daemon's segments that process ``pid`` maps."""
     prefix = os.path.join(SHM_DIR, segment_prefix(daemon_pid))
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            paths = {line.split(maxsplit=5)[5].strip() for line in f if prefix in line}
-    except OSError:
+        paths = {m.path for m in psutil.Process(pid).memory_maps() if m.path.startswith(prefix)}
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return set()
     return {os.path.basename(p.removesuffix(" (deleted)")) for p in paths}
 
@@ -734,7 +706,7 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
     held = [next(it) for _ in range(5)]
     assert count_shm(held, pid) == 5
 
-    below = descendants(pid)
+    below = [p.pid for p in descendants(pid)]
     workers = [p for p in below if mapped_segments(p, pid)]
     assert len(workers) >= 1, f"no worker process maps a segment (processes below the daemon: {below})"
     # The daemon is killed hard, and one worker with it (as an OOM kill of the
@@ -748,7 +720,7 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
         os.kill(pid, signal.SIGKILL)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        killed_since_boot = seconds_since_boot()
+        killed_wall = time.time()
         assert daemon.process.wait(10) == -signal.SIGKILL
         # What the killed worker left behind.
         left = shm_entries(pid)
@@ -770,7 +742,7 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
         fresh = start_daemon({"mid": ramp_cfg(MID_SHAPE, MID_N)}, python_path=PYTHON_PATH)
         assert shm_entries(pid) == [], f"the new daemon left the dead daemon's segments: {shm_entries(pid)}"
         swept = re.search(r"removed \d+ shared-memory segments left by a daemon that was killed", fresh.log())
-        others = daemons_started_since(killed_since_boot, exclude={daemon_pid(fresh)})
+        others = daemons_started_since(killed_wall, exclude={daemon_pid(fresh)})
         # Another daemon started meanwhile (tests running beside this one) may have swept first.
         assert swept or others, f"the new daemon did not log its sweep:\n{fresh.log()}"
         # Unlinked but still mapped: the held batches are intact.
@@ -780,55 +752,35 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
         # The rest of the killed daemon's processes (fork server, workers, resource tracker) exit on their own.
         remaining = max(1.0, 10.0 - (time.monotonic() - killed_at))
         try:
-            wait_for(lambda: not any(process_alive(p) for p in survivors), remaining, "")
+            wait_for(lambda: not any(pid_alive(p) for p in survivors), remaining, "")
         except AssertionError:
-            still = {p: _cmdline(p) for p in survivors if process_alive(p)}
+            still = {p: cmdline(p) for p in survivors if pid_alive(p)}
             raise AssertionError(f"10 s after the daemon was SIGKILLed these processes of it still run: {still}") from None
     finally:
         # Never leak them into the rest of the run. The resource tracker goes last and
         # on its own if it can: it unlinks the pool's semaphores (/dev/shm/sem.mp-*).
-        trackers = [p for p in survivors if "resource_tracker" in _cmdline(p)]
+        trackers = [p for p in survivors if "resource_tracker" in cmdline(p)]
         for p in survivors:
-            if p not in trackers and process_alive(p):
+            if p not in trackers and pid_alive(p):
                 os.kill(p, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while any(process_alive(p) for p in trackers) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in trackers) and time.monotonic() < deadline:
             time.sleep(0.05)
         for p in trackers:
-            if process_alive(p):
+            if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
-def seconds_since_boot() -> float:
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0])
-
-
-def daemons_started_since(since_boot: float, exclude: set[int]) -> list[int]:
-    """Other `loaderd serve` processes started after ``since_boot`` (seconds since boot)."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def daemons_started_since(since: float, exclude: set[int]) -> list[int]:
+    """Other `loaderd serve` processes started after ``since`` (seconds since the epoch)."""
     found = []
-    for stat_path in glob.glob("/proc/[0-9]*/stat"):
-        pid = int(stat_path.split("/")[2])
-        if pid in exclude:
+    for process in psutil.process_iter(["pid", "create_time"]):
+        if process.pid in exclude or process.info["create_time"] is None or process.info["create_time"] < since - 1:
             continue
-        try:
-            with open(stat_path) as f:
-                started = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
-        except (OSError, IndexError, ValueError):
-            continue
-        cmdline = _cmdline(pid)
-        if started >= since_boot - 1 and "loaderd" in cmdline and " serve" in cmdline:
-            found.append(pid)
+        command = cmdline(process)
+        if "loaderd" in command and " serve" in command:
+            found.append(process.pid)
     return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
-    except OSError:
-        return "?"
 
 
 # ------------------------------------------------------------------ 3. SIGKILL a client
