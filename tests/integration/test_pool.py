@@ -48,7 +48,7 @@ def fetch(seq: int, indices: range) -> FetchTask:
     return FetchTask(stream_id=1, seq=seq, dataset="squares", indices=tuple(indices), auto_collation=True, seed=seq)
 
 
-def wait_for(pool: WorkerPool, wanted: type, timeout: float = 60.0) -> PoolEvent:
+def wait_event(pool: WorkerPool, wanted: type, timeout: float = 60.0) -> PoolEvent:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in pool.poll(0.2):
@@ -64,7 +64,7 @@ def wait_for(pool: WorkerPool, wanted: type, timeout: float = 60.0) -> PoolEvent
 def test_a_task_larger_than_the_pipe_arrives_whole(pool: WorkerPool) -> None:
     """30,000 indices above 65535 pickle to ~150 KB, more than a pipe holds: the rest goes as room frees."""
     pool.submit(0, fetch(7, range(100_000, 130_000)))
-    event = wait_for(pool, BatchDone)
+    event = wait_event(pool, BatchDone)
     assert isinstance(event, WorkerMessage) and isinstance(event.result, BatchDone)
     done = event.result
     assert done.seq == 7
@@ -76,16 +76,16 @@ def test_a_task_larger_than_the_pipe_arrives_whole(pool: WorkerPool) -> None:
 def test_a_dead_worker_is_not_polled_and_its_replacement_works(pool: WorkerPool) -> None:
     pid = pool.states()[0].pid
     os.kill(pid, signal.SIGKILL)
-    died = wait_for(pool, WorkerDied)
+    died = wait_event(pool, WorkerDied)
     assert isinstance(died, WorkerDied) and died.worker_id == 0
     # Its pipe and sentinel stay readable for ever: were they still watched, poll would return at once.
     start = time.monotonic()
     assert pool.poll(0.3) == []
     assert time.monotonic() - start >= 0.25
     pool.respawn(0)
-    wait_for(pool, WorkerReady)
+    wait_event(pool, WorkerReady)
     pool.submit(0, fetch(1, range(0, 8)))
-    event = wait_for(pool, BatchDone)
+    event = wait_event(pool, BatchDone)
     assert isinstance(event, WorkerMessage) and event.result.seq == 1
     assert event.generation == 1
 

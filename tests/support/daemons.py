@@ -87,8 +87,8 @@ def wait_serving(address: str, process: subprocess.Popen[str] | None, log_path: 
     raise AssertionError(f"daemon at {address} not SERVING within {timeout}s")
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it returns something true (returned); fails after ``timeout`` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    """Poll ``predicate`` every ``poll`` s until it returns something true (returned); fails after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -96,7 +96,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def ends_on_its_own_thread(target: Callable[[], None], timeout: float, what: str) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from support.daemons import wait_for
 
 from loaderd.shm.copy_fence import CopyFence
 from loaderd.wire.mapping import SharedMapping
@@ -48,15 +49,6 @@ class FakeGpu:
         return [event]
 
 
-def wait_for(predicate: object, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.001)
-    return False
-
-
 def test_an_idle_gpu_releases_inline() -> None:
     gpu = FakeGpu(idle=True)
     fence = CopyFence(gpu.record)
@@ -74,7 +66,7 @@ def test_a_release_waits_for_the_copy_queued_before_it() -> None:
     time.sleep(0.05)
     assert released == [], "released while its copy was still queued"
     gpu.events[0].done.set()
-    assert wait_for(lambda: released == [1])
+    wait_for(lambda: released == [1], 5.0, "releases [1]", poll=0.001)
     fence.close()
 
 
@@ -88,9 +80,9 @@ def test_releases_run_in_order_and_none_overtakes_a_pending_one() -> None:
     time.sleep(0.05)
     assert released == []
     gpu.events[0].done.set()
-    assert wait_for(lambda: released == [0, 1])
+    wait_for(lambda: released == [0, 1], 5.0, "releases [0, 1]", poll=0.001)
     gpu.events[2].done.set()
-    assert wait_for(lambda: released == [0, 1, 2])
+    wait_for(lambda: released == [0, 1, 2], 5.0, "releases [0, 1, 2]", poll=0.001)
     fence.close()
 
 
@@ -134,7 +126,7 @@ def test_a_failing_release_does_not_stop_the_others() -> None:
     fence.defer(lambda: released.append(2))
     for event in gpu.events:
         event.done.set()
-    assert wait_for(lambda: released == [2])
+    wait_for(lambda: released == [2], 5.0, "releases [2]", poll=0.001)
     fence.close()
 
 

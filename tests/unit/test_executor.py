@@ -9,21 +9,13 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+from support.daemons import wait_for
 
 from loaderd.server.rpc.executor import ElasticExecutor
 
 pytestmark = pytest.mark.timeout(10)
 
 IDLE = 0.2  # idle_timeout for the tests, seconds
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 3.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
 
 
 def live_threads(prefix: str) -> int:
@@ -72,7 +64,7 @@ def test_burst_starts_one_thread_per_task(make: Callable[..., ElasticExecutor]) 
     ex = make(max_workers=16, prefix="burst")
     gate = Gate()
     futures = [ex.submit(gate.task, i) for i in range(10)]
-    wait_for(lambda: gate.started == 10, what="10 tasks running")
+    wait_for(lambda: gate.started == 10, 3.0, "10 tasks running", poll=0.005)
     assert ex.threads() == 10 and live_threads("burst") == 10
     gate.release.set()
     assert [f.result(5) for f in futures] == list(range(10))
@@ -82,7 +74,7 @@ def test_burst_is_bounded_and_extra_tasks_queue(make: Callable[..., ElasticExecu
     ex = make(max_workers=4)
     gate = Gate()
     futures = [ex.submit(gate.task, i) for i in range(10)]
-    wait_for(lambda: gate.started == 4, what="4 tasks running")
+    wait_for(lambda: gate.started == 4, 3.0, "4 tasks running", poll=0.005)
     assert ex.threads() == 4
     assert sum(f.running() for f in futures) == 4
     assert sum(not f.done() and not f.running() for f in futures) == 6  # queued, not lost
@@ -95,13 +87,13 @@ def test_idle_threads_exit_after_idle_timeout(make: Callable[..., ElasticExecuto
     ex = make(max_workers=16, prefix="shrink")
     gate = Gate()
     futures = [ex.submit(gate.task, i) for i in range(12)]
-    wait_for(lambda: ex.threads() == 12 and gate.started == 12, what="12 threads")
+    wait_for(lambda: ex.threads() == 12 and gate.started == 12, 3.0, "12 threads", poll=0.005)
     gate.release.set()
     for f in futures:
         f.result(5)
-    wait_for(lambda: ex.idle() == 12, what="all 12 idle")
+    wait_for(lambda: ex.idle() == 12, 3.0, "all 12 idle", poll=0.005)
     begin = time.monotonic()
-    wait_for(lambda: ex.threads() == 0 and live_threads("shrink") == 0, what="threads to exit")
+    wait_for(lambda: ex.threads() == 0 and live_threads("shrink") == 0, 3.0, "threads to exit", poll=0.005)
     assert time.monotonic() - begin < IDLE + 1.0
     assert ex.submit(lambda: "again").result(5) == "again"  # and it grows back
     assert ex.threads() == 1
@@ -113,7 +105,7 @@ def test_a_light_steady_load_lets_the_other_idle_threads_exit(make: Callable[...
     ex = make(max_workers=16, prefix="light")
     gate = Gate()
     futures = [ex.submit(gate.task, i) for i in range(12)]
-    wait_for(lambda: ex.threads() == 12, what="12 threads")
+    wait_for(lambda: ex.threads() == 12, 3.0, "12 threads", poll=0.005)
     gate.release.set()
     for f in futures:
         f.result(5)
@@ -129,7 +121,7 @@ def test_steady_sequential_load_reuses_one_thread(make: Callable[..., ElasticExe
     names = set()
     for _ in range(50):
         names.add(ex.submit(lambda: threading.current_thread().name).result(5))
-        wait_for(lambda: ex.idle() == 1, what="the worker back to idle")
+        wait_for(lambda: ex.idle() == 1, 3.0, "the worker back to idle", poll=0.005)
     assert len(names) == 1 and ex.threads() == 1
 
 
@@ -151,7 +143,7 @@ def test_shutdown_runs_queued_work_and_joins(make: Callable[..., ElasticExecutor
     ex = make(max_workers=2, idle_timeout=30.0, prefix="join")
     gate = Gate()
     futures = [ex.submit(gate.task, i) for i in range(6)]
-    wait_for(lambda: gate.started == 2, what="2 tasks running")
+    wait_for(lambda: gate.started == 2, 3.0, "2 tasks running", poll=0.005)
     threading.Timer(0.05, gate.release.set).start()
     ex.shutdown(wait=True)
     assert all(f.done() for f in futures) and [f.result() for f in futures] == list(range(6))
@@ -163,7 +155,7 @@ def test_shutdown_cancel_futures(make: Callable[..., ElasticExecutor]) -> None:
     gate = Gate()
     first = ex.submit(gate.task, 0)
     queued = [ex.submit(gate.task, i) for i in range(1, 4)]
-    wait_for(first.running, what="first task running")
+    wait_for(first.running, 3.0, "first task running", poll=0.005)
     ex.shutdown(wait=False, cancel_futures=True)
     assert all(f.cancelled() for f in queued)
     gate.release.set()
@@ -253,6 +245,6 @@ def test_grpc_server_threads_shrink_after_a_burst_of_streams(make: Callable[...,
                 assert ex.threads() == 50, round_
                 release.set()
                 assert [list(c) for c in calls] == [[b"done"]] * 50
-                wait_for(lambda: ex.threads() == 0 and live_threads("rpc") == 0, what="rpc threads to exit")
+                wait_for(lambda: ex.threads() == 0 and live_threads("rpc") == 0, 3.0, "rpc threads to exit", poll=0.005)
     finally:
         server.stop(None).wait(5)
