@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import heapq
 import logging
 import operator
 import os
@@ -52,6 +51,7 @@ from loaderd.channel.rpc_errors import NO_DAEMON_HINT
 from loaderd.epoch.epoch_stream import EpochStream, window_size
 from loaderd.epoch.next_epoch import Readiness
 from loaderd.epoch.outage import OutageClock
+from loaderd.epoch.positions import Positions
 from loaderd.errors import (
     AuthenticationError,
     BatchTimeoutError,
@@ -71,9 +71,6 @@ log = logging.getLogger("loaderd.iterator")
 
 # Queued on the iterator's events by the fleet monitor: the set of daemons changed.
 _WAKE = "wake"
-# Hedge a position once it is this many times older than what a lane with room takes to answer (and no younger than the minimum).
-_HEDGE_FACTOR = 2.0
-_HEDGE_MIN_S = 0.05
 _STEAL_POLL_S = 0.02
 
 
@@ -126,13 +123,8 @@ class RemoteLoaderIter:
         self._pid = os.getpid()
         self._finished = False
         self._failure: BaseException | None = None
-        # Map-style positions planned and not yet received: their indices, the lanes asked, and
-        # those waiting for a lane (a heap).
-        self._indices: dict[int, list[int]] = {}
-        self._holders: dict[int, list[Lane]] = {}
-        self._unassigned: list[int] = []
-        self._hedged: set[int] = set()
-        self._asked_at: dict[int, float] = {}  # when a lane was first asked for each outstanding position
+        # Map-style positions planned and not yet received, and where each goes (loaderd.epoch.positions).
+        self._positions: Positions[Lane] = Positions()
         # Answers that arrived ahead of the caller, by position.
         self._received: dict[int, tuple[Heard, Any]] = {}
         self._end_at: int | None = None  # iterable: the epoch ends at this position
@@ -214,17 +206,7 @@ class RemoteLoaderIter:
             return
         lane.close()
         del self._lanes[lane.address]  # the open lane to that address is this one (lanes close only here and at the end)
-        moved = 0
-        for position in lane.sent:
-            holders = self._holders.get(position)
-            if holders is None:
-                continue  # received from another lane already
-            if lane in holders:
-                holders.remove(lane)
-                self._hedged.discard(position)  # whoever holds it now may be hedged again
-            if not holders:
-                heapq.heappush(self._unassigned, position)
-                moved += 1
+        moved = self._positions.lane_lost(lane)
         if moved:
             log.info("loaderd: %d batch(es) of %r owed by %s move to another daemon", moved, self._stream.dataset, lane.address)
 
@@ -315,10 +297,7 @@ class RemoteLoaderIter:
             except StopIteration:
                 self._plan_done = True
                 break
-            position = self._planned
-            self._indices[position] = _as_indices(item, auto_collation)
-            self._holders[position] = []
-            heapq.heappush(self._unassigned, position)
+            self._positions.plan(self._planned, _as_indices(item, auto_collation))
             self._planned += 1
         self._dispatch()
 
@@ -327,44 +306,27 @@ class RemoteLoaderIter:
         goes to the usable lane with the most room, none beyond its window."""
         if self._mode is _Mode.ITERABLE:
             return
+        positions = self._positions
         stalled_us = int(self._stalled_s * 1e6)
-        if self._unassigned and self._lanes:
+        if positions.waiting and self._lanes:
             lanes = [lane for address, lane in self._lanes.items() if address in self._usable] or list(self._lanes.values())
             if self._mode is _Mode.SHARE:
-                lane = lanes[0]
-                batch = [heapq.heappop(self._unassigned) for _ in range(len(self._unassigned))]
-                for position in batch:
-                    self._holders[position].append(lane)
-                lane.send([(p, self._indices[p]) for p in batch], stalled_us)
+                groups = {lanes[0]: positions.place_in_order(lanes[0])}
             else:
-                groups: dict[Lane, list[int]] = {}
-                now = time.monotonic()
-                while self._unassigned:
-                    best = min(lanes, key=lambda lane: (lane.outstanding + len(groups.get(lane, ()))) / lane.window)
-                    if best.outstanding + len(groups.get(best, ())) >= best.window:
-                        break
-                    position = heapq.heappop(self._unassigned)
-                    groups.setdefault(best, []).append(position)
-                    self._holders[position].append(best)
-                    self._asked_at[position] = now
-                for lane, positions in groups.items():
-                    lane.send([(p, self._indices[p]) for p in positions], stalled_us)
+                groups = positions.place_by_room(lanes, time.monotonic())
+            for lane, asked in groups.items():
+                lane.send(positions.requests(asked), stalled_us)
         self._steal()
-        if self._plan_done and not self._holders and not self._half_closed:
+        if self._plan_done and not positions.outstanding and not self._half_closed:
             # Every batch arrived: let the daemons finish the streams cleanly.
             self._half_closed = True
             for lane in self._lanes.values():
                 lane.send([], stalled_us, end=True)
 
     def _steal(self) -> None:
-        """Ask a lane with room for positions another lane is late with (a hedge; the first answer counts).
-
-        Late: asked longer ago than twice what the idle lane takes to answer. A
-        slow or loaded daemon then delays the epoch by about that, not by its
-        whole window; daemons alike never hedge (nothing is late), so no work
-        is done twice in the steady state.
-        """
-        if self._mode is not _Mode.SPREAD or len(self._lanes) < 2 or self._unassigned:
+        """Ask a lane with room for positions another lane is late with (a hedge; the first answer counts:
+        ``Positions.hedges``)."""
+        if self._mode is not _Mode.SPREAD or len(self._lanes) < 2 or self._positions.waiting:
             return
         idle = [
             lane
@@ -373,27 +335,9 @@ class RemoteLoaderIter:
         ]
         if not idle:
             return
-        now = time.monotonic()
-        groups: dict[Lane, list[int]] = {}
-        for position in sorted(self._holders):
-            holders = self._holders[position]
-            if not holders or position in self._hedged:
-                continue
-            room = [lane for lane in idle if lane.outstanding + len(groups.get(lane, ())) < lane.window]
-            if not room:
-                break
-            candidates = [lane for lane in room if lane not in holders]
-            if not candidates:
-                continue
-            thief = min(candidates, key=lambda lane: lane.latency)
-            if now - self._asked_at[position] < max(_HEDGE_MIN_S, _HEDGE_FACTOR * thief.latency):
-                continue
-            self._hedged.add(position)
-            holders.append(thief)
-            groups.setdefault(thief, []).append(position)
         stalled_us = int(self._stalled_s * 1e6)
-        for lane, positions in groups.items():
-            lane.send([(p, self._indices[p]) for p in positions], stalled_us)
+        for lane, asked in self._positions.hedges(idle, time.monotonic()).items():
+            lane.send(self._positions.requests(asked), stalled_us)
 
     @property
     def over_shared_memory(self) -> bool:
@@ -420,9 +364,7 @@ class RemoteLoaderIter:
         if self._finished or not lanes:
             return Readiness.BROKEN
         # Positions were asked for when planned, not now: they are not late (hedging, _steal).
-        now = time.monotonic()
-        for position in self._asked_at:
-            self._asked_at[position] = now
+        self._positions.restart_clocks(time.monotonic())
         self._take_in()
         return Readiness.REFUSED if self._failure is not None else Readiness.READY
 
@@ -456,11 +398,7 @@ class RemoteLoaderIter:
         self._sampler_iter = sampler_iter
         self._planned = self._consumed
         self._plan_done = self._half_closed = False
-        self._indices.clear()
-        self._holders.clear()
-        self._unassigned.clear()
-        self._hedged.clear()
-        self._asked_at.clear()
+        self._positions.clear()
         self._received.clear()
         self._reconcile()
 
@@ -478,15 +416,11 @@ class RemoteLoaderIter:
             self._answered(lane)
         if kind in (Heard.BATCH, Heard.ERROR):
             position = lane.answer()
-            if self._mode is not _Mode.ITERABLE:
-                if self._holders.pop(position, None) is None:
-                    # The other answer to a hedged position: the first one counts. Its lane has room
-                    # now, and work may wait for it (a lane that took the rest was dropped meanwhile).
-                    self._dispatch()
-                    return
-                self._indices.pop(position, None)
-                self._asked_at.pop(position, None)
-                self._hedged.discard(position)
+            if self._mode is not _Mode.ITERABLE and not self._positions.answered(position):
+                # The other answer to a hedged position: the first one counts. Its lane has room
+                # now, and work may wait for it (a lane that took the rest was dropped meanwhile).
+                self._dispatch()
+                return
             if position >= self._consumed:
                 self._received.setdefault(position, (kind, event.payload))
             self._dispatch()

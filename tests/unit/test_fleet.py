@@ -7,7 +7,6 @@ behaviour is in tests/faults/test_failover.py.
 
 from __future__ import annotations
 
-import heapq
 import queue
 import threading
 import time
@@ -20,6 +19,7 @@ import pytest
 import loaderd.fleet.fleet as fleet_module
 from loaderd.epoch.iterator import RemoteLoaderIter, _Mode
 from loaderd.epoch.outage import OutageClock
+from loaderd.epoch.positions import Positions
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane, LaneEvent
@@ -197,7 +197,7 @@ def _spreading_iterator(lanes: list[Lane]) -> RemoteLoaderIter:
     it = RemoteLoaderIter.__new__(RemoteLoaderIter)
     it._mode, it._fleet = _Mode.SPREAD, _Fleet({lane.address for lane in lanes})
     it._stream = types.SimpleNamespace(dataset="d", failover_timeout=30)
-    it._indices, it._holders, it._unassigned, it._hedged, it._asked_at, it._received = {}, {}, [], set(), {}, {}
+    it._positions, it._received = Positions(), {}
     it._consumed = it._planned = 0
     it._plan_done = it._half_closed = it._finished = False
     it._outage = OutageClock()
@@ -211,9 +211,7 @@ def _spreading_iterator(lanes: list[Lane]) -> RemoteLoaderIter:
 
 def _plan(it: RemoteLoaderIter, count: int) -> None:
     for _ in range(count):
-        position = it._planned
-        it._indices[position], it._holders[position] = [position], []
-        heapq.heappush(it._unassigned, position)
+        it._positions.plan(it._planned, [it._planned])
         it._planned += 1
     it._dispatch()
 
@@ -233,8 +231,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     for position in list(fast.sent):
         answer(fast, position)
     slow_owes = list(slow.sent)
-    for position in slow_owes:
-        it._asked_at[position] -= 1.0  # late now
+    it._positions.restart_clocks(time.monotonic() - 1.0)  # the slow one's positions are late now
     it._steal()
     assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
     for position in list(fast.sent):
@@ -243,7 +240,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     assert list(fast.sent) == [4, 5]
     it._consumed = 4
     it._handle(LaneEvent(fast, Heard.LOST, "UNAVAILABLE"))
-    assert list(it._lanes) == ["A"] and it._unassigned == [4, 5]
+    assert list(it._lanes) == ["A"] and it._positions.waiting  # 4 and 5 wait for room
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
-    assert list(slow.sent) == [4, 5] and it._unassigned == []
+    assert list(slow.sent) == [4, 5] and not it._positions.waiting
