@@ -134,5 +134,7 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     if cls is DaemonUnavailableError:
         return cls(f"loaderd at {address} is unavailable: {details}")
     if cls is LimitExceededError:
-        return LimitExceededError(details, admission=reason_of(exc) is Reason.ADMISSION_LIMIT)
+        # Only a request the daemon said is over a limit of its own fails everywhere alike; a daemon's
+        # admission limits, and gRPC's own cap on concurrent calls (no reason attached), count calls open.
+        return LimitExceededError(details, admission=reason_of(exc) is not Reason.REQUEST_LIMIT)
     return cls(details)

@@ -68,6 +68,14 @@ class Positions(Generic[L]):
         """Some planned position has not been answered."""
         return bool(self._holders)
 
+    def __contains__(self, position: int) -> bool:
+        """Whether ``position`` is planned and not yet answered."""
+        return position in self._holders
+
+    def asked(self) -> dict[int, tuple[L, ...]]:
+        """Each unanswered position and the lanes asked for it (a copy; for diagnostics and benchmarks)."""
+        return {position: tuple(lanes) for position, lanes in self._holders.items()}
+
     def plan(self, position: int, indices: list[int]) -> None:
         """A new position, waiting for a lane."""
         self._indices[position] = indices

@@ -22,6 +22,8 @@ except ImportError:  # a later gRPC moved them: the first channel imports what i
     pass
 
 from loaderd.channel.credentials import Credentials, open_channel
+from loaderd.channel.threads import join_all, left_at_exit
+from loaderd.errors import LoaderdError
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
@@ -143,6 +145,8 @@ def get_connection(address: str, credentials: Credentials) -> DaemonConnection:
     """The process's connection to ``address`` with ``credentials``; a forked child gets its own."""
     key = (address, credentials)
     with _lock:
+        if EXITING.is_set():  # a fleet monitor's last round: no channel is opened after the exit closed them
+            raise LoaderdError("the process is exiting")
         conn = _connections.get(key)
         if conn is None:
             conn = _connections[key] = DaemonConnection(address, credentials)
@@ -169,3 +173,5 @@ def _close_all() -> None:
     deadline = time.monotonic() + EXIT_JOIN_S
     for conn in connections:
         conn.join(deadline - time.monotonic())
+    # And what no connection holds any more: senders of calls whose owners are gone, fleet monitors.
+    join_all(left_at_exit(), max(0.0, deadline - time.monotonic()))

@@ -26,6 +26,7 @@ import grpc
 
 from loaderd.channel.credentials import Credentials, refusal
 from loaderd.channel.rpc_errors import NO_DAEMON_HINT, error_from_rpc, explain_unreachable, is_transient, rpc_summary
+from loaderd.channel.threads import track
 from loaderd.errors import (
     AuthenticationError,
     DaemonMismatchError,
@@ -393,6 +394,7 @@ class FleetMonitor:
         self._wake = wake
         self._stop = stop
         self.thread = threading.Thread(target=self._run, name="loaderd-fleet", daemon=True)
+        track(self.thread)  # joined at the process's exit, where a dropped iterator's monitor has no owner left
 
     def _run(self) -> None:
         fleet = self._fleet

@@ -2,18 +2,19 @@
 
 The daemon ends a failed call with its gRPC status and message (for people) and a
 ``google.rpc.ErrorInfo`` in the status details (domain ``loaderd``, reason one of ``Reason``),
-carried in the ``grpc-status-details-bin`` trailer (grpcio-status). The client decides what a
+carried in the ``grpc-status-details-bin`` trailer as gRPC defines it (the protos from
+googleapis-common-protos; grpcio-status reads it too). The client decides what a
 failure means from the reason, never from the message's text; a call that failed before any
 daemon answered (a connection refused, a TLS handshake) has none.
 
-grpcio-status and its protos are imported on first use: a failure, not every process that
+The protos are imported on first use: a failure, not every process that
 imports this layer.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 DOMAIN = "loaderd"
 
@@ -33,28 +34,48 @@ class Reason(enum.Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token
 
 
+# The trailer gRPC defines for a google.rpc.Status, the details of a failed call.
+STATUS_TRAILER = "grpc-status-details-bin"
+
+
+class _Status(NamedTuple):
+    """A ``grpc.Status`` for ``abort_with_status`` (grpc.Status is an interface of these three attributes)."""
+
+    code: Any
+    details: str
+    trailing_metadata: tuple[tuple[str, bytes], ...]
+
+
 def status_with_reason(code: Any, message: str, reason: Reason) -> Any:
     """A ``grpc.Status`` for ``context.abort_with_status``: ``code`` (a grpc.StatusCode), ``message``
-    and an ErrorInfo naming ``reason``."""
+    and, in the details trailer, a google.rpc.Status whose ErrorInfo names ``reason``. The message is
+    not repeated there (grpc-message carries it): a long one would count twice against the
+    client's limit on metadata."""
     from google.protobuf import any_pb2
     from google.rpc import error_details_pb2, status_pb2
-    from grpc_status import rpc_status
 
     detail = any_pb2.Any()
     detail.Pack(error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN))
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+    status = status_pb2.Status(code=code.value[0], details=[detail])
+    return _Status(code, message, ((STATUS_TRAILER, status.SerializeToString()),))
 
 
 def reason_of(exc: Any) -> Reason | None:
     """The reason a daemon gave for the failed call ``exc`` (a grpc.RpcError), if it gave one."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
+    from google.protobuf.message import DecodeError
+    from google.rpc import error_details_pb2, status_pb2
 
-    try:
-        status = rpc_status.from_call(exc)
-    except (ValueError, AttributeError):  # details that disagree with the call's status, or not a call
+    trailer = getattr(exc, "trailing_metadata", None)
+    metadata = trailer() if callable(trailer) else None
+    raw = next((value for key, value in metadata or () if key == STATUS_TRAILER), None)
+    if not isinstance(raw, bytes):
         return None
-    for detail in status.details if status is not None else ():
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(raw)
+    except DecodeError:
+        return None
+    for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)

@@ -17,7 +17,7 @@ is a loader problem.
 failover  (a) kill, --rounds rounds: a fresh loader over daemons 0 and 1 (map-style, shuffled) consumes an
               epoch continuously. After a random 20-60 % of it, the bench reads which positions only the
               victim (daemon 0 and 1 alternately) was asked for and had not delivered (the iterator's
-              `_holders`, read between two next() calls), SIGKILLs it, and times from the SIGKILL to the
+              `_positions`, read between two next() calls), SIGKILLs it, and times from the SIGKILL to the
               moment the first of those positions, produced by the other daemon, reaches the iterator (its
               event handling is wrapped to note each batch's arrival and daemon). Positions the other daemon
               was also asked for (hedged) are not counted as owed. A round where the victim owed nothing,
@@ -534,7 +534,7 @@ class RestartRound:
 def watch_arrivals(it: Any, arrivals: dict[int, tuple[float, str]]) -> None:
     """Note when each map-style position reaches the iterator, and from which daemon (wraps its event handling)."""
     original = it._handle
-    holders = it._holders
+    holders = it._positions  # `in`: planned and not answered yet
 
     def handle(event: Any) -> None:
         lane = getattr(event, "lane", None)
@@ -582,7 +582,7 @@ def kill_round(bench: Bench, r: int) -> KillRound:
             if len(returns) == kill_at:
                 if victim.address not in it._lanes:
                     result.verdict = "the victim had no lane at the kill"
-                for position, lanes in it._holders.items():
+                for position, lanes in it._positions.asked().items():
                     addresses = {lane.address for lane in lanes}
                     if victim.address in addresses:
                         if len(addresses) == 1:

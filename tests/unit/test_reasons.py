@@ -56,6 +56,17 @@ def test_a_call_without_details_has_no_reason() -> None:
     failed = _FailedCall(status, metadata=())
     assert reason_of(failed) is None
     assert isinstance(error_from_rpc(failed, "here"), DatasetNotFoundError)  # the code still says what it is
+    # gRPC's own cap on concurrent calls (maximum_concurrent_rpcs) attaches no reason: calls open, like admission.
+    capped = _FailedCall(status_with_reason(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!", Reason.INTERNAL), metadata=())
+    error = error_from_rpc(capped, "here")
+    assert isinstance(error, LimitExceededError) and error.admission
+
+
+def test_the_message_travels_once() -> None:
+    """grpc-message carries it; the details trailer holds the reason alone (a long message would count twice)."""
+    status = status_with_reason(grpc.StatusCode.NOT_FOUND, "x" * 5000, Reason.UNKNOWN_DATASET)
+    ((key, value),) = status.trailing_metadata
+    assert key == "grpc-status-details-bin" and len(value) < 100 and status.details == "x" * 5000
 
 
 @pytest.mark.parametrize(("reason", "admission"), [(Reason.ADMISSION_LIMIT, True), (Reason.REQUEST_LIMIT, False)])
