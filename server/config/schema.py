@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,9 +171,12 @@ def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) ->
 
 
 def _unknown_keys(got: dict[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(got) - allowed)
+    unknown = sorted(set(got) - allowed, key=str)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{where}: unknown key {key!r} ({hint}allowed: {', '.join(sorted(allowed))})")
 
 
 def _import_path(value: Any, where: str) -> str:
