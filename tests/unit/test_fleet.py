@@ -7,22 +7,21 @@ behaviour is in tests/faults/test_failover.py.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import types
-from collections import deque
 from typing import Any
 
 import pytest
 
 import loaderd.fleet.fleet as fleet_module
-from loaderd.epoch.iterator import RemoteLoaderIter, _Mode
-from loaderd.epoch.outage import OutageClock
-from loaderd.epoch.positions import Positions
+from loaderd.epoch.epoch_stream import EpochStream
+from loaderd.epoch.iterator import RemoteLoaderIter
+from loaderd.epoch.start import EpochProgress, EpochStart
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
-from loaderd.stream.lane import Lane, LaneEvent
+from loaderd.stream.lane import Lane
+from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Target
 from loaderd.wire.limits import PROTOCOL_REVISION
@@ -157,18 +156,37 @@ def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(
 
 
 class _Call:
+    """What a Lane asks of its StreamCall: the test answers for the daemon (``epoch.post``)."""
+
+    def __init__(self) -> None:
+        self.epoch: Any = None
+
+    def open(self, opening: pb.OpenStream, epoch: Any) -> bool:
+        self.epoch = epoch
+        return True
+
     def send(self, request: Any) -> None:
         pass
 
+    def cancel(self) -> None:
+        pass
 
-def _lane(address: str, window: int) -> Lane:
-    """A lane that records what it is sent and never answers by itself (the test answers for it)."""
-    lane = Lane.__new__(Lane)
-    lane.address, lane.window, lane.sent, lane._sent_at = address, window, deque(), deque()
-    lane.next_position, lane.answered, lane.latency = 0, 0, 0.0
-    lane.closed = lane.ended = lane.shm = False
-    lane._positioned, lane._plan_releases, lane._call, lane._closer = True, None, _Call(), lambda: None
-    return lane
+
+class _Calls:
+    """A loader's StreamCalls, as a Lane uses them: every lane gets a new fake call."""
+
+    def __init__(self) -> None:
+        self.made: dict[str, _Call] = {}
+
+    def take(self, address: str, connection: Any, session: Any) -> None:
+        return None
+
+    def new(self, address: str, connection: Any, session: Any) -> _Call:
+        call = self.made[address] = _Call()
+        return call
+
+    def park(self, call: _Call) -> None:
+        pass
 
 
 class _Fleet:
@@ -179,6 +197,12 @@ class _Fleet:
 
     def usable(self) -> list[Usable]:
         return [Usable(a, 1) for a in sorted(self.up)]
+
+    def session_for(self, address: str) -> None:
+        return None  # plain gRPC
+
+    def connection(self, address: str) -> Any:
+        return None
 
     def mark_answering(self, address: str) -> None:
         pass
@@ -192,28 +216,26 @@ class _Fleet:
     def denied(self) -> None:
         return None
 
+    def refresh(self) -> bool:  # the epoch's fleet monitor: nothing changes
+        return False
 
-def _spreading_iterator(lanes: list[Lane]) -> RemoteLoaderIter:
-    it = RemoteLoaderIter.__new__(RemoteLoaderIter)
-    it._mode, it._fleet = _Mode.SPREAD, _Fleet({lane.address for lane in lanes})
-    it._stream = types.SimpleNamespace(dataset="d", failover_timeout=30)
-    it._positions, it._received = Positions(), {}
-    it._consumed = it._planned = 0
-    it._plan_done = it._half_closed = it._finished = False
-    it._outage = OutageClock()
-    it._stalled_s = 0.0
-    it._failure = it._end_at = None
-    it._events, it._timeout = queue.Queue(), 2.0
-    it._lanes = {lane.address: lane for lane in lanes}
-    it._usable = set(it._lanes)
-    return it
+    def probe_due(self) -> bool:
+        return False
 
 
-def _plan(it: RemoteLoaderIter, count: int) -> None:
-    for _ in range(count):
-        it._positions.plan(it._planned, [it._planned])
-        it._planned += 1
-    it._dispatch()
+def _spreading_iterator(addresses: list[str], batches: int) -> tuple[RemoteLoaderIter, _Calls]:
+    """A real map-style iterator over ``addresses`` (fake daemons, window 2 each) whose plan is
+    ``batches`` single-index batches; nothing is planned until the test asks."""
+    calls = _Calls()
+    progress = EpochProgress(epoch=0, rng=None, sampler_rngs=[], sampler_epochs=[])
+    stream = EpochStream(
+        dataset="d", auto_collation=True, batch_size=1, drop_last=False, num_workers=0, prefetch_factor=2,
+        timeout=2.0, failover_timeout=30.0, pin_memory=False,
+        fleet=_Fleet(set(addresses)), buffers=ReceiveBuffers(), calls=calls,
+        share=None, iterable=False, plan_length=batches, last_batch_draws=False, length=batches,
+        start=EpochStart(progress=progress, sampler_iter=iter([[p] for p in range(batches)]), start=0),
+    )  # fmt: skip
+    return RemoteLoaderIter(stream), calls
 
 
 @pytest.mark.timeout(30)
@@ -221,13 +243,15 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     """A slow daemon's window is full of positions a fast one also answered (hedged); the fast one
     is lost, and its positions wait. The slow one's late answers free its window: the waiting
     positions must go out then, or nothing ever sends them (next() hung)."""
-    slow, fast = _lane("A", 2), _lane("C", 2)
-    it = _spreading_iterator([slow, fast])
-    _plan(it, 4)  # 0, 1 to A; 2, 3 to C
+    it, calls = _spreading_iterator(["A", "C"], batches=6)
+    slow, fast = it._lanes["A"], it._lanes["C"]
 
     def answer(lane: Lane, position: int) -> None:
-        it._handle(LaneEvent(lane, Heard.BATCH, f"batch {position}"))
+        calls.made[lane.address].epoch.post(Heard.BATCH, f"batch {position}")
+        it._take_in()
 
+    it._top_up()  # the first window: 0, 2 to A; 1, 3 to C
+    assert sorted([*slow.sent, *fast.sent]) == [0, 1, 2, 3]
     for position in list(fast.sent):
         answer(fast, position)
     slow_owes = list(slow.sent)
@@ -236,11 +260,12 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
     for position in list(fast.sent):
         answer(fast, position)
-    _plan(it, 2)  # 4, 5: only C has room
+    assert [next(it) for _ in range(4)] == [f"batch {p}" for p in range(4)]  # 4, 5 planned: only C has room
     assert list(fast.sent) == [4, 5]
-    it._consumed = 4
-    it._handle(LaneEvent(fast, Heard.LOST, "UNAVAILABLE"))
+    calls.made["C"].epoch.post(Heard.LOST, "UNAVAILABLE")
+    it._take_in()
     assert list(it._lanes) == ["A"] and it._positions.waiting  # 4 and 5 wait for room
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
     assert list(slow.sent) == [4, 5] and not it._positions.waiting
+    it.close()
