@@ -813,7 +813,11 @@ def test_sigkilled_client_gives_its_slots_back(cramped: SharedDaemon) -> None:
     daemon = cramped.get()
     pid = daemon_pid(daemon)
     with client_process(CLIENT_SCRIPT, daemon.address, "big", "6", str(pid)) as client:
-        loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=4, epochs=4)
+        # A window of 2, not the epoch's 8: after the kill, an epoch's later batches are planned once its
+        # first ones came, by which time the previous epoch's dropped leases reached the daemon (the session
+        # sends them 5-10 ms after the drop). With the whole epoch planned at once, a worker could collate
+        # all 8 before that news came, and the epoch, correct, used no slot at all.
+        loader, want = shuffled(daemon.address, "big", big_dataset(), BIG_BATCH, seed=4, epochs=4, prefetch_factor=1)
         output = client.read_until(lambda line: line.startswith("ready"), 60, "the client was not ready")
         held_in_shm = int(output[-1].split()[1])
         assert held_in_shm == 4, f"the client holds {held_in_shm} slots; 2 workers x 4 MiB / 2 MiB = 4 expected"
