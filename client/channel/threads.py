@@ -7,10 +7,10 @@ request iterator (``consume_request_iterator``, of which gRPC gives no handle). 
 records the thread it runs on (``SenderThread.seen``), so the call's owner joins that very
 thread, not every thread with a matching name.
 
-The process's exit (``loaderd.fleet.connection``) also joins, by handle, what no owner may be
-left to join then: every sender thread ever seen (``senders``: a call whose owner failed or was
-dropped before its sender ended) and the background threads registered with ``track``
-(an epoch's fleet monitor, which a dropped iterator only tells to stop).
+Every such thread is also registered here (``track``; ``seen`` does it for senders): a call's
+receiver, a session's watcher, an epoch's fleet monitor. Their owners join them when they close
+(``RemoteDataLoader.close``); the process's exit (``loaderd.fleet.connection``) joins, by handle,
+whatever still runs then, whether or not its owner is still there to do it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Iterable
 
-# Every sender thread seen, and the background threads registered: joined at the process's exit.
+# Every thread a call, session or epoch runs: what still runs at the process's exit is joined then.
 _at_exit: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
@@ -33,16 +33,16 @@ class SenderThread:
     def seen(self) -> None:
         """Called by the request iterator, on gRPC's thread, before its first request."""
         self.thread = threading.current_thread()
-        _at_exit.add(self.thread)
+        track(self.thread)
 
 
 def track(thread: threading.Thread) -> None:
-    """Join ``thread`` at the process's exit too (it stops there by itself: EXITING, its stop flag)."""
+    """Join ``thread`` at the process's exit (what it is in ends there: a closed channel, EXITING)."""
     _at_exit.add(thread)
 
 
-def left_at_exit() -> list[threading.Thread]:
-    """The threads ``seen`` or ``track``ed that still run."""
+def still_running() -> list[threading.Thread]:
+    """The threads ``track``ed (senders ``seen`` included) that still run."""
     return [thread for thread in list(_at_exit) if thread.is_alive()]
 
 

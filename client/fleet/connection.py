@@ -5,9 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -22,7 +21,7 @@ except ImportError:  # a later gRPC moved them: the first channel imports what i
     pass
 
 from loaderd.channel.credentials import Credentials, open_channel
-from loaderd.channel.threads import join_all, left_at_exit
+from loaderd.channel.threads import join_all, still_running
 from loaderd.errors import LoaderdError
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
@@ -66,49 +65,37 @@ class DaemonConnection:
             response_deserializer=None,  # raw bytes: payload chunks are read without a copy
         )
         self._session: ShmSession | None = None
-        self._sessions: list[ShmSession] = []  # every session opened, joined at close
         self._session_lock = threading.Lock()
-        # Each stream's canceller (a weakref.finalize) and the join of its threads, run at close.
-        self._streams: list[tuple[weakref.finalize, Callable[[float], bool]]] = []
+        # Cancellers of open streams (weakref.finalize objects), run at close.
+        self._stream_closers: list[weakref.finalize] = []
 
-    def track_stream(self, closer: weakref.finalize, join: Callable[[float], bool]) -> None:
-        """Remember how to cancel an open stream and join its threads, so close() and join() can end
-        them. ``join`` holds no reference to the stream (its finalizer cancels it once dropped)."""
+    def track_stream(self, closer: weakref.finalize) -> None:
+        """Remember how to cancel an open stream, so close() can end it."""
         with self._session_lock:
-            self._streams = [(c, j) for c, j in self._streams if c.alive or not j(0)]
-            self._streams.append((closer, join))
+            self._stream_closers = [c for c in self._stream_closers if c.alive]
+            self._stream_closers.append(closer)
 
     def stream_batches(self, requests: Iterator[pb.StreamRequest]) -> Any:
         """Open a StreamBatches call whose responses arrive as raw bytes (see loaderd.wire.framing)."""
         return self._stream_batches(requests)
 
     def close(self) -> None:
-        """Cancel open streams, end the shared-memory session and close the channel; ``join`` then
-        waits for their threads."""
+        """Cancel open streams, end the shared-memory session and close the channel (their threads
+        then leave; the process's exit joins them)."""
         with self._session_lock:
-            streams = list(self._streams)
+            closers, self._stream_closers = self._stream_closers, []
             session, self._session = self._session, None
-        for closer, _ in streams:
+        for closer in closers:
             closer()  # a finalize object: runs at most once
         if session is not None:
             session.close()
         self.channel.close()
-
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s in all for the threads of every stream and session this connection
-        opened (after ``close``). True if all of them ended."""
-        deadline = time.monotonic() + timeout
-        with self._session_lock:
-            joins = [join for _, join in self._streams] + [session.join for session in self._sessions]
-        return all([join(deadline - time.monotonic()) for join in joins])
 
     def session(self) -> ShmSession:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
         with self._session_lock:
             if self._session is None or not self._session.alive:
                 self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
-                self._sessions = [s for s in self._sessions if not s.join(0)]
-                self._sessions.append(self._session)
             return self._session
 
     def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
@@ -168,10 +155,7 @@ def _close_all() -> None:
         _connections.clear()
     for conn in connections:
         conn.close()
-    # Closing cancels every call; give the threads that were inside one (ours, and gRPC's
-    # request senders, which our closed request queues let go) a moment to leave.
-    deadline = time.monotonic() + EXIT_JOIN_S
-    for conn in connections:
-        conn.join(deadline - time.monotonic())
-    # And what no connection holds any more: senders of calls whose owners are gone, fleet monitors.
-    join_all(left_at_exit(), max(0.0, deadline - time.monotonic()))
+    # Closing cancels every call; give the threads that were inside one (receivers, session
+    # watchers, gRPC's request senders, which our closed request queues let go, fleet monitors)
+    # a moment to leave: each by its handle (loaderd.channel.threads).
+    join_all(still_running(), EXIT_JOIN_S)

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from loaderd.channel.rpc_errors import error_from_rpc
-from loaderd.channel.threads import SenderThread, join_all
+from loaderd.channel.threads import SenderThread, track
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.shm.copy_fence import CopyFence
 from loaderd.shm.leases import Leases
@@ -179,6 +179,7 @@ class ShmSession:
         # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
         self._watcher.start()
+        track(self._watcher)  # joined at the process's exit (loaderd.channel.threads)
 
     @property
     def alive(self) -> bool:
@@ -260,12 +261,6 @@ class ShmSession:
     def close(self) -> None:
         self._fence.close()  # pinned slots still being copied go back first (its thread joined)
         self._end_call()
-
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the session's threads to leave (after ``close``); True if they did."""
-        if os.getpid() != self._pid:
-            return True  # a forked child: the threads are the parent's
-        return join_all((self._watcher, self._sender.thread), timeout)
 
     def _end_call(self) -> None:
         """Stop sending and cancel the call (all a session that failed to open has to undo)."""

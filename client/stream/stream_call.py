@@ -22,7 +22,6 @@ when the daemon's wait has not begun), else it is cancelled and a new one opens.
 
 from __future__ import annotations
 
-import functools
 import os
 import queue
 import threading
@@ -37,7 +36,7 @@ import grpc
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from loaderd.channel.rpc_errors import error_from_rpc, is_transient, rpc_summary
-from loaderd.channel.threads import SenderThread, join_all
+from loaderd.channel.threads import SenderThread, join_all, track
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
@@ -158,8 +157,8 @@ class StreamCall:
         receiver = _Receiver(call, session, address, self._route, self._stop)
         self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         self._receiver.start()
-        # The connection joins the call's threads at exit, even once this object is gone.
-        connection.track_stream(self._closer, functools.partial(_join_call, self._receiver, self._sender))
+        track(self._receiver)  # joined at exit, even once this object is gone (loaderd.channel.threads)
+        connection.track_stream(self._closer)
 
     def open(self, opening: pb.OpenStream, epoch: CallEpoch) -> bool:
         """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s.
@@ -208,12 +207,7 @@ class StreamCall:
         """Wait up to ``timeout`` s for the call's threads to leave (after ``cancel``); True if they did."""
         if self._pid != os.getpid():
             return True  # a forked child has no such threads
-        return _join_call(self._receiver, self._sender, timeout)
-
-
-def _join_call(receiver: threading.Thread, sender: SenderThread, timeout: float) -> bool:
-    """A call's receiver thread and gRPC's thread that sends its requests, joined (no reference to the call)."""
-    return join_all((receiver, sender.thread), timeout)
+        return join_all((self._receiver, self._sender.thread), timeout)
 
 
 class StreamCalls:

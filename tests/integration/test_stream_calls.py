@@ -371,7 +371,7 @@ def test_a_call_refused_before_its_epoch_opens_tells_that_epoch_why() -> None:
         def cancel(self) -> None:
             self.cancelled = True
 
-    connection = SimpleNamespace(stream_batches=lambda requests: Call(), track_stream=lambda closer, join: None)
+    connection = SimpleNamespace(stream_batches=lambda requests: Call(), track_stream=lambda closer: None)
     call = StreamCall("test", connection, None)  # type: ignore[arg-type]
     wait_for(lambda: call.over, 5, "the refusal to end the call")
     kinds: list[str] = []
