@@ -1,6 +1,6 @@
 """Benchmark: batches to the GPU, torch ``DataLoader(pin_memory=True)`` vs ``RemoteDataLoader(pin_memory=True)``.
 
-    python tests/bench/bench_gpu.py [--workers 2] [--rounds 5] [--seconds 2.0] [--quick]
+    python tests/bench/bench_gpu.py [--workers 2] [--rounds 5] [--seconds 2.0] [--step-ms 4] [--quick]
 
 Needs CUDA (exits 0 with a note without it). Starts one ``loaderd serve``
 (temp unix socket + 127.0.0.1:0). Each measured step is what a training loop
@@ -16,6 +16,13 @@ the clock stops after ``torch.cuda.synchronize()``, so batches/s is end to end
 - grpc: ``RemoteDataLoader(pin_memory=True, transport="grpc")`` over TCP loopback:
   each batch is received straight into page-locked memory.
 
+Two passes over the same loaders. "copy": the step is the copy alone, so the
+loaders' rates show. "model step": after the copy, a training step on the batch
+(an MLP's forward, backward and SGD update, repeated to about ``--step-ms`` ms of
+GPU time, calibrated at start): the copy overlaps the GPU's work only where the
+batch is pinned (``non_blocking=True`` from pageable memory waits for the GPU's
+queue), which is where pinning should pay.
+
 Every batch is checked on the GPU (all ones) without a sync per batch. Prints
 markdown; exits 1 if a loader misbehaved.
 """
@@ -23,8 +30,10 @@ markdown; exits 1 if a loader misbehaved.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,15 +63,60 @@ from torch.utils.data import DataLoader
 WORKLOADS = [("f32", 256), ("u8", 64)]
 LOADERS = ["torch", "shm", "shm-unpinned", "grpc"]
 TARGET = 1.5  # shm pinned vs torch pinned, batches/s to the GPU
+PASSES = ["copy", "model step"]
 
 
-def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype) -> Rates:
-    """``measure`` with each batch copied to the GPU, checked there (all ones) without a sync per batch."""
+class ModelStep:
+    """A training step on a batch already on the GPU: a 2-layer MLP's forward, backward and SGD update,
+    ``repeats`` times, with ``repeats`` chosen so that one call is about ``target_ms`` of GPU time."""
+
+    def __init__(self, batch_shape: tuple[int, ...], dtype: torch.dtype, target_ms: float, device: str = "cuda") -> None:
+        self.device = device
+        self.scale = 1 / 255 if dtype == torch.uint8 else 1.0
+        self.model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(math.prod(batch_shape[1:]), 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+        ).to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-6)
+        self.labels = torch.zeros(batch_shape[0], dtype=torch.int64, device=device)
+        self.repeats = 1
+        ones = torch.ones(batch_shape, dtype=dtype, device=device)
+        self.gpu_ms = self.time_ms(ones)
+        self.repeats = max(1, round(target_ms / self.gpu_ms))
+        self.gpu_ms = self.time_ms(ones)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        inputs = x.float() * self.scale
+        for _ in range(self.repeats):
+            loss = torch.nn.functional.cross_entropy(self.model(inputs), self.labels)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            self.optimizer.step()
+
+    def time_ms(self, x: torch.Tensor, calls: int = 10) -> float:
+        """Milliseconds per call on a batch already on the device (after three warm-up calls)."""
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        for _ in range(3):
+            self(x)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            self(x)
+        sync()
+        return 1000 * (time.perf_counter() - t0) / calls
+
+
+def measure_to_gpu(
+    loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype, model_step: Callable[[torch.Tensor], None] | None = None
+) -> Rates:
+    """``measure`` with each batch copied to the GPU, checked there (all ones) without a sync per batch,
+    then given to ``model_step`` if any."""
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
 
     def to_gpu(batch: torch.Tensor) -> None:
         x = batch.cuda(non_blocking=True)  # a pinned shm batch's slot goes back once this copy has run
         wrong.add_((x != 1).sum())  # queued on the GPU
+        if model_step is not None:
+            model_step(x)
 
     rates = measure(loader, seconds, expected, dtype, step=to_gpu, settle=torch.cuda.synchronize)
     if int(wrong.item()):
@@ -70,21 +124,37 @@ def measure_to_gpu(loader: Any, seconds: float, expected: tuple[int, ...], dtype
     return rates
 
 
-def print_report(args: argparse.Namespace, results: dict[tuple[str, str], Result], findings: list[str], wall_s: float) -> None:
+def print_report(
+    args: argparse.Namespace,
+    results: dict[str, dict[tuple[str, str], Result]],
+    steps: dict[str, ModelStep],
+    findings: list[str],
+    wall_s: float,
+) -> None:
     p = print
     p("## loaderd GPU benchmark: batches to the GPU with pin_memory=True\n")
-    p(f"- machine: {torch.cuda.get_device_name()}, {machine_line()}")
+    p(f"- machine: {torch.cuda.get_device_name()}, {machine_line()}, torch {torch.__version__}")
     p(
         f"- settings: workers={args.workers} (torch num_workers and daemon pool), rounds={args.rounds}, "
         f"seconds={args.seconds}; each step: batch.cuda(non_blocking=True), then the host batch is dropped"
     )
+    for name, step in steps.items():
+        p(f"- model step on {name}: MLP forward+backward+SGD x{step.repeats}, {step.gpu_ms:.2f} ms per batch on a resident batch")
     p(f"- wall time: {wall_s:.0f} s\n")
-    throughput_table(p, results, WORKLOADS, LOADERS, gb_header="GB/s to GPU")
-    p("")
+    for pass_name in PASSES:
+        p(f"### Pass: {pass_name}\n")
+        throughput_table(p, results[pass_name], WORKLOADS, LOADERS, gb_header="GB/s to GPU")
+        p("")
     p(f"### Target: shm pinned >= {TARGET:g}x torch pinned\n")
-    for name, _ in WORKLOADS:
-        ratio, verdict = ratio_verdict(results[(name, "shm")], results[(name, "torch")], TARGET)
-        p(f"- {name}: {fmt(ratio, 2)}x, {verdict}")
+    for pass_name in PASSES:
+        for name, _ in WORKLOADS:
+            ratio, verdict = ratio_verdict(results[pass_name][(name, "shm")], results[pass_name][(name, "torch")], TARGET)
+            p(f"- {pass_name}, {name}: {fmt(ratio, 2)}x, {verdict}")
+    p("\n### Does pinning pay? shm pinned vs shm not pinned\n")
+    for pass_name in PASSES:
+        for name, _ in WORKLOADS:
+            ratio, _ = ratio_verdict(results[pass_name][(name, "shm")], results[pass_name][(name, "shm-unpinned")], 0)
+            p(f"- {pass_name}, {name}: {fmt(ratio, 2)}x")
     p("")
     print_findings(p, findings)
 
@@ -92,7 +162,7 @@ def print_report(args: argparse.Namespace, results: dict[tuple[str, str], Result
 def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     from_start = time.perf_counter()
     findings: list[str] = []
-    results = {(name, kind): Result() for name, _ in WORKLOADS for kind in LOADERS}
+    results = {pass_name: {(name, kind): Result() for name, _ in WORKLOADS for kind in LOADERS} for pass_name in PASSES}
 
     torch.cuda.init()
     daemon = state["daemon"] = start_daemon(args.workers)
@@ -134,31 +204,39 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 transport=transport,
             )
 
-    interleaved_rounds(
-        args,
-        WORKLOADS,
-        LOADERS,
-        results,
-        lambda name, kind, expected, dtype: measure_to_gpu(loaders[(name, kind)], args.seconds, expected, dtype),
-        findings,
-    )
+    steps = {
+        name: ModelStep((batch_size, *DATASETS[name]["shape"]), getattr(torch, DATASETS[name]["dtype"]), args.step_ms)
+        for name, batch_size in WORKLOADS
+    }
+    for pass_name in PASSES:
+        print(f"[bench] pass: {pass_name}", file=sys.stderr, flush=True)
+        interleaved_rounds(
+            args,
+            WORKLOADS,
+            LOADERS,
+            results[pass_name],
+            lambda name, kind, expected, dtype: measure_to_gpu(
+                loaders[(name, kind)], args.seconds, expected, dtype, steps[name] if pass_name == "model step" else None
+            ),
+            findings,
+        )
 
     loaders.clear()
     _, problem = daemon.stop()
     state["daemon"] = None
     if finding := daemon.finding(problem):
         findings.append(finding)
-    print_report(args, results, findings, time.perf_counter() - from_start)
+    print_report(args, results, steps, findings, time.perf_counter() - from_start)
     return 1 if findings else 0
 
 
 def main() -> int:
-    args = round_args(__doc__.split("\n\n")[0])
+    args = round_args(__doc__.split("\n\n")[0], extra=[("--step-ms", float, 4.0, "GPU ms of the model step after each copy")])
     if not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure.")
         return 0
 
-    budget = 180 + args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5)
+    budget = 180 + len(PASSES) * args.rounds * len(WORKLOADS) * len(LOADERS) * (args.seconds + 5)
     return run_with_daemon(budget, lambda state: run(args, state))
 
 

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -885,9 +885,16 @@ def run_guarded(
         cleanup()
 
 
-def round_args(description: str, workers_help: str = "torch num_workers and the daemon's pool size") -> argparse.Namespace:
-    """The interleaved-rounds benches' options: --workers, --rounds, --seconds, --quick (checked)."""
+def round_args(
+    description: str,
+    workers_help: str = "torch num_workers and the daemon's pool size",
+    extra: Sequence[tuple[str, type, Any, str]] = (),
+) -> argparse.Namespace:
+    """The interleaved-rounds benches' options: --workers, --rounds, --seconds, --quick (checked),
+    and a bench's own ``extra`` options, each (flag, type, default, help)."""
     parser = argparse.ArgumentParser(description=description)
+    for flag, kind, default, help_text in extra:
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
     parser.add_argument("--workers", type=int, default=2, help=workers_help)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload")
     parser.add_argument("--seconds", type=float, default=2.0, help="steady-state seconds per measurement")
