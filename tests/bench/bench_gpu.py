@@ -16,12 +16,15 @@ the clock stops after ``torch.cuda.synchronize()``, so batches/s is end to end
 - grpc: ``RemoteDataLoader(pin_memory=True, transport="grpc")`` over TCP loopback:
   each batch is received straight into page-locked memory.
 
-Two passes over the same loaders. "copy": the step is the copy alone, so the
+Three passes over the same loaders. "copy": the step is the copy alone, so the
 loaders' rates show. "model step": after the copy, a training step on the batch
 (an MLP's forward, backward and SGD update, repeated to about ``--step-ms`` ms of
-GPU time, calibrated at start): the copy overlaps the GPU's work only where the
-batch is pinned (``non_blocking=True`` from pageable memory waits for the GPU's
-queue), which is where pinning should pay.
+GPU time, calibrated at start), the copy and the step on one stream, as a plain
+training loop does: the GPU runs them one after the other. "prefetched model
+step": batch n+1's copy is queued on a side stream while the step runs on batch
+n (timm's PrefetchLoader pattern), so the copy can overlap the GPU's work; from
+pageable memory ``non_blocking=True`` blocks the CPU for the copy, which is where
+pinning should pay.
 
 Every batch is checked on the GPU (all ones) without a sync per batch. Prints
 markdown; exits 1 if a loader misbehaved.
@@ -63,7 +66,7 @@ from torch.utils.data import DataLoader
 WORKLOADS = [("f32", 256), ("u8", 64)]
 LOADERS = ["torch", "shm", "shm-unpinned", "grpc"]
 TARGET = 1.5  # shm pinned vs torch pinned, batches/s to the GPU
-PASSES = ["copy", "model step"]
+PASSES = ["copy", "model step", "prefetched model step"]
 
 
 class ModelStep:
@@ -105,20 +108,66 @@ class ModelStep:
         return 1000 * (time.perf_counter() - t0) / calls
 
 
+class SideStreamPrefetch:
+    """The prefetch pattern (timm's PrefetchLoader, NVIDIA's data_prefetcher): batch n+1's copy is queued on a
+    side stream while ``model_step`` runs on batch n, so the copy overlaps the GPU's work where the batch is pinned.
+
+    The host batch is kept until the default stream has been ordered after its copy: a pinned loaderd batch's
+    slot goes back once the copies queued on the current and default streams ran (client/shm/copy_fence.py),
+    so it must not die while only the side stream has the copy."""
+
+    def __init__(self, model_step: Callable[[torch.Tensor], None]) -> None:
+        self.model_step = model_step
+        self.stream = torch.cuda.Stream()
+        self.pending: tuple[torch.Tensor, torch.cuda.Event, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, host: torch.Tensor) -> None:
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        self.flush()
+        self.pending = (x, copied, host)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            x, copied, _host = self.pending
+            self.pending = None
+            torch.cuda.current_stream().wait_event(copied)
+            x.record_stream(torch.cuda.current_stream())
+            self.model_step(x)
+
+
 def measure_to_gpu(
-    loader: Any, seconds: float, expected: tuple[int, ...], dtype: torch.dtype, model_step: Callable[[torch.Tensor], None] | None = None
+    loader: Any,
+    seconds: float,
+    expected: tuple[int, ...],
+    dtype: torch.dtype,
+    model_step: Callable[[torch.Tensor], None] | None = None,
+    prefetch: bool = False,
 ) -> Rates:
     """``measure`` with each batch copied to the GPU, checked there (all ones) without a sync per batch,
-    then given to ``model_step`` if any."""
+    then given to ``model_step`` if any: at once, or with ``prefetch`` after the next batch's copy was queued
+    on a side stream (``SideStreamPrefetch``)."""
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
+    ahead = SideStreamPrefetch(model_step) if prefetch and model_step is not None else None
 
     def to_gpu(batch: torch.Tensor) -> None:
+        if ahead is not None:
+            with torch.cuda.stream(ahead.stream):
+                x = batch.cuda(non_blocking=True)
+                wrong.add_((x != 1).sum())
+            ahead(x, batch)
+            return
         x = batch.cuda(non_blocking=True)  # a pinned shm batch's slot goes back once this copy has run
         wrong.add_((x != 1).sum())  # queued on the GPU
         if model_step is not None:
             model_step(x)
 
-    rates = measure(loader, seconds, expected, dtype, step=to_gpu, settle=torch.cuda.synchronize)
+    def settle() -> None:
+        if ahead is not None:
+            ahead.flush()
+        torch.cuda.synchronize()
+
+    rates = measure(loader, seconds, expected, dtype, step=to_gpu, settle=settle)
     if int(wrong.item()):
         raise BenchError(f"{int(wrong.item())} wrong values arrived on the GPU (expected all ones)")
     return rates
@@ -141,17 +190,18 @@ def print_report(
     for name, step in steps.items():
         p(f"- model step on {name}: MLP forward+backward+SGD x{step.repeats}, {step.gpu_ms:.2f} ms per batch on a resident batch")
     p(f"- wall time: {wall_s:.0f} s\n")
-    for pass_name in PASSES:
+    passes = [p for p in PASSES if p in args.passes.split(",")]
+    for pass_name in passes:
         p(f"### Pass: {pass_name}\n")
         throughput_table(p, results[pass_name], WORKLOADS, LOADERS, gb_header="GB/s to GPU")
         p("")
     p(f"### Target: shm pinned >= {TARGET:g}x torch pinned\n")
-    for pass_name in PASSES:
+    for pass_name in passes:
         for name, _ in WORKLOADS:
             ratio, verdict = ratio_verdict(results[pass_name][(name, "shm")], results[pass_name][(name, "torch")], TARGET)
             p(f"- {pass_name}, {name}: {fmt(ratio, 2)}x, {verdict}")
     p("\n### Does pinning pay? shm pinned vs shm not pinned\n")
-    for pass_name in PASSES:
+    for pass_name in passes:
         for name, _ in WORKLOADS:
             ratio, _ = ratio_verdict(results[pass_name][(name, "shm")], results[pass_name][(name, "shm-unpinned")], 0)
             p(f"- {pass_name}, {name}: {fmt(ratio, 2)}x")
@@ -208,7 +258,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
         name: ModelStep((batch_size, *DATASETS[name]["shape"]), getattr(torch, DATASETS[name]["dtype"]), args.step_ms)
         for name, batch_size in WORKLOADS
     }
-    for pass_name in PASSES:
+    for pass_name in [p for p in PASSES if p in args.passes.split(",")]:
         print(f"[bench] pass: {pass_name}", file=sys.stderr, flush=True)
         interleaved_rounds(
             args,
@@ -216,7 +266,12 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
             LOADERS,
             results[pass_name],
             lambda name, kind, expected, dtype: measure_to_gpu(
-                loaders[(name, kind)], args.seconds, expected, dtype, steps[name] if pass_name == "model step" else None
+                loaders[(name, kind)],
+                args.seconds,
+                expected,
+                dtype,
+                steps[name] if pass_name != "copy" else None,
+                prefetch=pass_name == "prefetched model step",
             ),
             findings,
         )
@@ -231,7 +286,13 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
 
 
 def main() -> int:
-    args = round_args(__doc__.split("\n\n")[0], extra=[("--step-ms", float, 4.0, "GPU ms of the model step after each copy")])
+    args = round_args(
+        __doc__.split("\n\n")[0],
+        extra=[
+            ("--step-ms", float, 4.0, "GPU ms of the model step after each copy"),
+            ("--passes", str, ",".join(PASSES), "which passes to run, comma-separated"),
+        ],
+    )
     if not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure.")
         return 0
