@@ -58,7 +58,8 @@ from loaderd.server.rpc.sessions import SessionHost, SessionRegistry
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.ledger import SlotLedger
-from loaderd.server.scheduling.scheduler import Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
+from loaderd.server.scheduling.scheduler import Scheduler
 from loaderd.server.security.auth import Authenticator, TokenFile, TokenFileError, TokenInterceptor
 from loaderd.server.security.listeners import (
     Listener,

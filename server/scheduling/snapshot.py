@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loaderd.server.scheduling.lifecycle import SlotView
-from loaderd.server.scheduling.stream import StreamSpec
+from loaderd.server.scheduling.share import SharedJob
+from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.v1 import loaderd_pb2 as pb
 
 
@@ -40,6 +41,19 @@ class StreamRow:
     stalled_us: int
     opened_at: float
 
+    @classmethod
+    def of(cls, s: BatchStream) -> StreamRow:
+        return cls(
+            stream_id=s.stream_id,
+            spec=s.spec,
+            delivered=s.delivered,
+            consumed=s.consumed,
+            in_flight=s.in_flight(),
+            queued=s.queued(),
+            stalled_us=s.stalled_us,
+            opened_at=s.opened_at,
+        )
+
 
 @dataclass(frozen=True)
 class JobRow:
@@ -54,6 +68,20 @@ class JobRow:
     buffered: int
     queued: int
     waiting: int  # batch positions consumers wait for that the pool has not produced
+
+    @classmethod
+    def of(cls, j: SharedJob) -> JobRow:
+        return cls(
+            name=j.name,
+            epoch=j.epoch,
+            dataset=j.dataset,
+            consumers=len(j.consumers),
+            produced=j.produced,
+            recomputed=j.recomputed,
+            buffered=len(j.buffer),
+            queued=j.queued(),
+            waiting=len(j.waiters),
+        )
 
 
 @dataclass(frozen=True)

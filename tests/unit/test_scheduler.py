@@ -13,8 +13,10 @@ import pytest
 from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.errors import exception_from_remote
+from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER
+from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
 from loaderd.server.scheduling.producer import END, FailReason, StreamFailed
-from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, PER_WORKER, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.scheduler import Scheduler
 from loaderd.server.scheduling.share import ShareKey, ShareMismatchError
 from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream
 from loaderd.v1 import loaderd_pb2 as pb

@@ -19,9 +19,11 @@ from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_sp
 import loaderd.server.scheduling.lifecycle as lifecycle_module
 from loaderd.errors import BatchTimeoutError, WorkerCrashedError, exception_from_remote
 from loaderd.server.pool.pool import PoolEvent, PoolLostError, WorkerMessage
+from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, Dispatcher
 from loaderd.server.scheduling.lifecycle import MAX_RESPAWN_FAILURES, SlotState
+from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
 from loaderd.server.scheduling.producer import WorkerSlots
-from loaderd.server.scheduling.scheduler import MAX_ATTEMPTS, Scheduler, SchedulerPolicy
+from loaderd.server.scheduling.scheduler import Scheduler
 from loaderd.server.scheduling.share import ShareKey
 from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.shm.arena import SlotRef
@@ -255,7 +257,8 @@ def test_an_iterable_replica_on_a_slot_that_cannot_start_moves_to_another(monkey
 
 def test_a_batch_past_its_task_timeout_kills_its_worker_and_fails_alone() -> None:
     pool = FakePool()
-    sched = make(pool, SchedulerPolicy(task_timeouts={"m": 0.05}))
+    dispatcher = Dispatcher(pool.size)
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(task_timeouts={"m": 0.05}), dispatcher=dispatcher)
     stream = sched.open_stream(map_spec(window=8))
     plan(sched, stream, 4)
     sched.step(0)
@@ -271,7 +274,7 @@ def test_a_batch_past_its_task_timeout_kills_its_worker_and_fails_alone() -> Non
     assert pool.respawned == [0]
     sched.step(0)
     rerun = pool.batch_tasks()[-1][1]
-    assert rerun.seq == on_0[1].seq and sched._attempts.get((stream.stream_id, rerun.seq), 0) == 0
+    assert rerun.seq == on_0[1].seq and dispatcher.attempts((stream.stream_id, rerun.seq)) == 0
     error = error_of(stream, on_0[0].seq)
     assert isinstance(error, BatchTimeoutError)
     assert "'m'" in str(error) and f"indices [{on_0[0].seq}, {on_0[0].seq + 1}]" in str(error) and "task_timeout" in str(error)

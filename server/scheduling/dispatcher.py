@@ -1,0 +1,166 @@
+"""Dispatcher: which producer's task goes to which worker next, and what each worker holds.
+
+Its rules:
+
+- Round-robin over producers, one task each per turn, so a stream cannot starve the others;
+  the starting producer moves on by one every round.
+- At most ``PER_WORKER`` tasks queued per worker (one running and one waiting hides the pipe's
+  round trip). A task pinned to a worker (an iterable replica's, ``required``) waits for that
+  worker; any other goes to the worker with the most room.
+- Per worker, the tasks sent and not answered, in the order the worker runs them: the first
+  is running (``started_at``), the others queue behind it.
+- A task whose worker died under it runs again, unless its workers died ``MAX_ATTEMPTS`` times
+  running it: then it is handed back to be failed. Only the running task is blamed, and none
+  when the daemon ended the worker itself (a timeout, recycling).
+
+Not thread-safe: the scheduler calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from loaderd.server.scheduling.producer import Producer, WorkerSlots
+from loaderd.server.worker.tasks import BatchTask, Task
+
+# Tasks queued per worker: one running and one waiting hides the pipe round trip.
+PER_WORKER = 2
+# A batch that kills its worker this many times is reported to the client instead.
+MAX_ATTEMPTS = 3
+
+# A task's identity: (producer id, seq).
+TaskKey = tuple[int, int]
+
+
+@dataclass
+class InFlight:
+    """A task a worker holds: sent, not answered."""
+
+    task: BatchTask
+    attempts: int  # how many of its workers died running it before this one
+    sent_at: float = field(default_factory=time.monotonic)
+    # When its worker started on it (None: still queued behind another task).
+    started_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Spent:
+    """A task whose workers died ``attempts`` times running it: the caller fails it for ``producer``."""
+
+    producer: Producer
+    task: BatchTask
+    attempts: int
+
+
+class Dispatcher:
+    """The producers to draw from and the tasks each of ``workers`` worker slots holds."""
+
+    def __init__(self, workers: int) -> None:
+        self._producers: dict[int, Producer] = {}
+        self._turn = 0
+        self._held: dict[int, dict[TaskKey, InFlight]] = {w: {} for w in range(workers)}
+        self._attempts: dict[TaskKey, int] = {}  # tasks given back to their producer after a death
+
+    # ------------------------------------------------------------ producers
+
+    def add(self, producer: Producer) -> None:
+        self._producers[producer.producer_id] = producer
+
+    def remove(self, producer_id: int) -> None:
+        self._producers.pop(producer_id, None)
+
+    def producer(self, producer_id: int) -> Producer | None:
+        return self._producers.get(producer_id)
+
+    # ------------------------------------------------------------ dispatch
+
+    def dispatch(self, ready: Iterable[int], slots: WorkerSlots, submit: Callable[[int, Task], None]) -> None:
+        """Hand out tasks to the ``ready`` workers, round-robin over producers, until workers or windows are full."""
+        capacity = {w: PER_WORKER - len(self._held[w]) for w in ready}
+        progress = True
+        while progress and any(c > 0 for c in capacity.values()):
+            progress = False
+            producers = list(self._producers.values())
+            if not producers:
+                return
+            self._turn = (self._turn + 1) % len(producers)
+            for producer in producers[self._turn :] + producers[: self._turn]:
+                if not producer.wants_dispatch():
+                    continue
+                task, required = producer.next_task(slots)
+                if required is None:
+                    worker = max(capacity, key=lambda w: (capacity[w], -w), default=None)
+                else:
+                    worker = required if required in capacity else None
+                if worker is None or capacity[worker] <= 0:
+                    continue
+                producer.commit(task)
+                key = (task.stream_id, task.seq)
+                record = InFlight(task, self._attempts.get(key, 0))
+                if not self._held[worker]:
+                    record.started_at = record.sent_at  # an idle worker starts on it now
+                self._held[worker][key] = record
+                capacity[worker] -= 1
+                submit(worker, task)
+                progress = True
+
+    # ------------------------------------------------------------ what workers hold
+
+    def answered(self, worker_id: int, key: TaskKey) -> InFlight | None:
+        """The worker answered the task ``key`` (None if it no longer held it); the next one starts."""
+        held = self._held[worker_id]
+        record = held.pop(key, None)
+        self._attempts.pop(key, None)
+        if held:
+            head = next(iter(held.values()))
+            if head.started_at is None:
+                head.started_at = time.monotonic()  # the worker moved on to the next task
+        return record
+
+    def dropped(self, worker_id: int, key: TaskKey) -> None:
+        """The task ``key`` will not be answered (its worker was killed for it) and is not to run again."""
+        self._held[worker_id].pop(key, None)
+        self._attempts.pop(key, None)
+
+    def worker_lost(self, worker_id: int, blame_running: bool) -> list[Spent]:
+        """The worker died: what it held goes back to its producers to run again (before new work),
+        except the tasks that reached ``MAX_ATTEMPTS``, returned for the caller to fail.
+
+        A worker runs its tasks in dispatch order: only the first was running when it died,
+        and only it is blamed, when ``blame_running`` (the daemon did not end the worker itself).
+        """
+        lost = self._held[worker_id]
+        self._held[worker_id] = {}
+        spent = []
+        for position, (key, record) in enumerate(lost.items()):
+            producer = self._producers.get(key[0])
+            if producer is None:
+                continue
+            attempts = record.attempts + (1 if position == 0 and blame_running else 0)
+            if attempts >= MAX_ATTEMPTS:
+                self._attempts.pop(key, None)
+                spent.append(Spent(producer, record.task, attempts))
+            else:
+                self._attempts[key] = attempts
+                producer.retry(record.task)
+        return spent
+
+    def running(self) -> Iterator[tuple[int, TaskKey, InFlight]]:
+        """(worker, key, record) of each worker's running task (its first held)."""
+        for worker_id, held in self._held.items():
+            if held:
+                key, record = next(iter(held.items()))
+                yield worker_id, key, record
+
+    def idle(self, worker_id: int) -> bool:
+        return not self._held[worker_id]
+
+    def busy(self) -> dict[int, int]:
+        """Worker -> tasks held, for the workers holding any."""
+        return {worker_id: len(held) for worker_id, held in self._held.items() if held}
+
+    def attempts(self, key: TaskKey) -> int:
+        """How many workers died running the task ``key`` (while it waits to run again)."""
+        return self._attempts.get(key, 0)
