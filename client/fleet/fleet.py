@@ -39,7 +39,7 @@ from loaderd.fleet.connection import EXITING, DaemonConnection, get_connection
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Resolved, Target
-from loaderd.wire.limits import PROTOCOL_REVISION
+from loaderd.wire.limits import PROTOCOL_REVISION, revision_mismatch
 
 log = logging.getLogger("loaderd.fleet")
 
@@ -60,13 +60,6 @@ def dataset_shape(info: pb.DatasetInfo) -> str:
     return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
 
 
-def revision_mismatch(theirs: int) -> str:
-    """Why a daemon of protocol revision ``theirs`` is refused (both sides must speak the same one)."""
-    older = "an older" if theirs < PROTOCOL_REVISION else "a newer"
-    return (
-        f"runs {older} loaderd (protocol revision {theirs}; this client speaks revision {PROTOCOL_REVISION}): "
-        "run the same loaderd release on the daemons and their clients"
-    )
 
 
 @dataclass
@@ -243,7 +236,7 @@ class Fleet:
                     session_error = exc
             described = describing.result()
             if described.protocol_revision != PROTOCOL_REVISION:
-                return self._probed(member, revision_mismatch(described.protocol_revision), refused=True)
+                return self._probed(member, revision_mismatch(described.protocol_revision, "client"), refused=True)
             if session_error is not None:
                 raise session_error
             if not together:

@@ -30,7 +30,7 @@ from loaderd.errors import LoaderdError, TransportError
 from loaderd.shm.copy_fence import CopyFence
 from loaderd.shm.leases import Leases
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.limits import SHM_DIR, is_segment_name
+from loaderd.wire.limits import PROTOCOL_REVISION, SHM_DIR, is_segment_name
 from loaderd.wire.mapping import SharedMapping
 
 log = logging.getLogger("loaderd.session")
@@ -142,7 +142,7 @@ class ShmSession:
         # Written by finalizers too; the rules are in loaderd.shm.leases.
         self._leases = Leases()
         self._stop = threading.Event()
-        self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())))
+        self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION)))
         self._sender = SenderThread()
         self._call = stub.Session(self._request_stream())
         cut = threading.Timer(handshake_timeout, self._call.cancel)

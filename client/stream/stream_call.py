@@ -46,6 +46,7 @@ from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.codec import BatchAssembler, view_batch
 from loaderd.wire.framing import Frame, read_frame
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 # How often blocked waits re-check their stop signal.
 POLL_S = 0.25
@@ -166,7 +167,9 @@ class StreamCall:
         False if the call is over already (its receiver has gone: nothing would reach ``epoch``)."""
         if not self._route.add(epoch):
             return False
-        self._requests.put(pb.StreamRequest(open=opening))
+        request = pb.StreamRequest(open=opening)  # a copy: the revision is the call's to state
+        request.open.protocol_revision = PROTOCOL_REVISION
+        self._requests.put(request)
         return True
 
     def outcome(self) -> tuple[Heard, Any]:

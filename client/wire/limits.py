@@ -7,11 +7,23 @@ from __future__ import annotations
 MAX_MESSAGE_BYTES = 64 << 20
 # Where `loaderd serve` listens when its config has no listen:, and where a loader looks when given no address.
 DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
-# DescribeDatasetResponse.protocol_revision this code speaks. A client uses only daemons of the
-# same revision (loaderd is unreleased: no older revision is kept working). Revision 5: a session's
-# challenge carries its id, usable before `ready`; a StreamBatches call takes the next epoch's
-# `open` after its StreamEnd; a plan carries the releases of its stream's slots.
-PROTOCOL_REVISION = 5
+# The protocol revision this code speaks (DescribeDatasetResponse.protocol_revision from a daemon;
+# OpenStream and SessionHello.protocol_revision from a client). Each side serves or uses only a
+# peer of the same revision (loaderd is unreleased: no older revision is kept working). Revision 5:
+# a session's challenge carries its id, usable before `ready`; a StreamBatches call takes the next
+# epoch's `open` after its StreamEnd; a plan carries the releases of its stream's slots. Revision 6:
+# clients name their revision, so a daemon refuses another's too.
+PROTOCOL_REVISION = 6
+
+
+def revision_mismatch(theirs: int, me: str) -> str:
+    """Why a peer of protocol revision ``theirs`` is refused by this side (``me``: "client" or "daemon"),
+    naming both revisions; the caller puts the peer in front ("loaderd at HOST:PORT ", "the client ")."""
+    older = "an older" if theirs < PROTOCOL_REVISION else "a newer"
+    return (
+        f"runs {older} loaderd (protocol revision {theirs}; this {me} speaks revision {PROTOCOL_REVISION}): "
+        "run the same loaderd release on the daemons and their clients"
+    )
 # The largest serialized batch structure (its ``Value``: everything but array
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)
 # its header still fits in one message.

@@ -32,6 +32,7 @@ class Reason(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"  # the daemon cannot serve the call now (stopping, no worker can run it)
     INTERNAL = "INTERNAL"  # the daemon failed handling the call: its own bug
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token
+    REVISION_MISMATCH = "REVISION_MISMATCH"  # the client speaks another protocol revision than the daemon
 
 
 # The trailer gRPC defines for a google.rpc.Status, the details of a failed call.

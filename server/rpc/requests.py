@@ -3,7 +3,8 @@
 ``open_spec`` turns an ``OpenStream`` into a ``StreamSpec`` (and the shared job
 it joins); ``plan_batches`` turns each later ``PlanBatches`` into index batches.
 Every number a client sends is range-checked here: nonsense raises
-``BadRequestError`` (INVALID_ARGUMENT); a quantity over one of the config's
+``BadRequestError`` (INVALID_ARGUMENT), a client of another protocol revision
+``RevisionMismatchError`` (FAILED_PRECONDITION); a quantity over one of the config's
 ``limits`` raises ``LimitExceededError`` (RESOURCE_EXHAUSTED). Both name the
 field and the bound, never echo more than a few characters of what was sent.
 """
@@ -19,6 +20,7 @@ from loaderd.server.scheduling.share import ShareKey
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.worker.tasks import Indices
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import PROTOCOL_REVISION, revision_mismatch
 
 # Upper bound on indices in one plan batch: keeps a malformed request from making a worker allocate without bound.
 MAX_BATCH_INDICES = 1 << 24
@@ -30,6 +32,17 @@ MAX_POSITION = 1 << 48
 
 class BadRequestError(ValueError):
     """A stream request the daemon cannot serve; the message says why."""
+
+
+class RevisionMismatchError(ValueError):
+    """The client speaks another protocol revision than this daemon; the message names both."""
+
+
+def check_revision(theirs: int) -> None:
+    """RevisionMismatchError unless a client's ``protocol_revision`` (OpenStream, SessionHello) is this daemon's."""
+    if theirs != PROTOCOL_REVISION:
+        older = " (0: a client from before revision 6, which names none)" if theirs == 0 else ""
+        raise RevisionMismatchError(f"the client {revision_mismatch(theirs, 'daemon')}{older}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ def open_spec(
 
     ``session_id``: the caller's verified shared-memory session (0: none; ``request.session_id`` is
     only what the client claims)."""
+    check_revision(request.protocol_revision)
     check_name(request.dataset, "the dataset name", limits)
     check_name(request.client, "the client name", limits)
     check_position(request.start, "start")

@@ -22,7 +22,15 @@ from loaderd.server.process.throttle import LogThrottle
 from loaderd.server.rpc.admission import Admission, AdmissionRefused, Ticket
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.drain import DrainSignal
-from loaderd.server.rpc.requests import BadRequestError, Opening, open_spec, plan_batches, shown
+from loaderd.server.rpc.requests import (
+    BadRequestError,
+    Opening,
+    RevisionMismatchError,
+    check_revision,
+    open_spec,
+    plan_batches,
+    shown,
+)
 from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog, UnknownDatasetError
@@ -48,6 +56,7 @@ STATUS_MAX_BYTES = (4 << 20) - (64 << 10)
 _REFUSALS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     UnknownDatasetError: (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_DATASET),
     BadRequestError: (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_REQUEST),
+    RevisionMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, Reason.REVISION_MISMATCH),
     ShareMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, Reason.SHARE_MISMATCH),
     AdmissionRefused: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.ADMISSION_LIMIT),
     LimitExceededError: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REQUEST_LIMIT),
@@ -157,6 +166,10 @@ class LoaderServicer:
             hello = self._first(request_iterator, context, "session")
             if hello is None or hello.WhichOneof("kind") != "hello":
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a session must start with 'hello'", Reason.BAD_REQUEST)
+            try:
+                check_revision(hello.hello.protocol_revision)
+            except RevisionMismatchError as exc:
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc), Reason.REVISION_MISMATCH)
             yield from self._session_host.serve(hello.hello, request_iterator, context, self._auth.identify(context))
         finally:
             ticket.release()

@@ -31,6 +31,7 @@ import loaderd
 from loaderd import RemoteDataLoader
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 FAILING_N = 20
 SLOW_N = 1000
@@ -375,12 +376,12 @@ def test_malformed_requests_get_status_codes_and_daemon_keeps_serving(daemon: Ru
     assert_rpc_fails(daemon.address, [], grpc.StatusCode.INVALID_ARGUMENT)
 
     # An open for a dataset the config does not define.
-    unknown = pb.StreamRequest(open=pb.OpenStream(dataset="no-such-dataset", auto_collation=True, window=4))
+    unknown = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="no-such-dataset", auto_collation=True, window=4))
     details = assert_rpc_fails(daemon.address, [unknown, plan], grpc.StatusCode.NOT_FOUND)
     assert "no-such-dataset" in details and "squares" in details, details
 
     # A plan batch with zero indices.
-    open_squares = pb.StreamRequest(open=pb.OpenStream(dataset="squares", auto_collation=True, window=4))
+    open_squares = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares", auto_collation=True, window=4))
     empty = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[])], end=True))
     details = assert_rpc_fails(daemon.address, [open_squares, empty], grpc.StatusCode.INVALID_ARGUMENT)
     assert "0 indices" in details, details

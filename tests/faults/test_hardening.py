@@ -27,6 +27,7 @@ from loaderd import RemoteDataLoader
 from loaderd.server.worker.worker import OOM_SCORE_ADJ_BOOST
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
+from loaderd.wire.limits import PROTOCOL_REVISION
 from loaderd.wire.reasons import Reason, reason_of
 
 BIG = 16384  # int64 items per batch: 128 KiB, so batches travel through shared-memory slots
@@ -93,10 +94,30 @@ def daemon_threads(daemon: RunningDaemon) -> int:
 
 @pytest.mark.timeout(60)
 def test_a_position_past_uint64_is_refused_and_the_daemon_serves_on(daemon: RunningDaemon) -> None:
-    opening = pb.StreamRequest(open=pb.OpenStream(dataset="exit", auto_collation=True, window=4, start=2**64 - 1))
+    opening = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="exit", auto_collation=True, window=4, start=2**64 - 1))
     plan = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[0]), pb.IndexBatch(indices=[3])]))
     error = raw_stream(daemon.address, [opening, plan])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "start" in error.details()
+    assert healthy(daemon.address)
+    squares_epoch_is_right(daemon)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("theirs", [0, PROTOCOL_REVISION - 1, PROTOCOL_REVISION + 1])
+def test_a_client_of_another_protocol_revision_is_refused_naming_both(daemon: RunningDaemon, theirs: int) -> None:
+    """Only the daemon's own revision is served, on a stream and on a session; the daemon serves on."""
+    opening = pb.StreamRequest(open=pb.OpenStream(protocol_revision=theirs, dataset="squares", auto_collation=True, window=4))
+    plan = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[0])], end=True))
+    error = raw_stream(daemon.address, [opening, plan])
+    channel, loader = stub(daemon.address)
+    with channel, pytest.raises(grpc.RpcError) as session_error:
+        list(loader.Session(iter([pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid(), protocol_revision=theirs))]), timeout=10))
+    for refused in (error, session_error.value):
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and reason_of(refused) is Reason.REVISION_MISMATCH
+        older = "an older" if theirs < PROTOCOL_REVISION else "a newer"
+        assert f"the client runs {older} loaderd (protocol revision {theirs}; this daemon speaks revision {PROTOCOL_REVISION})" in (
+            refused.details()
+        )
     assert healthy(daemon.address)
     squares_epoch_is_right(daemon)
 
@@ -176,7 +197,7 @@ def test_silent_calls_are_cut_and_never_block_health(daemon: RunningDaemon) -> N
 @pytest.mark.timeout(60)
 def test_streams_per_client_are_capped_with_resource_exhausted(daemon: RunningDaemon) -> None:
     channel, loader = stub(daemon.address)
-    opening = pb.StreamRequest(open=pb.OpenStream(dataset="squares", auto_collation=True, window=2))
+    opening = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares", auto_collation=True, window=2))
     with channel:
         held = [loader.StreamBatches(iter([opening] + [None] * 0), timeout=30) for _ in range(8)]
         wait_for(lambda: len(daemon_status(daemon.address).streams) >= 8, 20, "8 streams open")
@@ -224,7 +245,7 @@ def iterate_outcomes(loader: RemoteDataLoader) -> list[Any]:
 def test_a_share_consumer_that_never_reads_does_not_make_the_pool_produce_its_plan(daemon: RunningDaemon) -> None:
     before = {d.info.name: d.batches_computed for d in daemon_status(daemon.address).datasets}["blocks"]
     opening = pb.StreamRequest(
-        open=pb.OpenStream(dataset="blocks", auto_collation=True, window=2, share=pb.ShareSpec(name="lazy", fingerprint="f"))
+        open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="blocks", auto_collation=True, window=2, share=pb.ShareSpec(name="lazy", fingerprint="f"))
     )
     plan = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[i % 300]) for i in range(2000)]))
     channel, loader = stub(daemon.address)
@@ -246,7 +267,7 @@ def test_a_share_consumer_that_never_reads_does_not_make_the_pool_produce_its_pl
 
 @pytest.mark.timeout(60)
 def test_huge_names_errors_and_structures_stay_bounded(daemon: RunningDaemon) -> None:
-    opening = pb.StreamRequest(open=pb.OpenStream(dataset="squares", auto_collation=True, client="n" * 10_000_000))
+    opening = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares", auto_collation=True, client="n" * 10_000_000))
     error = raw_stream(daemon.address, [opening])
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(error.details()) < 300
     assert reason_of(error) is Reason.REQUEST_LIMIT  # every daemon would refuse it alike

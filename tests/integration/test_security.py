@@ -37,6 +37,7 @@ from loaderd.channel.credentials import Credentials
 from loaderd.fleet.connection import get_connection
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -370,7 +371,7 @@ def hijack(address: str, creds: grpc.ChannelCredentials | None, token: str, sess
     channel = grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
     with channel:
         call = pb_grpc.LoaderStub(channel).StreamBatches(
-            iter([pb.StreamRequest(open=pb.OpenStream(dataset="squares", session_id=session_id, auto_collation=True, batch_size=1))]),
+            iter([pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares", session_id=session_id, auto_collation=True, batch_size=1))]),
             metadata=[("authorization", f"Bearer {token}")],
             timeout=10,
         )

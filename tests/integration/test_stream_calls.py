@@ -34,6 +34,7 @@ from loaderd.stream.stream_call import CallEpoch, StreamCall, _Receiver, _Route
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 N = 100
 # The daemon waits this long on a call for the next epoch's `open` (limits.handshake_timeout).
@@ -116,7 +117,7 @@ def _raw_call(daemon: RunningDaemon, requests: list[pb.StreamRequest]) -> tuple[
         return responses, code, time.monotonic() - started
 
 
-_OPEN = pb.StreamRequest(open=pb.OpenStream(dataset="squares", auto_collation=True, window=4))
+_OPEN = pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares", auto_collation=True, window=4))
 _PLAN_END = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1, 2, 3])], end=True))
 
 
@@ -229,7 +230,7 @@ def _plan(consumed: int) -> pb.StreamRequest:
 
 
 def _open(dataset: str) -> pb.StreamRequest:
-    return pb.StreamRequest(open=pb.OpenStream(dataset=dataset))
+    return pb.StreamRequest(open=pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset=dataset))
 
 
 def _unexpected(stream: Any, error: BadRequestError) -> None:
@@ -375,7 +376,7 @@ def test_a_call_refused_before_its_epoch_opens_tells_that_epoch_why() -> None:
     call = StreamCall("test", connection, None)  # type: ignore[arg-type]
     wait_for(lambda: call.over, 5, "the refusal to end the call")
     kinds: list[str] = []
-    assert not call.open(pb.OpenStream(dataset="squares"), _epoch(kinds))
+    assert not call.open(pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares"), _epoch(kinds))
     kind, payload = call.outcome()
     assert (kind, type(payload)) == ("failed", LimitExceededError) and "max_streams" in str(payload)
     assert kinds == [], "nobody was waiting when the call ended"

@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2
 from loaderd.server.process import heap
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 # ------------------------------------------------------------------ the footprint a run must come back to
 
@@ -408,7 +409,9 @@ class RequestFuzzer:
         r = self.rng
         name = self.dataset_name() if dataset is None else dataset
         auto = r.random() < 0.75
-        m = pb.OpenStream(dataset=name, auto_collation=auto)
+        # Mostly this daemon's revision (the rest of the message is what gets fuzzed), now and then another.
+        revision = PROTOCOL_REVISION if r.random() < 0.95 else self.u32((0, PROTOCOL_REVISION - 1, PROTOCOL_REVISION + 1))
+        m = pb.OpenStream(dataset=name, auto_collation=auto, protocol_revision=revision)
         if r.random() < 0.5:
             m.batch_size = self.u32((0, 1, 4, 8) if auto else (0,))
         if r.random() < 0.3:
@@ -485,7 +488,7 @@ class RequestFuzzer:
             lambda: pb.StreamRequest(plan=self.plan("squares")),
             lambda: self.open_stream(),
             lambda: self.plan("squares"),
-            lambda: pb.SessionRequest(hello=pb.SessionHello(pid=self.u32())),
+            lambda: pb.SessionRequest(hello=pb.SessionHello(pid=self.u32(), protocol_revision=PROTOCOL_REVISION)),
             lambda: pb.SessionRequest(proof=pb.SessionProof(token=self.blob(), problem=self.text())),
             lambda: pb.SessionRequest(release=pb.SlotRelease(leases=[self.u64() for _ in range(r.randrange(0, 8))])),
             lambda: pb.SessionRequest(abandon=pb.AbandonStream(stream_token=self.u64())),
@@ -583,7 +586,7 @@ class RequestFuzzer:
             parts = [f_bytes(1, self.open_stream("squares").SerializeToString()), f_bytes(2, self.plan("squares").SerializeToString())]
         else:
             parts = [
-                f_bytes(1, pb.SessionHello(pid=self.u32()).SerializeToString()),
+                f_bytes(1, pb.SessionHello(pid=self.u32(), protocol_revision=PROTOCOL_REVISION).SerializeToString()),
                 f_bytes(2, pb.SessionProof(token=self.blob(32)).SerializeToString()),
                 f_bytes(3, pb.SlotRelease(leases=[self.u64()]).SerializeToString()),
                 f_bytes(4, pb.AbandonStream(stream_token=self.u64()).SerializeToString()),
@@ -667,7 +670,7 @@ class RequestFuzzer:
         datasets = list(MAP_DATASETS) + list(ITERABLE_DATASETS)
         dataset = datasets[k % len(datasets)]
         where, name, value = EXTREME_COMBOS[(k // len(datasets)) % len(EXTREME_COMBOS)]
-        opening = pb.OpenStream(dataset=dataset, auto_collation=True, client="fuzz-extreme")
+        opening = pb.OpenStream(dataset=dataset, auto_collation=True, client="fuzz-extreme", protocol_revision=PROTOCOL_REVISION)
         if dataset in ITERABLE_DATASETS:
             opening.batch_size = 4
             plan = pb.PlanBatches()
@@ -690,7 +693,7 @@ class RequestFuzzer:
         hold = r.random() < 0.12
 
         def hello() -> bytes:
-            return pb.SessionRequest(hello=pb.SessionHello(pid=r.choice(self.session_pids))).SerializeToString()
+            return pb.SessionRequest(hello=pb.SessionHello(pid=r.choice(self.session_pids), protocol_revision=PROTOCOL_REVISION)).SerializeToString()
 
         def later() -> bytes:
             q = r.random()
@@ -1083,7 +1086,7 @@ class FuzzRun:
         s = case.scenario or {}
         deadline = SCENARIO_TIMEOUT_S
         session_out: queue.Queue[bytes | None] = queue.Queue()
-        session_out.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid())).SerializeToString())
+        session_out.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION)).SerializeToString())
         session = channel.stream_stream(RPCS["Session"].path, request_serializer=None, response_deserializer=None)
         t0 = time.monotonic()
         session_call = session(_requests(session_out, deadline + 10), timeout=deadline)
@@ -1117,6 +1120,7 @@ class FuzzRun:
             session_id=session_id,
             stream_token=s["stream_token"],
             client="fuzz-shm",
+            protocol_revision=PROTOCOL_REVISION,
         )
         plan = pb.PlanBatches(
             batches=[pb.IndexBatch(indices=range(i * size % n, i * size % n + size)) for i in range(s["batches"])],

@@ -11,10 +11,11 @@ from support.fakes import catalog, lone_stream, map_spec
 from loaderd.errors import MAX_ERROR_MESSAGE, LimitExceededError, capture_exception
 from loaderd.server.config.schema import Limits
 from loaderd.server.rpc.admission import Admission
-from loaderd.server.rpc.requests import MAX_POSITION, BadRequestError, open_spec, plan_batches
+from loaderd.server.rpc.requests import MAX_POSITION, BadRequestError, RevisionMismatchError, open_spec, plan_batches
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.worker.tasks import DatasetMeta
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import PROTOCOL_REVISION
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -23,11 +24,18 @@ CATALOG = catalog(m=DatasetMeta(False, 100), it=DatasetMeta(True, None))
 
 
 def opening(**fields: object) -> pb.OpenStream:
-    return pb.OpenStream(**{"dataset": "m", "auto_collation": True, **fields})  # type: ignore[arg-type]
+    return pb.OpenStream(**{"protocol_revision": PROTOCOL_REVISION, "dataset": "m", "auto_collation": True, **fields})  # type: ignore[arg-type]
 
 
 def check(request: pb.OpenStream) -> object:
     return open_spec(request, CATALOG, LIMITS, 64, peer="test")
+
+
+def test_an_open_of_another_protocol_revision_is_refused_before_anything_else() -> None:
+    with pytest.raises(RevisionMismatchError, match=rf"revision 0; this daemon speaks revision {PROTOCOL_REVISION}\).*0: a client from before"):
+        check(opening(protocol_revision=0, dataset="no-such-dataset"))
+    with pytest.raises(RevisionMismatchError, match=r"runs a newer loaderd"):
+        check(opening(protocol_revision=PROTOCOL_REVISION + 1))
 
 
 @pytest.mark.parametrize(

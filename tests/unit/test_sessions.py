@@ -31,7 +31,7 @@ from loaderd.server.security.auth import ANONYMOUS, Identity
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
-from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
+from loaderd.wire.limits import PROTOCOL_REVISION, SEGMENT_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -128,7 +128,7 @@ def test_closing_every_session_ends_their_calls_at_once(monkeypatch: pytest.Monk
         yield from ()
 
     try:
-        responses = host.serve(pb.SessionHello(pid=os.getpid()), requests(), _Context(), ANONYMOUS)  # type: ignore[arg-type]
+        responses = host.serve(pb.SessionHello(protocol_revision=PROTOCOL_REVISION, pid=os.getpid()), requests(), _Context(), ANONYMOUS)  # type: ignore[arg-type]
         ready = next(responses)  # no shared memory served here: no challenge, the verdict at once
         assert ready.WhichOneof("kind") == "ready" and not ready.ready.shm
         rest: queue.Queue[list[pb.SessionResponse]] = queue.Queue()

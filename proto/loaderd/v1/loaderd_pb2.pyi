@@ -56,7 +56,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned")
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned", "protocol_revision")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class OpenStream(_message.Message):
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     POSITIONED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_REVISION_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     auto_collation: bool
     batch_size: int
@@ -83,7 +84,8 @@ class OpenStream(_message.Message):
     client: str
     share: ShareSpec
     positioned: bool
-    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ..., positioned: _Optional[bool] = ...) -> None: ...
+    protocol_revision: int
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ..., positioned: _Optional[bool] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
 
 class ShareSpec(_message.Message):
     __slots__ = ("name", "epoch", "fingerprint")
@@ -254,10 +256,12 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ..., keep_open_ms: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("pid",)
+    __slots__ = ("pid", "protocol_revision")
     PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_REVISION_FIELD_NUMBER: _ClassVar[int]
     pid: int
-    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+    protocol_revision: int
+    def __init__(self, pid: _Optional[int] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
 
 class SessionProof(_message.Message):
     __slots__ = ("token", "problem")
