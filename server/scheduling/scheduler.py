@@ -115,6 +115,16 @@ class Scheduler:
         self._thread.start()
 
     @property
+    def running(self) -> bool:
+        """The scheduler's thread is alive (started, and neither stopped nor given up)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the scheduler's thread to end (``stop``, or a fatal failure); True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
     def stopping(self) -> bool:
         """``stop`` was called: the daemon is shutting down."""
         return self._stop.is_set()

@@ -75,7 +75,7 @@ def test_a_failing_round_is_logged_and_the_thread_carries_on() -> None:
         sched.wake()
         delivery = stream.next_delivery(5.0)
         assert delivery is not None and delivery.seq == 0
-        assert sched._thread.is_alive()
+        assert sched.running
     finally:
         sched.stop()
 
@@ -87,8 +87,7 @@ def test_a_scheduler_that_keeps_failing_says_so_once_and_stops() -> None:
     sched.start()
     try:
         assert told.wait(10), "on_fatal was never called"
-        sched._thread.join(5)
-        assert not sched._thread.is_alive()
+        assert sched.join(5), "the thread ended once it gave up"
         assert len(fatal) == 1 and "pool exploded" in fatal[0]
     finally:
         sched.stop()
