@@ -29,6 +29,8 @@ from loaderd.wire.limits import DEFAULT_ADDRESS
 __all__ = ["ADDRESS_ENV", "DEFAULT_ADDRESS", "Resolved", "Target", "is_loopback", "lookup", "parse_target", "single_address"]
 
 ADDRESS_ENV = "LOADERD_ADDRESS"
+# The "scheme://" prefixes an address may have (dns: is parsed before).
+_SCHEMES = ("unix", "tcp")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,13 @@ def parse_target(address: str | Sequence[str] | None) -> Target:
             continue
         if part.startswith(("/", "./")) or (part.endswith(".sock") and not part.startswith("unix:")):
             raise LoaderdError(f"address {part!r} looks like a socket path: write unix://{part} (unix:///abs/path or unix:rel/path)")
+        scheme, sep, rest = part.partition("://")
+        if sep and scheme.lower() not in _SCHEMES:
+            # Refused at once: gRPC would read "http://h:p" as a DNS name and retry it for the whole failover_timeout.
+            raise LoaderdError(
+                f"address {part!r}: loaderd speaks gRPC, not {scheme}; write {rest.split('/')[0] or 'host:port'} "
+                "(host:port, tcp://host:port, unix:///path or dns:///name:port)"
+            )
         plain = part.removeprefix("tcp://")
         if plain not in fixed:
             fixed.append(plain)

@@ -82,3 +82,10 @@ def test_rendezvous_agrees_everywhere_and_moves_only_what_it_must() -> None:
     after = {k: rendezvous(k, [a for a in addresses if a != gone]) for k in keys}
     moved = [k for k in keys if after[k] != placed[k]]
     assert moved and all(placed[k] == gone for k in moved)
+
+
+@pytest.mark.parametrize("text", ["http://127.0.0.1:7070", "https://loaderd.example:443/", "grpc://h:1", "127.0.0.1:1,HTTP://h:2"])
+def test_a_scheme_loaderd_does_not_speak_is_refused_at_once(text: str) -> None:
+    with pytest.raises(LoaderdError, match=r"loaderd speaks gRPC, not (http|https|grpc|HTTP); write [^ ]+ \(host:port"):
+        parse_target(text)
+    assert parse_target("tcp://h:1,unix:///x.sock").fixed == ("h:1", "unix:///x.sock")
