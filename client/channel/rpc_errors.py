@@ -133,6 +133,8 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> LoaderdError:
     cls = _STATUS_ERRORS.get(code, LoaderdError) if code is not None else LoaderdError
     if cls is DaemonUnavailableError:
         return cls(f"loaderd at {address} is unavailable: {details}")
+    if cls is DatasetNotFoundError:  # which daemon said so: with several, configs can differ
+        return cls(f"loaderd at {address}: {details}")
     if cls is LimitExceededError:
         # Only a request the daemon said is over a limit of its own fails everywhere alike; a daemon's
         # admission limits, and gRPC's own cap on concurrent calls (no reason attached), count calls open.

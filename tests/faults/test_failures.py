@@ -344,7 +344,7 @@ def test_unknown_dataset_raises_dataset_not_found(daemon: RunningDaemon) -> None
         RemoteDataLoader("no-such-dataset", batch_size=4, address=daemon.address)
     assert isinstance(error.value, LookupError)
     message = str(error.value)
-    assert "no-such-dataset" in message, message
+    assert "no-such-dataset" in message and f"loaderd at {daemon.address}: " in message, message
     for name in DATASETS:
         assert name in message, f"{name!r} not listed in: {message}"
     with pytest.raises(loaderd.DatasetNotFoundError, match=r"did you mean 'squares'\?"):
