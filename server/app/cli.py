@@ -214,17 +214,23 @@ def _status(args: argparse.Namespace) -> int:
         stub = pb_grpc.LoaderStub(channel)
         previous: tuple[pb.StatusResponse, float] | None = None
         shown = 0
+        said = ""  # --watch: the failure last printed, said once until another (or a reply) comes
         try:
             while True:
                 try:
                     reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
                 except grpc.RpcError as exc:
-                    print(f"loaderd: cannot get status from {address}: {_status_failure(exc, address, credentials)}", file=sys.stderr)
+                    failure = _status_failure(exc, address, credentials)
+                    if failure != said:
+                        retrying = f" (retrying every {args.interval:g}s)" if args.watch else ""
+                        print(f"loaderd: cannot get status from {address}: {failure}{retrying}", file=sys.stderr, flush=True)
+                        said = failure
                     if not args.watch or exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         return EXIT_UNREACHABLE
                     previous = None  # a restarted daemon counts anew
                     time.sleep(args.interval)
                     continue
+                said = ""
                 now = time.monotonic()
                 rates = client_rates(previous[0] if previous else None, reply, now - previous[1] if previous else 0.0)
                 _show_status(args, reply, rates)

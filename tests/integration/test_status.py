@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -378,3 +380,18 @@ def test_grafana_dashboard_queries_only_metrics_the_daemon_exports(daemon: Runni
     exported = {name for name, _ in scrape(metrics_url(daemon.log()))}
     it.close()
     assert used <= exported, f"the dashboard queries metrics the daemon does not export: {sorted(used - exported)}"
+
+
+@pytest.mark.timeout(30)
+def test_watch_says_an_unreachable_daemon_once_not_every_interval(tmp_path: Path) -> None:
+    """--watch keeps retrying a daemon that is not there, saying so once (not the hint every interval)."""
+    command = [sys.executable, "-m", "loaderd.server.app.cli", "status", "--watch", "--interval", "0.1", "--address", f"unix://{tmp_path}/none.sock"]
+    watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        first = watcher.stderr.readline() if watcher.stderr is not None else ""
+        assert "cannot get status from" in first and "(retrying every 0.1s)" in first, first
+        time.sleep(1.5)  # ~15 more tries, none said again
+    finally:
+        watcher.terminate()
+        _, rest = watcher.communicate(timeout=10)
+    assert "cannot get status" not in rest, rest
