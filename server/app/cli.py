@@ -146,9 +146,11 @@ def _check(args: argparse.Namespace) -> int:
     failed = [r for r in reports if r.error]
     if args.json:
         print(json.dumps({"config": str(args.config), "datasets": [dataclasses.asdict(r) for r in reports]}, indent=2))
-    for report in failed:  # the lines `loaderd serve` would stop with, last, on stderr
-        print(f"loaderd: cannot start: {report.error}", file=sys.stderr)
-    if not args.json and not failed:
+    if failed:  # each cause once (above, or in the JSON); stderr has the verdict a script greps for
+        names = ", ".join(r.name for r in failed)
+        where = "in the JSON" if args.json else "above"
+        print(f"loaderd: check failed: {len(failed)} of {len(reports)} dataset(s) cannot be served ({names}); the causes are {where}", file=sys.stderr)
+    elif not args.json:
         print(f"\nOK: every dataset builds, yields items and collates ({len(reports)})")
     return EXIT_START if failed else 0
 

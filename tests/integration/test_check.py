@@ -35,7 +35,7 @@ def test_the_example_config_checks_out() -> None:
     assert "ms per item" in out and out.rstrip().endswith("(3)"), out
 
 
-def test_failures_are_serves_lines_and_the_rest_is_still_reported(short_tmp: Path) -> None:
+def test_each_failure_is_said_once_and_the_rest_is_still_reported(short_tmp: Path) -> None:
     path = write_config(
         short_tmp,
         {
@@ -48,10 +48,14 @@ def test_failures_are_serves_lines_and_the_rest_is_still_reported(short_tmp: Pat
     result = loaderd_cli("check", "--config", str(path), "--batch-size", "4")
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "ok: map-style, 10 items" in result.stdout, result.stdout
-    boom, bad_item = sorted(result.stderr.strip().splitlines(), reverse=True)  # one line each, nothing else
-    assert boom.startswith("loaderd: cannot start: dataset 'boom': building support.datasets:broken_factory failed: "), boom
+    causes = [line.strip() for line in result.stdout.splitlines() if line.startswith("  dataset '")]
+    boom, bad_item = sorted(causes, reverse=True)  # one line each, said once
+    assert boom.startswith("dataset 'boom': building support.datasets:broken_factory failed: "), boom
     assert "factory exploded on purpose" in boom and "datasets.py:" in boom, boom
-    assert bad_item.startswith("loaderd: cannot start: dataset 'bad-item': item 0 (dataset[0]) failed: ValueError: bad item 0"), bad_item
+    assert bad_item.startswith("dataset 'bad-item': item 0 (dataset[0]) failed: ValueError: bad item 0"), bad_item
+    assert result.stderr.strip().splitlines() == [
+        "loaderd: check failed: 2 of 3 dataset(s) cannot be served (bad-item, boom); the causes are above"
+    ], result.stderr
     assert not (short_tmp / "never.sock").exists()
 
 
@@ -85,7 +89,8 @@ def test_a_dataset_that_exits_or_hangs_is_reported_and_the_others_still_are(shor
     result = loaderd_cli("check", "--config", str(path), "--timeout", "5")
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "c-ok: map-style, 10 items" in result.stdout, result.stdout
-    assert result.stderr.strip().splitlines() == [
-        "loaderd: cannot start: dataset 'a-exits': its check process ended with exit code 3",
-        "loaderd: cannot start: dataset 'b-hangs': not done after 5s (killed): a hang?",
-    ], result.stderr
+    assert [line.strip() for line in result.stdout.splitlines() if line.startswith("  dataset '")] == [
+        "dataset 'a-exits': its check process ended with exit code 3",
+        "dataset 'b-hangs': not done after 5s (killed): a hang?",
+    ], result.stdout
+    assert "cannot be served (a-exits, b-hangs)" in result.stderr, result.stderr
