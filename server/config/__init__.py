@@ -1,6 +1,7 @@
-"""The daemon's config: the YAML schema, its validation, and the check that its callables import.
+"""The daemon's config: its runtime classes (schema.py), the file's schema declared with pydantic
+(document.py), and the one-line errors that name their culprit (messages.py: file, key, value).
 
-Every error names its culprit (file, key, value). May import ``loaderd.server.process``
-and the shared layers, nothing else of the daemon; pool workers import it, so it
-imports no grpc and loads yaml only inside ``load_config``.
+May import ``loaderd.server.process`` and the shared layers, nothing else of the daemon.
+Pool workers import schema.py, so it imports no grpc, and loads yaml and pydantic (through
+document.py) only inside ``load_config``.
 """

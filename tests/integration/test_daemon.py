@@ -317,9 +317,9 @@ def test_the_daemon_process_never_loads_torch(start_daemon: Callable[..., Runnin
 def test_pool_workers_do_not_rerun_the_daemons_main(short_tmp: Path, entry: str) -> None:
     """multiprocessing re-runs a child's parent ``__main__``: in every worker, the CLI and the whole daemon (~8 MB).
 
-    Nor do workers load grpc or yaml, which only the daemon uses (~2.6 MB in the fork server, and its start).
+    Nor do workers load grpc, yaml or pydantic, which only the daemon uses (~2.6 MB in the fork server, and its start).
     """
-    modules = ["loaderd.server.app.cli", "loaderd.server.app.daemon", "loaderd.server.worker.worker", "grpc", "yaml"]
+    modules = ["loaderd.server.app.cli", "loaderd.server.app.daemon", "loaderd.server.worker.worker", "grpc", "yaml", "pydantic"]
     sock = short_tmp / "d.sock"
     datasets = {"seen": {"dataset": "support.datasets:ModulesSeen", "kwargs": {"modules": modules}}}
     config = write_config(short_tmp, datasets, workers=1, listen=[f"unix://{sock}"])

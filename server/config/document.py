@@ -1,0 +1,343 @@
+"""The config file's schema, declared as pydantic models: what each key accepts, its default and its words.
+
+``parse_document`` validates a parsed YAML document against ``ConfigFile`` and turns it
+into the daemon's ``LoaderConfig`` (schema.py's frozen dataclasses, which the pool's
+processes use without pydantic). ``json_schema_text`` is the same schema for editors
+(deploy/loaderd-config.schema.json). Errors read as messages.py words them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_validator
+
+from loaderd.server.config.messages import config_error, expected, fail, refuse_unknown_keys, says
+from loaderd.server.config.schema import (
+    DEFAULT_LISTEN,
+    AuthConfig,
+    DatasetSpec,
+    Limits,
+    ListenSpec,
+    LoaderConfig,
+    MetricsConfig,
+    TlsSpec,
+    check_listen,
+)
+from loaderd.wire.limits import MAX_CHUNK_BYTES
+
+SCHEMA_FILE = "loaderd-config.schema.json"  # in deploy/
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LogFormat = Literal["text", "json"]  # log_format.py's LOG_FORMATS (a unit test keeps them equal)
+BuildMode = Literal["per_worker", "once"]
+
+# ------------------------------------------------------------------ the values' types, each with its words
+
+_AT_LEAST = "must be at least {ge}, got {input}"
+AtLeast0 = Annotated[int, Field(ge=0), says("an integer", greater_than_equal=_AT_LEAST)]
+AtLeast1 = Annotated[int, Field(ge=1), says("an integer", greater_than_equal=_AT_LEAST)]
+ChunkBytes = Annotated[
+    int, Field(ge=1, le=MAX_CHUNK_BYTES), says("an integer", greater_than_equal=_AT_LEAST, less_than_equal="at most {le} (16 MiB), got {input}")
+]
+# Seconds: positive, and under 1e9 (~31 years: anything longer is a typo).
+_SECONDS = "expected a positive number of seconds, got {input!r}"
+Seconds = Annotated[float, Field(gt=0, lt=1e9), says(otherwise=_SECONDS)]
+SecondsOrZero = Annotated[float, Field(ge=0, lt=1e9), says(otherwise=_SECONDS)]
+Port = Annotated[int, Field(ge=0, le=65535), says("a port number", otherwise="must be a port number from 0 to 65535, got {input}")]
+Flag = Annotated[bool, says("true or false")]
+# A file, relative to the config's directory; \S: not blank.
+PathText = Annotated[str, Field(pattern=r"\S"), says("a file path", string_pattern_mismatch="must not be empty")]
+Host = Annotated[str, Field(pattern=r"\S"), says("a host name or IP address", string_pattern_mismatch="must not be empty")]
+# "module:attribute", both non-empty; the attribute may be dotted (Outer.Inner).
+ImportPath = Annotated[
+    str,
+    Field(pattern=r"^[^:]+:[\s\S]"),
+    says("an import path 'module:attribute'", string_pattern_mismatch="{input!r} is not of the form 'module:attribute'"),
+]
+
+
+def _falsy_is_none(value: Any) -> Any:
+    return value or None  # `collate_fn:`, '' (and, as ever, any false value): none
+
+
+OptionalImportPath = Annotated[ImportPath | None, BeforeValidator(_falsy_is_none, json_schema_input_type=ImportPath | None)]
+
+
+def _one_of(choices: Any) -> str:
+    return f"expected one of {', '.join(get_args(choices))}, got {{input!r}}"
+
+
+Build = Annotated[BuildMode, says(literal_error=_one_of(BuildMode))]
+LogFormatName = Annotated[LogFormat, says(literal_error=_one_of(LogFormat))]
+
+
+def _caseless(words: tuple[str, ...]) -> str:
+    """A JSON Schema pattern for ``words`` in any case (ECMA regexes have no (?i))."""
+    return "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in word) for word in words) + ")$"
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value  # any case in the file; the type is checked next
+
+
+LogLevel = Annotated[
+    str,
+    Field(pattern=f"^({'|'.join(LOG_LEVELS)})$"),
+    BeforeValidator(_upper),
+    WithJsonSchema({"type": "string", "pattern": _caseless(LOG_LEVELS)}),
+    says("a logging level name", string_pattern_mismatch="{input!r} is not one of " + ", ".join(LOG_LEVELS)),
+]
+
+# ------------------------------------------------------------------ the sections
+
+
+class Section(BaseModel):
+    """A mapping in the config: its declared keys only (an unknown one refused with a guess), each of its type."""
+
+    # strict: no "4" for 4, no true for 1, no 2.0 for 2.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unknown_keys(data, cls.model_fields)
+        return data
+
+
+class TlsSection(Section):
+    """A listener's TLS: PEM files, relative to this file (the daemon re-reads them when they change)."""
+
+    cert: PathText = Field(description="The server's certificate chain.")
+    key: PathText = Field(description="Its private key.")
+    client_ca: PathText | None = Field(None, description="With it, clients must present a certificate this CA signed (mTLS).")
+
+
+class ListenEntry(Section):
+    """A listen entry as a mapping: an address with TLS, or a unix socket's permissions."""
+
+    address: Annotated[str, says("an address string")] = Field(description="unix:///path/to.sock, host:port or [v6]:port.")
+    tls: Annotated[TlsSection | None, says("a mapping with 'cert', 'key' and optionally 'client_ca'")] = Field(
+        None, description="TCP only: serve TLS with these files."
+    )
+    insecure: Flag = Field(False, description="TCP only: allow plaintext beyond loopback (a trusted network).")
+    # Unbounded in the schema: editors read `0660` as YAML 1.2's decimal 660, loaderd as YAML 1.1's octal.
+    socket_mode: Annotated[int | None, says("an octal mode such as 0660")] = Field(
+        None, description="Unix sockets only: the socket file's mode, in octal (default 0600); nothing for 'other'."
+    )
+    socket_group: Annotated[str | int | None, says("a group name or id")] = Field(None, description="Unix sockets only: the socket file's group.")
+
+    @model_validator(mode="after")
+    def _fits_the_address(self) -> ListenEntry:
+        unix = self.address.startswith("unix:")
+        if unix and self.tls is not None:
+            fail(f"{self.address} is a unix socket, protected by its file mode (socket_mode/socket_group), not TLS", "tls")
+        if not unix and (self.socket_mode is not None or self.socket_group is not None):
+            fail(f"socket_mode and socket_group apply to unix sockets, not {self.address}")
+        if self.tls is not None and self.insecure:
+            fail("'tls' and 'insecure: true' contradict each other")
+        mode = self.socket_mode
+        if mode is not None and (not 0 <= mode <= 0o777 or mode & 0o007):
+            fail(f"{mode:#o} must give 'other' users nothing (at most 0770)", "socket_mode", value=mode)
+        return self
+
+
+def _address_is_an_entry(value: Any) -> Any:
+    return {"address": value} if isinstance(value, str) else value
+
+
+def _address_is_a_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+Listener = Annotated[
+    ListenEntry,
+    BeforeValidator(_address_is_an_entry, json_schema_input_type=str | ListenEntry),
+    says("an address string or a mapping with 'address'"),
+]
+Listen = Annotated[
+    list[Listener],
+    Field(min_length=1),
+    BeforeValidator(_address_is_a_list, json_schema_input_type=str | Annotated[list[Listener], Field(min_length=1)]),
+    says("an address or a list of addresses", too_short="needs at least one address"),
+]
+
+
+class DatasetEntry(Section):
+    """One dataset: the callable that builds it, its arguments, and what runs beside it."""
+
+    dataset: ImportPath = Field(description="A Dataset class, or a callable that returns a dataset.")
+    args: Annotated[list[Any] | None, says("a list")] = Field(None, description="Positional arguments for it.")
+    kwargs: Annotated[dict[Any, Any] | None, says("a mapping")] = Field(None, description="Keyword arguments for it.")
+    collate_fn: OptionalImportPath = Field(None, description="The collate function (default: torch's default_collate).")
+    worker_init_fn: OptionalImportPath = Field(None, description="Called in each worker with its id.")
+    task_timeout: Seconds | None = Field(None, description="Seconds one batch may run before its worker is replaced (BatchTimeoutError).")
+    build: Build = Field("per_worker", description="per_worker: each worker builds its own; once: built once, shared by every worker.")
+
+
+def _some_dataset(value: Any) -> Any:
+    if not value:  # absent, `datasets:`, {} or []: before its type, the real problem
+        fail("the config defines no dataset")
+    return value
+
+
+Datasets = Annotated[
+    dict[Annotated[str, says("a string name")], Annotated[DatasetEntry, says("a mapping with at least 'dataset'")]],
+    Field(min_length=1),
+    BeforeValidator(_some_dataset),
+    says("a mapping of name to dataset"),
+]
+
+
+class MetricsSection(Section):
+    """The Prometheus endpoint."""
+
+    port: Port = Field(MetricsConfig.port, description="0: any free port (the log says which).")
+    host: Host = Field(MetricsConfig.host, description="Loopback by default: the endpoint names clients and datasets.")
+    require_token: Flag = Field(MetricsConfig.require_token, description="Scrapers must send a token of auth.token_file.")
+
+
+class AuthSection(Section):
+    """Bearer tokens: every call but health checks needs one, on every listener."""
+
+    token_file: PathText = Field(description="Lines name:token; other users must not be able to read it.")
+
+
+class LimitsSection(Section):
+    """What clients may ask of the daemon; over a limit, RESOURCE_EXHAUSTED naming it."""
+
+    max_streams: AtLeast1 = Field(Limits.max_streams, description="Open streams in all.")
+    max_streams_per_client: AtLeast1 = Field(Limits.max_streams_per_client, description="Per client process (its session) or connection.")
+    max_sessions: AtLeast1 = Field(Limits.max_sessions, description="Client processes connected at once.")
+    max_plan_ahead: AtLeast1 = Field(Limits.max_plan_ahead, description="Batches a stream may plan beyond what its client consumed.")
+    max_plan_indices: AtLeast1 = Field(Limits.max_plan_indices, description="Indices a stream may have planned and not yet dispatched.")
+    max_replicas: AtLeast1 = Field(Limits.max_replicas, description="An iterable stream's num_workers.")
+    max_name_bytes: AtLeast1 = Field(Limits.max_name_bytes, description="Dataset, client and share names, share fingerprints.")
+    max_request_bytes: AtLeast1 = Field(Limits.max_request_bytes, description="One request message.")
+    handshake_timeout: Seconds = Field(Limits.handshake_timeout, description="Seconds a new call has to send its first message.")
+
+
+def _null_is_empty(value: Any) -> Any:
+    return {} if value is None else value  # `metrics:` (YAML null): the section with every default
+
+
+# None stands only for an absent `metrics:` (no endpoint); an empty one turns it on.
+Metrics = Annotated[
+    MetricsSection | None,
+    BeforeValidator(_null_is_empty, json_schema_input_type=MetricsSection | None),
+    says("a mapping with 'port', 'host' and/or 'require_token'"),
+]
+LimitsOrDefaults = Annotated[LimitsSection, BeforeValidator(_null_is_empty, json_schema_input_type=LimitsSection | None), says("a mapping")]
+
+
+class ConfigFile(Section):
+    """loaderd's config (loaderd serve --config FILE)."""
+
+    model_config = ConfigDict(title="loaderd config")
+
+    # pydantic reports errors key by key in this order, then the cross-checks; ConfigError says the first. A config
+    # with one mistake reads as the hand-written parser said it; of several mistakes, the first in this order is named.
+    listen: Listen = Field(
+        list(DEFAULT_LISTEN),
+        validate_default=True,  # the default's strings become entries too
+        description="One or more addresses, each served; plaintext TCP beyond loopback needs tls (or insecure: true).",
+    )
+    python_path: Annotated[list[Annotated[str, says("a directory")]], says("a list of directories")] = Field(
+        [], description="Prepended to sys.path in the daemon and its workers (relative to this file)."
+    )
+    datasets: Datasets = Field(description="The datasets clients may ask for, by name.")
+    log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR (any case).")
+    log_format: LogFormatName = Field("text", description="text, or json: one object per line (daemon and workers).")
+    auth: Annotated[AuthSection | None, says("a mapping with 'token_file'")] = Field(None, description="Absent: no token asked for.")
+    metrics: Metrics = Field(None, description="Absent: no endpoint; empty: on, with the defaults.")
+    workers: AtLeast1 = Field(2, description="Size of the shared worker pool.")
+    chunk_bytes: ChunkBytes = Field(LoaderConfig.chunk_bytes, description="Payload bytes per gRPC message (gRPC Python is fastest at 1-8 MiB).")
+    max_window: AtLeast1 = Field(LoaderConfig.max_window, description="Cap on any stream's prefetch window, in batches.")
+    share_buffer: AtLeast0 = Field(LoaderConfig.share_buffer, description="Batches a shared job keeps for late joiners and slower readers.")
+    shm_bytes_per_worker: AtLeast0 = Field(LoaderConfig.shm_bytes_per_worker, description="Shared memory for a worker's batches (0: pipes).")
+    limits: LimitsOrDefaults = Field({}, validate_default=True, description="What clients may ask of the daemon.")
+    max_tasks_per_worker: AtLeast0 = Field(LoaderConfig.max_tasks_per_worker, description="Replace a worker after this many batches (0: never).")
+    worker_max_rss_mb: AtLeast0 = Field(LoaderConfig.worker_max_rss_mb, description="Replace a worker past this resident MiB (0: never).")
+    drain_timeout: SecondsOrZero = Field(LoaderConfig.drain_timeout, description="SIGTERM: seconds clients get to move elsewhere (0: stop at once).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, data: Any) -> Any:
+        if data is None:
+            data = {}  # an empty file: it says what it lacks, its datasets
+        if not isinstance(data, dict):
+            fail(expected("a mapping at the top level", data), value=data)
+        return {"datasets": None, **data}  # absent: the datasets' own check says so, not "missing required key"
+
+    @model_validator(mode="after")
+    def _tokens_for_metrics(self) -> ConfigFile:
+        if self.metrics is not None and self.metrics.require_token and self.auth is None:
+            fail("needs auth.token_file (the tokens scrapers must send)", "metrics", "require_token", value=True)
+        return self
+
+
+# ------------------------------------------------------------------ to the daemon's config
+
+
+def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
+    """The validated document as the daemon's runtime config, its paths resolved against the config's directory."""
+
+    def file(name: str) -> Path:
+        return (path.parent / name).resolve()
+
+    def tls(section: TlsSection) -> TlsSpec:
+        return TlsSpec(file(section.cert), file(section.key), file(section.client_ca) if section.client_ca is not None else None)
+
+    listen = tuple(ListenSpec(e.address, tls(e.tls) if e.tls else None, e.insecure, e.socket_mode, e.socket_group) for e in doc.listen)
+    check_listen(listen)  # a policy on the runtime specs, which `serve --listen` overrides get too
+    datasets = {
+        name: DatasetSpec(
+            name=name,
+            factory=entry.dataset,
+            args=tuple(entry.args or ()),
+            kwargs=dict(entry.kwargs or {}),
+            collate_fn=entry.collate_fn,
+            worker_init_fn=entry.worker_init_fn,
+            task_timeout=entry.task_timeout,
+            build=entry.build,
+        )
+        for name, entry in doc.datasets.items()
+    }
+    scalars = {"workers", "chunk_bytes", "max_window", "share_buffer", "shm_bytes_per_worker", "log_level", "log_format"}
+    scalars |= {"max_tasks_per_worker", "worker_max_rss_mb", "drain_timeout"}
+    return LoaderConfig(
+        path=path,
+        listen=listen,
+        python_path=tuple(str(file(p)) for p in doc.python_path),
+        datasets=datasets,
+        metrics=MetricsConfig(**doc.metrics.model_dump()) if doc.metrics is not None else None,
+        limits=Limits(**doc.limits.model_dump()),
+        auth=AuthConfig(file(doc.auth.token_file)) if doc.auth is not None else None,
+        **doc.model_dump(include=scalars),
+    )
+
+
+def parse_document(raw: Any, path: Path) -> LoaderConfig:
+    """A parsed YAML document, validated; ConfigError naming the first thing wrong."""
+    try:
+        doc = ConfigFile.model_validate(raw)
+    except ValidationError as exc:
+        raise config_error(exc, path) from None
+    return _config(doc, path)
+
+
+def check_port(value: Any, where: str) -> int:
+    """A TCP port number (0: any free port), or ConfigError naming ``where``."""
+    try:
+        port: int = TypeAdapter(Port).validate_python(value, strict=True)
+    except ValidationError as exc:
+        raise config_error(exc, where) from None
+    return port
+
+
+def json_schema_text() -> str:
+    """The config's JSON Schema, as committed in deploy/ (editors: yaml-language-server's ``$schema``)."""
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **ConfigFile.model_json_schema()}
+    return json.dumps(schema, indent=2) + "\n"
