@@ -1,6 +1,6 @@
 """The daemon's first check: every callable its config names imports, tried in a child.
 
-``check_imports`` (server/config/schema.py) imports the datasets' modules, and with them
+``check_imports`` (server/worker/user_code.py) imports the datasets' modules, and with them
 torch: ~0.15 GB that the daemon itself never uses (its fork server and workers
 run that code). So ``loaderd serve`` makes the check in a forked child and only
 hears the verdict; the daemon itself only puts the config's ``python_path`` on
