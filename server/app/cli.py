@@ -149,7 +149,8 @@ def _check(args: argparse.Namespace) -> int:
     if failed:  # each cause once (above, or in the JSON); stderr has the verdict a script greps for
         names = ", ".join(r.name for r in failed)
         where = "in the JSON" if args.json else "above"
-        print(f"loaderd: check failed: {len(failed)} of {len(reports)} dataset(s) cannot be served ({names}); the causes are {where}", file=sys.stderr)
+        verdict = f"{len(failed)} of {len(reports)} dataset(s) cannot be served ({names}); the causes are {where}"
+        print(f"loaderd: check failed: {verdict}", file=sys.stderr)
     elif not args.json:
         print(f"\nOK: every dataset builds, yields items and collates ({len(reports)})")
     return EXIT_START if failed else 0
