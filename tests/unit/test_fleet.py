@@ -20,6 +20,7 @@ import loaderd.fleet.fleet as fleet_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
+from loaderd.errors import LimitExceededError
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane
@@ -152,6 +153,40 @@ def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(
     fleet.mark_down("B:1", "the stream broke")
     fleet.probe_due()
     assert probed == ["A:1"], "with B down, A is asked at once"
+
+
+
+def test_a_member_s_reason_quotes_the_transport_session_for_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``transport="auto"``: Fleet.session_for decides shared memory or gRPC, and the member's reason
+    says why gRPC (the probe used to read the session it had turned down, and said plain "up")."""
+    answer = pb.DescribeDatasetResponse(protocol_revision=PROTOCOL_REVISION, pool_workers=2, dataset=INFO)
+    session = types.SimpleNamespace(shm=False, reason="this process cannot read the daemon's shared memory")
+    refuse = False
+
+    def open_session() -> Any:
+        if refuse:
+            raise LimitExceededError("max_sessions (1) reached", admission=True)
+        return session
+
+    connection = types.SimpleNamespace(
+        credentials=None, describe_later=lambda dataset: types.SimpleNamespace(result=lambda: answer), session=open_session
+    )
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: connection)
+    fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "auto")
+    member = fleet.members["A:1"]
+
+    def probed() -> str:
+        member.next_probe = 0.0
+        fleet.probe_due()
+        return member.reason
+
+    assert probed() == "up (gRPC transport: this process cannot read the daemon's shared memory)"
+    assert fleet.session_for("A:1") is None
+    session.shm = True
+    assert probed() == "up" and fleet.session_for("A:1") is session
+    refuse = True
+    assert probed() == "up (gRPC transport: it refused a session: max_sessions (1) reached)"
+    assert fleet.session_for("A:1") is None
 
 
 # ------------------------------------------------------------------ spreading over fake lanes
