@@ -1,12 +1,12 @@
 """Placement: where one epoch streams from, and which lane is asked for which position.
 
 An epoch runs in one of three modes, each a placement the iterator is handed when it
-begins (``loaderd.epoch.iterator`` picks it from the ``EpochStream``); the iterator asks
+begins (``loaderd.epoch.modes`` picks it from the ``EpochStream``); the iterator asks
 its placement and never which mode it runs in:
 
-- ``Spread`` (``loaderd.epoch.spread``): a map-style epoch over every usable daemon.
-- ``Share`` (``loaderd.epoch.share``): one lane, on the daemon every consumer of the share picks.
-- ``OneStream`` (``loaderd.epoch.iterable``): an IterableDataset's one lane, planned by the daemon.
+- ``SpreadPlacement`` (``loaderd.epoch.spread``): a map-style epoch over every usable daemon.
+- ``SharePlacement`` (``loaderd.epoch.share``): one lane, on the daemon every consumer of the share picks.
+- ``IterablePlacement`` (``loaderd.epoch.iterable``): an IterableDataset's one lane, planned by the daemon.
 
 The contract every placement keeps:
 
