@@ -81,6 +81,8 @@ class Member:
     refused: LoaderdError | None = None
     # Why it refused a session (max_sessions) while "auto" streams from it over gRPC; "": it did not.
     sessionless: str = ""
+    # Why "auto" streams from it over gRPC, as ``Fleet.session_for`` last decided ("": through shared memory).
+    over_grpc: str = ""
     # Down because it refused a stream for its limits (its backoff runs to MAX_FULL_BACKOFF_S).
     full: bool = False
 
@@ -222,7 +224,6 @@ class Fleet:
         iterator hears that the daemon is back."""
         try:
             describing = member.connection.describe_later(self.dataset)
-            session: ShmSession | None = None
             session_error: Exception | None = None
             together = self.reference is None
             if together:
@@ -231,7 +232,7 @@ class Fleet:
                 # heard first, as it says more (no such dataset, too old). Later probes are often of
                 # daemons that are down: they ask for a session only once the daemon has answered.
                 try:
-                    session = self.session_for(member.address)
+                    self.session_for(member.address)  # opens the session; the member notes the transport
                 except (grpc.RpcError, LoaderdError) as exc:
                     session_error = exc
             described = describing.result()
@@ -240,7 +241,7 @@ class Fleet:
             if session_error is not None:
                 raise session_error
             if not together:
-                session = self.session_for(member.address)
+                self.session_for(member.address)
         except grpc.RpcError as exc:
             refused = refusal(exc, member.address, member.connection.credentials)
             if refused is not None:
@@ -272,10 +273,7 @@ class Fleet:
             member.pool_workers = max(1, described.pool_workers)
             member.up, member.draining, member.refused = True, False, None
             member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
-            if member.sessionless:
-                member.reason = f"up (gRPC transport: it refused a session: {member.sessionless})"
-            else:
-                member.reason = "up" + ("" if session is None or session.shm else " (gRPC transport: " + session.reason + ")")
+            member.reason = f"up (gRPC transport: {member.over_grpc})" if member.over_grpc else "up"
         return changed
 
     def denied(self) -> AuthenticationError | None:
@@ -304,8 +302,10 @@ class Fleet:
     def session_for(self, address: str) -> ShmSession | None:
         """The shared-memory session to stream from ``address`` through, or None for plain gRPC.
 
-        TransportError where ``transport="shm"`` cannot work with it; LimitExceededError where
-        it refuses a session (``max_sessions``) to ``transport="shm"``.
+        The one place the client chooses a daemon's transport: lanes, their calls and the member's
+        reason (``over_grpc``) go by what it answers. TransportError where ``transport="shm"``
+        cannot work with it; LimitExceededError where it refuses a session (``max_sessions``) to
+        ``transport="shm"``.
         """
         if self.transport == "grpc":
             return None
@@ -320,12 +320,15 @@ class Fleet:
             if not member.sessionless:  # said once, not at every probe
                 log.warning("loaderd at %s refused a session (%s): streaming over gRPC, without shared memory", address, exc)
             member.sessionless = str(exc) or type(exc).__name__
+            member.over_grpc = f"it refused a session: {member.sessionless}"
             return None
         member.sessionless = ""
         if session.shm:
+            member.over_grpc = ""
             return session
         if self.transport == "shm":
             raise TransportError(f"transport='shm' cannot work with the daemon at {address}: {session.reason}")
+        member.over_grpc = session.reason
         return None
 
     def wait_for_one(self, timeout: float) -> tuple[pb.DatasetInfo, int]:

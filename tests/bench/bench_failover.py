@@ -580,7 +580,7 @@ def kill_round(bench: Bench, r: int) -> KillRound:
             check.add(batch)
             del batch
             if len(returns) == kill_at:
-                if victim.address not in it._lanes:
+                if victim.address not in it._lanes.by_address:
                     result.verdict = "the victim had no lane at the kill"
                 for position, lanes in it._positions.asked().items():
                     addresses = {lane.address for lane in lanes}

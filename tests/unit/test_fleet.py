@@ -7,9 +7,11 @@ behaviour is in tests/faults/test_failover.py.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import loaderd.fleet.fleet as fleet_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
+from loaderd.errors import LimitExceededError
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane
@@ -152,6 +155,40 @@ def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(
     assert probed == ["A:1"], "with B down, A is asked at once"
 
 
+
+def test_a_member_s_reason_quotes_the_transport_session_for_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``transport="auto"``: Fleet.session_for decides shared memory or gRPC, and the member's reason
+    says why gRPC (the probe used to read the session it had turned down, and said plain "up")."""
+    answer = pb.DescribeDatasetResponse(protocol_revision=PROTOCOL_REVISION, pool_workers=2, dataset=INFO)
+    session = types.SimpleNamespace(shm=False, reason="this process cannot read the daemon's shared memory")
+    refuse = False
+
+    def open_session() -> Any:
+        if refuse:
+            raise LimitExceededError("max_sessions (1) reached", admission=True)
+        return session
+
+    connection = types.SimpleNamespace(
+        credentials=None, describe_later=lambda dataset: types.SimpleNamespace(result=lambda: answer), session=open_session
+    )
+    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: connection)
+    fleet = Fleet(Target("A:1", ("A:1",), ()), "d", "auto")
+    member = fleet.members["A:1"]
+
+    def probed() -> str:
+        member.next_probe = 0.0
+        fleet.probe_due()
+        return member.reason
+
+    assert probed() == "up (gRPC transport: this process cannot read the daemon's shared memory)"
+    assert fleet.session_for("A:1") is None
+    session.shm = True
+    assert probed() == "up" and fleet.session_for("A:1") is session
+    refuse = True
+    assert probed() == "up (gRPC transport: it refused a session: max_sessions (1) reached)"
+    assert fleet.session_for("A:1") is None
+
+
 # ------------------------------------------------------------------ spreading over fake lanes
 
 
@@ -160,6 +197,7 @@ class _Call:
 
     def __init__(self) -> None:
         self.epoch: Any = None
+        self.cancelled = False
 
     def open(self, opening: pb.OpenStream, epoch: Any) -> bool:
         self.epoch = epoch
@@ -169,7 +207,7 @@ class _Call:
         pass
 
     def cancel(self) -> None:
-        pass
+        self.cancelled = True
 
 
 class _Calls:
@@ -244,7 +282,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     is lost, and its positions wait. The slow one's late answers free its window: the waiting
     positions must go out then, or nothing ever sends them (next() hung)."""
     it, calls = _spreading_iterator(["A", "C"], batches=6)
-    slow, fast = it._lanes["A"], it._lanes["C"]
+    slow, fast = it._lanes.by_address["A"], it._lanes.by_address["C"]
 
     def answer(lane: Lane, position: int) -> None:
         calls.made[lane.address].epoch.post(Heard.BATCH, f"batch {position}")
@@ -256,7 +294,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
         answer(fast, position)
     slow_owes = list(slow.sent)
     it._positions.restart_clocks(time.monotonic() - 1.0)  # the slow one's positions are late now
-    it._steal()
+    it._hedge()
     assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
     for position in list(fast.sent):
         answer(fast, position)
@@ -264,8 +302,23 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     assert list(fast.sent) == [4, 5]
     calls.made["C"].epoch.post(Heard.LOST, "UNAVAILABLE")
     it._take_in()
-    assert list(it._lanes) == ["A"] and it._positions.waiting  # 4 and 5 wait for room
+    assert list(it._lanes.by_address) == ["A"] and it._positions.waiting  # 4 and 5 wait for room
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
     assert list(slow.sent) == [4, 5] and not it._positions.waiting
     it.close()
+
+
+def test_a_dropped_iterator_cancels_its_streams_at_once() -> None:
+    """Nothing the iterator holds (its lanes, placement, plan) refers back to it: dropping it runs its
+    finalizer without waiting for the cycle collector, and the streams end then."""
+    it, calls = _spreading_iterator(["A", "C"], batches=6)
+    it._top_up()
+    dropped = weakref.ref(it)
+    gc.disable()
+    try:
+        del it
+        assert dropped() is None, "the iterator is still referenced (a cycle?)"
+        assert all(call.cancelled for call in calls.made.values()) and len(calls.made) == 2
+    finally:
+        gc.enable()
