@@ -28,6 +28,10 @@ def revision_mismatch(theirs: int, me: str) -> str:
 # bytes) a batch may have; with a data chunk (``chunk_bytes`` <= MAX_CHUNK_BYTES)
 # its header still fits in one message.
 MAX_HEADER_BYTES = 32 << 20
+# Set (to the module's name) while a daemon's process imports a module its config names. A
+# RemoteDataLoader made then is a script that trains at import (no ``if __name__ == "__main__":``):
+# it would wait for the very daemon that is starting; it refuses at once, naming the module.
+IMPORTING_CONFIG_ENV = "LOADERD_IMPORTING_CONFIG_MODULE"
 MAX_CHUNK_BYTES = 16 << 20
 
 # Where workers' shared-memory segments live, and how their names start:

@@ -38,7 +38,6 @@ Rules:
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import pickle
 import tempfile
@@ -50,7 +49,7 @@ from typing import Any
 from loaderd.server.config.schema import DatasetSpec
 from loaderd.server.process import glibc_tunables
 from loaderd.server.process.log_format import configure_logging
-from loaderd.server.worker.user_code import apply_python_path, resolve
+from loaderd.server.worker.user_code import apply_python_path, import_config_module, resolve
 
 ENV = "LOADERD_BUILD_ONCE"
 
@@ -121,7 +120,7 @@ def build_from_environment() -> None:
     apply_python_path(payload.python_path)
     for module in payload.modules:
         try:
-            importlib.import_module(module)
+            import_config_module(module)
         except BaseException:  # noqa: BLE001 - even SystemExit: the daemon's import check and the workers report it
             pass
     for spec in payload.build_once:

@@ -8,12 +8,16 @@ import check forks a child, server/worker/import_check.py); the fork server, the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 from loaderd.server.config.schema import ConfigError, LoaderConfig
+from loaderd.wire.limits import IMPORTING_CONFIG_ENV
 
 
 def apply_python_path(python_path: Sequence[str]) -> None:
@@ -23,11 +27,31 @@ def apply_python_path(python_path: Sequence[str]) -> None:
             sys.path.insert(0, entry)
 
 
+@contextlib.contextmanager
+def _importing(module_name: str) -> Iterator[None]:
+    """``IMPORTING_CONFIG_ENV`` names the module while it is imported (a loader made then refuses; see there)."""
+    before = os.environ.get(IMPORTING_CONFIG_ENV)
+    os.environ[IMPORTING_CONFIG_ENV] = module_name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(IMPORTING_CONFIG_ENV, None)
+        else:
+            os.environ[IMPORTING_CONFIG_ENV] = before
+
+
+def import_config_module(module_name: str) -> ModuleType:
+    """Import a module the config names (the fork server's preload, ``resolve``), flagged as such."""
+    with _importing(module_name):
+        return importlib.import_module(module_name)
+
+
 def resolve(import_path: str) -> Callable[..., Any]:
     """Import 'module:attr' (attr may be dotted). Raises ConfigError naming it."""
     module_name, _, attr = import_path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = import_config_module(module_name)
     except Exception as exc:  # noqa: BLE001 - a user's module may raise anything on import: the error names it
         raise ConfigError(f"cannot import module {module_name!r} (from {import_path!r}): {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
