@@ -37,7 +37,7 @@ from loaderd.server.worker.tasks import (
     SlotsRetired,
     send_result,
 )
-from loaderd.wire.codec import encode_batch
+from loaderd.wire.batch_encoder import encode_batch
 from loaderd.wire.limits import MAX_HEADER_BYTES
 
 # What a replica's ``next()`` returns past its end (a sample may be None itself).
