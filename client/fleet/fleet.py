@@ -1,11 +1,11 @@
 """Fleet: the daemons one loader may use, and what it last heard from each.
 
 A loader's ``address=`` names one or more daemons, or a DNS name whose records
-are the daemons (``loaderd.wire.addresses``). The fleet keeps one ``Member`` per
-address: up (it described the loader's dataset and can stream it), or not, and
-why, which is what ``DaemonUnavailableError`` quotes. Every daemon must
-describe the dataset alike (kind, length): the first one heard is the
-reference, and one that disagrees is a ``DaemonMismatchError`` naming both.
+are the daemons (``loaderd.wire.addresses``). The fleet keeps one ``Member``
+(client/fleet/member.py) per address: up (it described the loader's dataset and
+can stream it), or not, and why, which is what ``DaemonUnavailableError`` quotes.
+Every daemon must describe the dataset alike (kind, length): the first one heard
+is the reference, and one that disagrees is a ``DaemonMismatchError`` naming both.
 
 Who changes what: the loader's constructor calls ``wait_for_one``; during an
 epoch a ``FleetMonitor`` thread re-resolves DNS names and probes members that
@@ -36,6 +36,7 @@ from loaderd.errors import (
     TransportError,
 )
 from loaderd.fleet.connection import EXITING, DaemonConnection, get_connection
+from loaderd.fleet.member import PROBE_INTERVAL_S, Member, dataset_shape
 from loaderd.shm.session import ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.addresses import Resolved, Target
@@ -43,48 +44,8 @@ from loaderd.wire.limits import PROTOCOL_REVISION, revision_mismatch
 
 log = logging.getLogger("loaderd.fleet")
 
-# How often a member that is down is asked again, one that is up checked, and a DNS name looked up again.
-PROBE_INTERVAL_S = 0.1
-RECHECK_INTERVAL_S = 2.0
+# How often a DNS name is looked up again.
 RESOLVE_INTERVAL_S = 1.0
-# A daemon whose streams break again and again is asked again later each time, up to this.
-MAX_BACKOFF_S = 2.0
-# The same for a daemon that keeps refusing streams for its limits (max_streams): it answers probes,
-# so only a stream finds it full, and each try costs a share's consumers a move there and back.
-MAX_FULL_BACKOFF_S = 30.0
-
-
-def dataset_shape(info: pb.DatasetInfo) -> str:
-    """How a daemon serves a dataset, in words: what daemons must agree on."""
-    kind = "an IterableDataset" if info.kind == pb.DatasetInfo.ITERABLE else "map-style"
-    return f"{kind} with {info.length} items" if info.has_length else f"{kind} without a length"
-
-
-
-
-@dataclass
-class Member:
-    """One daemon address and what the loader knows of it."""
-
-    address: str
-    connection: DaemonConnection
-    up: bool = False
-    draining: bool = False
-    reason: str = "not tried yet"
-    pool_workers: int = 1
-    # Listed by the last look-up (a DNS name's records can drop it).
-    listed: bool = True
-    next_probe: float = 0.0
-    # Streams to it that broke since one last answered (the backoff before asking it again).
-    losses: int = 0
-    # Why it cannot serve the loader although it answered (no such dataset, too old, transport); None: it could.
-    refused: LoaderdError | None = None
-    # Why it refused a session (max_sessions) while "auto" streams from it over gRPC; "": it did not.
-    sessionless: str = ""
-    # Why "auto" streams from it over gRPC, as ``Fleet.session_for`` last decided ("": through shared memory).
-    over_grpc: str = ""
-    # Down because it refused a stream for its limits (its backoff runs to MAX_FULL_BACKOFF_S).
-    full: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,13 +120,13 @@ class Fleet:
             return [
                 Usable(m.address, m.pool_workers)
                 for m in sorted(self.members.values(), key=lambda m: m.address)
-                if m.up and m.listed and not m.draining
+                if m.usable
             ]
 
     def is_usable(self, address: str) -> bool:
         with self._lock:
             member = self.members.get(address)
-            return member is not None and member.up and member.listed and not member.draining
+            return member is not None and member.usable
 
     def mark_down(self, address: str, reason: str, full: bool = False) -> None:
         """A stream to ``address`` broke, or was refused for a limit (``full``): probe it again until it
@@ -174,25 +135,21 @@ class Fleet:
         with self._lock:
             member = self.members.get(address)
             if member is not None:
-                member.losses += 1
-                member.up, member.reason = False, reason
-                member.full = full
-                most = MAX_FULL_BACKOFF_S if full else MAX_BACKOFF_S
-                member.next_probe = time.monotonic() + min(most, PROBE_INTERVAL_S * 2 ** (member.losses - 1))
+                member.broke(reason, full)
 
     def mark_answering(self, address: str) -> None:
         """A stream to ``address`` delivered: it is healthy again (no backoff)."""
         with self._lock:
             member = self.members.get(address)
             if member is not None:
-                member.losses = 0
+                member.answering()
 
     def mark_draining(self, address: str) -> None:
         """``address`` said it is draining: no new work goes there; probes find it when it is back."""
         with self._lock:
             member = self.members.get(address)
             if member is not None:
-                member.up, member.draining, member.reason, member.next_probe = False, True, "draining", 0.0
+                member.drains()
 
     def report(self) -> str:
         """What each address said last, for error messages."""
@@ -209,7 +166,7 @@ class Fleet:
         with self._lock:
             # The long backoff of a full daemon spares the shares it would refuse while others serve;
             # with none up, it is asked at once (it may have room now, and the loader has nowhere else).
-            stranded = not any(m.up and m.listed and not m.draining for m in self.members.values())
+            stranded = not any(m.usable for m in self.members.values())
             due = [m for m in self.members.values() if m.listed and (m.next_probe <= now or (stranded and m.full))]
         changed = False
         for member in due:
@@ -269,12 +226,7 @@ class Fleet:
                 member.reason = f"serves {self.dataset!r} as {dataset_shape(info)}"
                 member.next_probe = time.monotonic() + 1.0
                 return False
-            changed = not member.up or member.draining
-            member.pool_workers = max(1, described.pool_workers)
-            member.up, member.draining, member.refused = True, False, None
-            member.next_probe = time.monotonic() + RECHECK_INTERVAL_S
-            member.reason = f"up (gRPC transport: {member.over_grpc})" if member.over_grpc else "up"
-        return changed
+            return member.came_up(described.pool_workers)
 
     def denied(self) -> AuthenticationError | None:
         """The refusal to raise when no daemon is up and one refused this loader's credentials
@@ -289,11 +241,7 @@ class Fleet:
         """``member`` did not come up: why, and when to ask again (a daemon that answered no: less often).
         True if it was up until now."""
         with self._lock:
-            changed = member.up
-            member.up, member.reason = False, reason
-            member.refused = (error or LoaderdError(f"loaderd at {member.address} {reason}")) if refused else None
-            member.next_probe = time.monotonic() + (1.0 if refused else PROBE_INTERVAL_S)
-        return changed
+            return member.not_up(reason, refused=refused, error=error)
 
     def connection(self, address: str) -> DaemonConnection:
         with self._lock:

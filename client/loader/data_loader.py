@@ -1,12 +1,16 @@
-"""RemoteDataLoader: torch's DataLoader, with the workers in a loaderd daemon."""
+"""RemoteDataLoader: torch's DataLoader, with the workers in a loaderd daemon.
+
+This module is the loader's arguments: checked (client/loader/arguments.py), turned
+into its plan, its daemons and its identity, and read again as each epoch begins
+(``_epoch_stream``). Its epochs, one ``iter(loader)`` after another, are a
+``LoaderEpochs``'s (client/loader/epochs.py).
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,22 +19,15 @@ from torch.utils.data import DataLoader, Sampler
 
 from loaderd.channel.credentials import Credentials
 from loaderd.epoch.epoch_stream import EpochStream
-from loaderd.epoch.index_batches import first_batch_draws, index_batches, last_batch_draws, plans_ahead
+from loaderd.epoch.index_batches import last_batch_draws, plans_ahead
 from loaderd.epoch.iterator import RemoteLoaderIter
-from loaderd.epoch.next_epoch import NextEpoch, Readiness, SamplerDraw
-from loaderd.epoch.start import (
-    EpochProgress,
-    EpochStart,
-    begin_epoch,
-    epoch_aware,
-    next_epoch_state,
-    sampler_generators,
-    sized_len,
-)
+from loaderd.epoch.next_epoch import PlanAhead
+from loaderd.epoch.start import EpochStart, epoch_aware, sampler_generators, sized_len
 from loaderd.epoch.state import LoaderState
 from loaderd.errors import LoaderdError
 from loaderd.fleet.fleet import Fleet
 from loaderd.loader.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
+from loaderd.loader.epochs import LoaderEpochs
 from loaderd.loader.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.loader.plan import build_plan, proxy_dataset
 from loaderd.process_tuning import freeze_imports
@@ -177,22 +174,11 @@ class RemoteDataLoader:
         self.sampler = self._plan.sampler
         self.batch_sampler = self._plan.batch_sampler
         self._identity = self._make_identity(bool(shuffle), info.length if info.has_length else None)
-
-        # The epoch counter (share epochs, state_dict); set_epoch sets it, each __iter__ advances it.
-        self._epoch = 0
-        # The latest epoch's replay record; a strong reference, so state_dict()
-        # still knows the position after its iterator is gone (a break, a failure).
-        self._progress: EpochProgress | None = None
-        self._resume: LoaderState | None = None  # armed by load_state_dict for the next __iter__
         self._pin = pin_memory and torch.cuda.is_available()
-        # Weak: holding the epoch's iterator would keep its stream open after a `break`.
-        self._iterator: weakref.ref[RemoteLoaderIter] | None = None
-        # The next epoch, planned while this one ends (loaderd.epoch.next_epoch), where its draws allow;
-        # off for good once a caller drew from the global RNG between epochs.
-        self._next_epoch: NextEpoch | None = None
         self._closed = False
-        self._epochs_begun = 0  # from the second on, the loader plans ahead: one used once would waste a window
-        self._plans_ahead = (
+        # The next epoch is planned ahead (loaderd.epoch.next_epoch) only where every draw it makes
+        # comes from torch's global RNG, by its first batch.
+        may_plan_ahead = (
             plan_ahead
             and not self._iterable
             and share is None
@@ -200,6 +186,7 @@ class RemoteDataLoader:
             and sized_len(self._plan) is not None
             and plans_ahead(self._plan._index_sampler)
         )
+        self._epochs = LoaderEpochs(self._plan, dataset_name, self._iterable, may_plan_ahead)
 
     def _make_identity(self, shuffle: bool, length: int | None) -> LoaderIdentity:
         """What decides this loader's batches: shares and ``load_state_dict`` compare its fingerprint."""
@@ -234,12 +221,7 @@ class RemoteDataLoader:
         if self._closed:
             return
         self._closed = True
-        iterator = self._iterator() if self._iterator is not None else None
-        planned = self._next_epoch.iterator if self._next_epoch is not None else None
-        self._iterator = None
-        if iterator is not None:
-            iterator.close()
-        self._cancel_next_epoch()
+        iterator, planned = self._epochs.end()
         deadline = time.monotonic() + timeout
         joined = self._calls.close(timeout)
         for epoch in (iterator, planned):
@@ -263,90 +245,13 @@ class RemoteDataLoader:
                 "then device pinned memory won't be used.",
                 stacklevel=2,
             )
-        previous = self._iterator() if self._iterator is not None else None
-        if previous is not None:
-            previous.close()  # one live epoch per loader, as torch resets its workers
-        self._epochs_begun += 1
-        planned, self._next_epoch = self._next_epoch, None
-        if planned is not None:
-            if self._resume is None and planned.epoch == self._epoch:
-                if not planned.drawn_alike():
-                    self._plans_ahead = False  # the caller draws from the global RNG between epochs
-                else:
-                    readiness = planned.iterator.readiness()
-                    if readiness is Readiness.READY:
-                        planned.take_draws()
-                        self._epoch += 1
-                        self._progress = planned.progress
-                        self._iterator = weakref.ref(planned.iterator)
-                        return planned.iterator
-                    if readiness is Readiness.REFUSED:
-                        self._plans_ahead = False  # it would be refused again
-            planned.cancel()
-        resume = self._resume
-        epoch = resume.epoch if resume is not None else self._epoch
-        start = begin_epoch(
-            self._plan,
-            iterable=self._iterable,
-            epoch=epoch,
-            rng=self._epoch_rng,
-            reseed=share_seed(self.share, self.seed, epoch) if self.share is not None else None,
-            resume=resume,
-        )
-        self._resume = None
-        self._epoch = epoch + 1
-        self._progress = start.progress
-        iterator = RemoteLoaderIter(self._epoch_stream(start))
-        self._iterator = weakref.ref(iterator)
-        return iterator
+        return self._epochs.begin(self._epoch_rng, self._reseed, self._epoch_stream)
 
-    def _plan_next_epoch(self, current: RemoteLoaderIter) -> None:
-        """``current``'s whole plan is out: plan the next epoch now, on a copy of the global RNG
-        (``loaderd.epoch.next_epoch``). In the caller's thread, from inside ``next()``."""
-        if not self._plans_ahead or self._epochs_begun < 2 or self._next_epoch is not None or self._resume is not None:
-            return
-        if self._iterator is None or self._iterator() is not current:
-            return  # an epoch this loader has moved past
-        if not current.over_shared_memory:
-            # Over gRPC the planned epoch's call receives multi-MiB messages on a second thread,
-            # with a malloc arena of its own to fault in again: measured (bench_ab), the trainer
-            # spent 0.9 ms more per float32 batch, 0.93x the batches/s.
-            return
-        index_sampler = self._plan._index_sampler
-        if not plans_ahead(index_sampler):  # checked again: the sampler is the user's to change
-            return
-        rng = torch.default_generator
-        before = rng.get_state()
-        draws = torch.Generator()
-        draws.set_state(before)
-        iterator: RemoteLoaderIter | None = None
-        try:
-            start = begin_epoch(
-                self._plan, iterable=False, epoch=self._epoch, rng=draws, reseed=None, resume=None, global_rng=draws
-            )
-            after_base = draws.get_state()
-            if first_batch_draws(index_sampler):
-                start.sampler_draw = SamplerDraw(rng, draws, after_base, functools.partial(index_batches, index_sampler))
-            iterator = RemoteLoaderIter(self._epoch_stream(start))
-            iterator.plan_ahead()
-        except Exception:  # e.g. a session that cannot open now: the epoch begins at iter() as usual
-            log.debug("loaderd: could not plan the next epoch of %r ahead", self.dataset_name, exc_info=True)
-            if iterator is not None:
-                iterator.close()
-            return
-        self._next_epoch = NextEpoch(self._epoch, iterator, start.progress, rng, before, after_base)
+    def _reseed(self, epoch: int) -> int | None:
+        """The seed a share's RNG takes for ``epoch``; None without ``share=``."""
+        return share_seed(self.share, self.seed, epoch) if self.share is not None else None
 
-    def _stop_planning_ahead(self) -> None:
-        """A planned epoch missed: this loader's caller draws from the global RNG between its epochs."""
-        self._plans_ahead = False
-
-    def _cancel_next_epoch(self) -> None:
-        """Drop the epoch planned ahead, if any (it would not be the next epoch's)."""
-        planned, self._next_epoch = self._next_epoch, None
-        if planned is not None:
-            planned.cancel()
-
-    def _epoch_stream(self, start: EpochStart) -> EpochStream:
+    def _epoch_stream(self, start: EpochStart, plan_ahead: PlanAhead | None) -> EpochStream:
         """All that the iterator of the epoch ``start`` begins needs, so it needs no loader."""
         # len(loader); map-style, that is the index sampler's length, which bounds the plan.
         length = sized_len(self._plan)
@@ -369,7 +274,7 @@ class RemoteDataLoader:
             last_batch_draws=self._iterable or last_batch_draws(self._plan._index_sampler),
             length=length,
             start=start,
-            plan_ahead=_LoaderPlansAhead(self) if self._plans_ahead else None,
+            plan_ahead=plan_ahead,
         )
 
     def __len__(self) -> int:
@@ -379,7 +284,7 @@ class RemoteDataLoader:
     @property
     def epoch(self) -> int:
         """The epoch counter: the number the next ``iter(loader)`` uses (share epoch, ``state_dict``)."""
-        return self._epoch
+        return self._epochs.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` and pass it to the samplers' ``set_epoch``.
@@ -393,17 +298,7 @@ class RemoteDataLoader:
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int; got {epoch!r}")
-        if self._resume is not None and epoch != self._resume.epoch:
-            raise ValueError(
-                f"this loader resumes epoch {self._resume.epoch} from the state it loaded; set_epoch({epoch}) "
-                f"disagrees (call set_epoch({self._resume.epoch}), or load a state taken in epoch {epoch})"
-            )
-        aware = epoch_aware(self._plan)
-        if epoch != self._epoch or aware:  # a planned epoch stays the next one only if nothing changes
-            self._cancel_next_epoch()
-        self._epoch = epoch
-        for obj in aware:
-            obj.set_epoch(epoch)
+        self._epochs.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as small JSON-able data (see ``loaderd.epoch.state`` for the fields).
@@ -414,15 +309,9 @@ class RemoteDataLoader:
         and the state of the loader's own ``generator``. torch's global RNG is not
         included: it is the training script's to checkpoint, as with torch.
         """
-        if self._resume is not None:
-            return self._resume.to_dict()  # loaded and not yet used
-        progress = self._progress
-        fingerprint = self._identity.fingerprint()
-        if progress is not None and not progress.done:
-            return progress.state(self.dataset_name, fingerprint).to_dict()
         # The loader's own generator carries into the next epoch; a share's is reseeded anyway.
         own = self.generator if self.share is None else None
-        return next_epoch_state(self._plan, self.dataset_name, fingerprint, self._epoch, own, self._epoch_rng).to_dict()
+        return self._epochs.state(self._identity.fingerprint(), own, self._epoch_rng)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``'s output (after ``json.loads`` too): the next ``iter(loader)``
@@ -450,9 +339,7 @@ class RemoteDataLoader:
             rng=self.share is None and (loaded.mid_epoch or self.generator is not None),
             epoch_length=None if self._iterable else sized_len(self._plan),
         )
-        self._cancel_next_epoch()
-        self._resume = loaded
-        self._epoch = loaded.epoch
+        self._epochs.load(loaded)
 
     @property
     def _epoch_rng(self) -> torch.Generator:
@@ -471,19 +358,3 @@ class RemoteDataLoader:
             fingerprint=self._identity.fingerprint(),
         )
 
-
-class _LoaderPlansAhead:
-    """A loader's ``PlanAhead`` side, holding it weakly (an iterator holds no loader)."""
-
-    def __init__(self, loader: RemoteDataLoader) -> None:
-        self._loader = weakref.ref(loader)
-
-    def planned(self, iterator: RemoteLoaderIter) -> None:
-        loader = self._loader()
-        if loader is not None:
-            loader._plan_next_epoch(iterator)
-
-    def missed(self) -> None:
-        loader = self._loader()
-        if loader is not None:
-            loader._stop_planning_ahead()

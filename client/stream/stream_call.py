@@ -44,7 +44,7 @@ from loaderd.stream.c_heap import raise_mmap_threshold
 from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.codec import BatchAssembler, view_batch
+from loaderd.wire.batch_decoder import BatchAssembler, view_batch
 from loaderd.wire.framing import Frame, read_frame
 from loaderd.wire.limits import PROTOCOL_REVISION
 

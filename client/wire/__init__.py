@@ -1,6 +1,8 @@
 """The wire layer both sides of loaderd import: what crosses the socket and shared memory.
 
-- ``loaderd.wire.codec``: a batch <-> a ``Value`` tree plus one payload of array bytes.
+- ``loaderd.wire.batch_encoder``: a batch -> a ``Value`` tree plus one payload of array bytes;
+  ``loaderd.wire.batch_decoder`` the reverse (assembled from chunks, or views of a slot);
+  ``loaderd.wire.dtypes`` the dtype names both use.
 - ``loaderd.wire.framing``: ``StreamResponse`` messages written (daemon) and read
   (client) straight from/to payload bytes, with one tag table.
 - ``loaderd.wire.mapping``: shared mappings of segment files that hold no descriptor.

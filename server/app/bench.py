@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader
 
 from loaderd.errors import clip
 from loaderd.server.config.schema import LoaderConfig
+from loaderd.server.worker.datasets import build_dataset
 from loaderd.server.worker.user_code import apply_python_path
-from loaderd.server.worker.worker import build_dataset
 
 STARTUP_TIMEOUT_S = 300.0
 LOADERS = ("torch", "shm", "grpc")

@@ -30,9 +30,9 @@ import torch
 from loaderd.errors import TransportError, clip
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.process.multiprocessing_private import start_child
+from loaderd.server.worker.datasets import build_for_worker
 from loaderd.server.worker.user_code import apply_python_path
-from loaderd.server.worker.worker import build_for_worker
-from loaderd.wire.codec import encode_batch
+from loaderd.wire.batch_encoder import encode_batch
 
 # How long a check process may take to start (the fork server imports torch first).
 STARTUP_S = 120.0

@@ -22,7 +22,7 @@ from loaderd.server.app.signals import StopSignals
 from loaderd.server.config.schema import ConfigError, ListenSpec, LoaderConfig, MetricsConfig, check_listen, check_port, load_config
 from loaderd.server.ops.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.ops.status import ClientKey, ClientRate, client_rates, format_status, status_json
-from loaderd.server.pool.pool import PoolStartError
+from loaderd.server.pool.fork_server import PoolStartError
 from loaderd.server.process.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.security.listeners import ListenError
 from loaderd.server.worker.user_code import check_imports

@@ -47,7 +47,8 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.server.ops.status import StatusBoard
-from loaderd.server.pool.pool import PoolStartError, WorkerPool
+from loaderd.server.pool.fork_server import PoolStartError
+from loaderd.server.pool.pool import WorkerPool
 from loaderd.server.process.heap import give_back_free_pages, tune_heap
 from loaderd.server.rpc.admission import handler_threads
 from loaderd.server.rpc.drain import DrainSignal

@@ -1,7 +1,7 @@
 """Datasets built once, in the fork server, before it forks any worker (``build: once``).
 
 A dataset built in each worker costs the pool N copies of its memory. With
-``build: once`` the pool (server/pool/pool.py) writes the datasets' specs to a
+``build: once`` the pool (server/pool/fork_server.py) writes the datasets' specs to a
 private file (``write_payload``), names it in the environment variable ``ENV``
 while it starts its fork server, and the fork server builds them when it imports
 ``loaderd.server.worker.build_once`` among its preloads (that module exists for this side

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from loaderd.wire.codec import align
+from loaderd.wire.batch_encoder import align
 
 
 class SlotFull(Exception):

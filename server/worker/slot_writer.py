@@ -14,7 +14,7 @@ import os
 import torch
 
 from loaderd.server.shm.arena import INLINE_BYTES, SlotRef, segment_size
-from loaderd.wire.codec import EncodedBatch
+from loaderd.wire.batch_encoder import EncodedBatch
 from loaderd.wire.limits import SHM_DIR
 from loaderd.wire.mapping import map_fd
 

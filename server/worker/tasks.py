@@ -2,12 +2,14 @@
 
 These are pickled over the pool's own pipes: both ends are loaderd's code in
 processes the daemon started, never a client. Array bytes of a finished batch
-follow a ``BatchDone`` as raw buffers, not pickle.
+follow a ``BatchDone`` as raw buffers, not pickle. A worker sends with ``send_result``.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from loaderd.server.shm.arena import SlotRef
 
@@ -131,3 +133,11 @@ class SlotsRetired:
 
 
 Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted | SlotsRetired
+
+
+def send_result(conn: Connection, result: Result) -> None:
+    """Send one result to the daemon (read there with ``Connection.recv``).
+
+    Plain pickle: results are loaderd's own dataclasses, and ``Connection.send``
+    builds a ``ForkingPickler`` per message (copying torch's reducer table)."""
+    conn.send_bytes(pickle.dumps(result, pickle.HIGHEST_PROTOCOL))

@@ -26,7 +26,8 @@ from support.daemons import RunningDaemon, ends_on_its_own_thread, glibc_malloc
 from loaderd.stream import c_heap
 from loaderd.stream.receive_buffers import MIN_BYTES, ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.codec import BatchAssembler, encode_batch
+from loaderd.wire.batch_decoder import BatchAssembler
+from loaderd.wire.batch_encoder import encode_batch
 
 
 def _address(view: memoryview) -> int:

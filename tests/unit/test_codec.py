@@ -14,7 +14,9 @@ from support.compare import assert_same
 
 import loaderd
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.codec import _TORCH_DTYPES, ALIGN, BatchAssembler, EncodedBatch, encode_batch
+from loaderd.wire.batch_decoder import BatchAssembler
+from loaderd.wire.batch_encoder import ALIGN, EncodedBatch, encode_batch
+from loaderd.wire.dtypes import TORCH_DTYPES
 
 # Module-level namedtuple: the decoder finds it through sys.modules and reuses it.
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -99,7 +101,7 @@ def _creatable(dtype: torch.dtype) -> bool:
         return False
 
 
-CREATABLE_DTYPES = sorted(name for name, dt in _TORCH_DTYPES.items() if _creatable(dt))
+CREATABLE_DTYPES = sorted(name for name, dt in TORCH_DTYPES.items() if _creatable(dt))
 
 
 # ------------------------------------------------------------------ dtypes
@@ -111,17 +113,17 @@ def test_dtype_table_has_the_common_dtypes() -> None:
         "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
         "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
     ):  # fmt: skip
-        assert name in _TORCH_DTYPES, name
+        assert name in TORCH_DTYPES, name
         assert name in CREATABLE_DTYPES, name
-        assert _TORCH_DTYPES[name] == getattr(torch, name)
-    assert not any(name.startswith("q") for name in _TORCH_DTYPES), "quantized dtypes must be left out"
+        assert TORCH_DTYPES[name] == getattr(torch, name)
+    assert not any(name.startswith("q") for name in TORCH_DTYPES), "quantized dtypes must be left out"
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", CREATABLE_DTYPES)
 def test_every_dtype_roundtrips(name: str) -> None:
-    dtype = _TORCH_DTYPES[name]
+    dtype = TORCH_DTYPES[name]
     t = sample_tensor(dtype, (2, 3))
     got = roundtrip({"t": t, "scalar": sample_tensor(dtype, ())})
     assert_same(got, {"t": t, "scalar": sample_tensor(dtype, ())})
@@ -136,7 +138,7 @@ def test_every_dtype_roundtrips(name: str) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"])
 def test_float_special_values_roundtrip_bit_exactly(name: str) -> None:
-    dtype = _TORCH_DTYPES[name]
+    dtype = TORCH_DTYPES[name]
     t = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-3]).to(dtype)
     got = roundtrip(t)
     assert_same(got, t)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import loaderd.fleet.fleet as fleet_module
+import loaderd.fleet.member as member_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
@@ -130,11 +131,11 @@ def test_a_daemon_that_keeps_refusing_for_its_limits_is_asked_less_and_less_ofte
         return gaps
 
     full, broken = waits("A:1", True), waits("B:1", False)
-    assert full[0] == pytest.approx(fleet_module.PROBE_INTERVAL_S, abs=0.05)
-    assert full[-1] == pytest.approx(fleet_module.MAX_FULL_BACKOFF_S, abs=0.05)
-    assert max(broken) == pytest.approx(fleet_module.MAX_BACKOFF_S, abs=0.05)
+    assert full[0] == pytest.approx(member_module.PROBE_INTERVAL_S, abs=0.05)
+    assert full[-1] == pytest.approx(member_module.MAX_FULL_BACKOFF_S, abs=0.05)
+    assert max(broken) == pytest.approx(member_module.MAX_BACKOFF_S, abs=0.05)
     fleet.mark_answering("A:1")  # a stream there delivered: no backoff left
-    assert waits("A:1", True)[0] == pytest.approx(fleet_module.PROBE_INTERVAL_S, abs=0.05)
+    assert waits("A:1", True)[0] == pytest.approx(member_module.PROBE_INTERVAL_S, abs=0.05)
 
 
 def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(monkeypatch: pytest.MonkeyPatch) -> None:

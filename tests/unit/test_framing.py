@@ -8,7 +8,8 @@ import torch
 
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
-from loaderd.wire.codec import BatchAssembler, encode_batch
+from loaderd.wire.batch_decoder import BatchAssembler
+from loaderd.wire.batch_encoder import encode_batch
 
 CHUNK = 256
 

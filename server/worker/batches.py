@@ -1,0 +1,279 @@
+"""BatchMaker: one worker's batches, from a task to the results pipe.
+
+A map-style batch is fetched by its indices (``__getitems__`` where the dataset has
+it); an iterable one is drawn from the stream's replica of the dataset (made at its
+first batch, and replayed up to the batch asked for when a replacement worker takes
+over). Either is collated, straight into one of the worker's shared-memory slots where
+torch's default collation does it, encoded for the wire and sent: a ``BatchDone``
+naming its slot, or followed by its raw buffers on the pipe. Seeds and
+``get_worker_info()`` are set around the user's code as torch's workers set them.
+Whatever the user's code raises goes back to the client as data (``BatchFailed``);
+the worker lives on. Used by the worker's task loop (server/worker/worker.py) only.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch.utils.data._utils.worker as torch_worker
+from torch.utils.data._utils.collate import default_collate
+
+from loaderd.errors import TransportError, capture_exception, clip
+from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
+from loaderd.server.worker.entry import WorkerSpec
+from loaderd.server.worker.seeding import derive_seed, seed_everything
+from loaderd.server.worker.slot_collate import SlotArea, SlotFull, collate_into, estimate_bytes
+from loaderd.server.worker.slot_writer import SlotWriter
+from loaderd.server.worker.tasks import (
+    BatchDone,
+    BatchFailed,
+    FetchTask,
+    IterTask,
+    ReplicaExhausted,
+    SlotsRetired,
+    send_result,
+)
+from loaderd.wire.batch_encoder import encode_batch
+from loaderd.wire.limits import MAX_HEADER_BYTES
+
+# What a replica's ``next()`` returns past its end (a sample may be None itself).
+_END = object()
+
+
+@dataclass
+class _Replica:
+    """One replica of an iterable dataset for one stream (torch: one worker's copy)."""
+
+    iterator: Iterator[Any]
+    info: torch_worker.WorkerInfo | None
+    next_batch: int = 0
+
+
+class BatchMaker:
+    """One worker's batches: its datasets, the iterable replicas it holds, its shared-memory slots."""
+
+    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset]) -> None:
+        self.spec = spec
+        self.datasets = datasets
+        self.replicas: dict[tuple[int, int], _Replica] = {}
+        self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes) if spec.shm_prefix else None
+
+    def _pool_info(self, ds: WorkerDataset, seed: int) -> torch_worker.WorkerInfo:
+        return pool_info(ds, self.spec.worker_id, self.spec.pool_size, seed)
+
+    # ------------------------------------------------------------ results
+
+    def _collate(self, ds: WorkerDataset, samples: list[Any], inline: bool) -> tuple[Any, tuple[str, SlotArea] | None]:
+        """Collate a batch; with torch's default collation (and not ``inline``), straight into a shared-memory slot."""
+        if self.slots is None or inline or ds.collate is not default_collate or not samples:
+            return ds.collate(samples), None
+        acquired = self.slots.acquire(estimate_bytes(samples[0], len(samples)))
+        if acquired is None:
+            return ds.collate(samples), None
+        name, base = acquired
+        area = SlotArea(base)
+        try:
+            return collate_into(samples, area), (name, area)
+        except SlotFull:  # items of different sizes: collate normally, copy afterwards
+            self.slots.release(name)
+            return ds.collate(samples), None
+        except BaseException:
+            self.slots.release(name)
+            raise
+
+    def _encode(
+        self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None, inline: bool
+    ) -> tuple[BatchDone, list[Any]]:
+        """The batch's ``BatchDone`` and the raw buffers to send after it (none if it went to a slot).
+
+        TransportError if it cannot be put on the wire; ``placed``'s slot is then free again.
+        """
+        slot = None
+        try:
+            if placed is not None and self.slots is not None:
+                name, area = placed
+                encoded = encode_batch(batch, area.base, area.used)
+                slot = self.slots.commit(name, encoded)
+                if slot is None:  # the rest did not fit after the collated part
+                    encoded = encode_batch(batch)
+            else:
+                encoded = encode_batch(batch)
+            value = encoded.value.SerializeToString()
+        except Exception as exc:
+            if placed is not None and self.slots is not None:
+                self.slots.release(placed[0])
+            if isinstance(exc, TransportError):
+                raise
+            # Whatever the batch holds that the codec chokes on (a value out of range, a
+            # structure too deep): this batch fails, the worker lives.
+            raise TransportError(f"cannot encode the batch: {type(exc).__name__}: {clip(str(exc), 500)}") from exc
+        if len(value) > MAX_HEADER_BYTES:
+            if slot is not None and self.slots is not None:
+                self.slots.release(slot.name)
+            raise TransportError(
+                f"the batch's structure (everything but its arrays) takes {len(value)} bytes on the wire; "
+                f"at most {MAX_HEADER_BYTES} fit in one message (return tensors or arrays instead of many Python objects)"
+            )
+        if slot is None and self.slots is not None and not inline:
+            slot = self.slots.write(encoded)
+        done = BatchDone(
+            stream_id=stream_id,
+            seq=seq,
+            value=value,
+            payload_bytes=encoded.payload_bytes,
+            slot=slot,
+            buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
+            retired=self._take_retired(),
+        )
+        return done, [] if slot else [buf for _, buf in encoded.buffers]
+
+    def _take_retired(self) -> tuple[str, ...]:
+        if self.slots is None or not self.slots.retired:
+            return ()
+        retired = tuple(self.slots.retired)
+        self.slots.retired.clear()
+        return retired
+
+    def fail(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
+        """Fail batch ``seq`` of stream ``stream_id``: ``exc`` goes back to its client as data."""
+        err = capture_exception(exc, where, seq)
+        send_result(self.spec.results, BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
+
+    # ------------------------------------------------------------ map-style
+
+    def fetch(self, task: FetchTask) -> None:
+        """Make and send a map-style batch (or its failure)."""
+        ds = self.datasets[task.dataset]
+        position = task.seq if task.position < 0 else task.position
+        where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
+        seed_everything(task.seed)
+        set_worker_info(self._pool_info(ds, task.seed))
+        try:
+            if task.auto_collation:
+                indices = cast(tuple[int, ...], task.indices)  # a batch's, with auto-collation
+                getitems = getattr(ds.dataset, "__getitems__", None)
+                samples = getitems(list(indices)) if getitems else [ds.dataset[i] for i in indices]
+                # Collate without worker info: torch's default_collate would
+                # otherwise put every batch in a fresh shared-memory segment.
+                set_worker_info(None)
+                batch, placed = self._collate(ds, samples, task.inline)
+            else:
+                sample = ds.dataset[task.indices]
+                set_worker_info(None)
+                batch, placed = ds.convert(sample), None
+        except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
+            self.fail(task.stream_id, task.seq, exc, where)
+            return
+        finally:
+            set_worker_info(None)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
+
+    def _send_encoded(
+        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool
+    ) -> None:
+        try:
+            done, buffers = self._encode(stream_id, seq, batch, placed, inline)
+        except TransportError as exc:
+            self.fail(stream_id, seq, exc, where)
+            return
+        conn = self.spec.results
+        send_result(conn, done)
+        for buf in buffers:
+            conn.send_bytes(buf)
+
+    # ------------------------------------------------------------ iterable
+
+    def _new_replica(self, task: IterTask, ds: WorkerDataset) -> _Replica:
+        try:
+            dataset = copy.deepcopy(ds.dataset)
+        except Exception:  # noqa: BLE001 - unpicklable state (open files, locks): build a fresh one
+            dataset = ds.factory(*ds.spec.args, **ds.spec.kwargs)
+        info = None
+        if task.num_replicas > 0:
+            info = torch_worker.WorkerInfo(
+                id=task.replica, num_workers=task.num_replicas, seed=task.base_seed + task.replica, dataset=dataset
+            )
+        set_worker_info(info)
+        try:
+            if info is not None and ds.worker_init_fn is not None:
+                seed_everything(derive_seed(task.base_seed, task.replica))
+                ds.worker_init_fn(task.replica)
+            iterator = iter(dataset)
+        finally:
+            set_worker_info(None)
+        return _Replica(iterator=iterator, info=info)
+
+    def _next_batch(self, task: IterTask, ds: WorkerDataset, replica: _Replica) -> Any | None:
+        """Pull one batch's samples from the replica; None when it is exhausted."""
+        seed_everything(derive_seed(task.base_seed, task.replica, replica.next_batch))
+        set_worker_info(replica.info)
+        try:
+            if task.batch_size:
+                samples = list(itertools.islice(replica.iterator, task.batch_size))
+                if not samples or (task.drop_last and len(samples) < task.batch_size):
+                    return None
+                return samples
+            sample = next(replica.iterator, _END)
+            return None if sample is _END else sample
+        finally:
+            replica.next_batch += 1
+            set_worker_info(None)
+
+    def iterate(self, task: IterTask) -> None:
+        """Make and send the batch of an iterable replica that ``task`` asks for (its failure, or ``ReplicaExhausted``)."""
+        ds = self.datasets[task.dataset]
+        where = (
+            f"in pool worker {self.spec.worker_id} while producing batch {task.batch_index} "
+            f"of replica {task.replica} of dataset {task.dataset!r}"
+        )
+        key = (task.stream_id, task.replica)
+        try:
+            replica = self.replicas.get(key)
+            if replica is None or replica.next_batch > task.batch_index:
+                replica = self.replicas[key] = self._new_replica(task, ds)
+            # A replacement worker replays what its predecessor already
+            # delivered, under the same per-batch seeds, then carries on.
+            while replica.next_batch < task.batch_index:
+                if self._next_batch(task, ds, replica) is None:
+                    break
+            samples = self._next_batch(task, ds, replica)
+        except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
+            self.fail(task.stream_id, task.seq, exc, where)
+            return
+        if samples is None:
+            send_result(self.spec.results, ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
+            return
+        try:
+            batch, placed = self._collate(ds, samples, task.inline) if task.batch_size else (ds.convert(samples), None)
+        except Exception as exc:  # noqa: BLE001 - the user's collate may raise anything: it goes back to the client as data
+            self.fail(task.stream_id, task.seq, exc, where)
+            return
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
+
+    def trim(self) -> None:
+        """Idle: remove idle segments and tell the daemon, which unmaps them (and tells its clients)."""
+        if self.slots is None:
+            return
+        self.slots.trim()
+        retired = self._take_retired()
+        if retired:
+            send_result(self.spec.results, SlotsRetired(retired))
+
+    def release_stream(self, stream_id: int) -> None:
+        """Forget a finished stream's iterable replicas."""
+        for key in [k for k in self.replicas if k[0] == stream_id]:
+            del self.replicas[key]
+
+    def release_slot(self, name: str) -> None:
+        """The daemon is done with segment ``name``: it may take another batch."""
+        if self.slots is not None:
+            self.slots.release(name)
+
+    def close(self, unlink: bool) -> None:
+        """Drop the slots' mappings; with ``unlink``, remove their segments too."""
+        if self.slots is not None:
+            self.slots.close(unlink=unlink)

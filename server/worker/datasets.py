@@ -1,0 +1,107 @@
+"""A config's dataset as a pool worker holds it, and how it is built.
+
+``build_dataset`` makes the dataset a spec names (or takes the one the fork server
+built once), with its collation and worker_init_fn resolved; ``build_for_worker`` does
+what a worker does at its start (and ``loaderd check`` without one): builds it, runs a
+map-style dataset's worker_init_fn, and fails with the one line the daemon stops with.
+``set_worker_info`` sets what torch's ``get_worker_info()`` returns while the user's
+code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data._utils.worker as torch_worker
+from torch.utils.data import IterableDataset
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from loaderd.errors import clip
+from loaderd.server.config.schema import DatasetSpec
+from loaderd.server.worker.prebuilt import BuildFailed, take
+from loaderd.server.worker.seeding import derive_seed, seed_everything
+from loaderd.server.worker.tasks import DatasetMeta
+from loaderd.server.worker.user_code import resolve
+
+
+@dataclass
+class WorkerDataset:
+    """A dataset as a worker holds it: the object, and the callables its spec names, resolved."""
+
+    spec: DatasetSpec
+    factory: Callable[..., Any]
+    dataset: Any
+    collate: Callable[[Any], Any]  # used with automatic batching
+    convert: Callable[[Any], Any]  # used per sample without it
+    worker_init_fn: Callable[[int], Any] | None
+
+    @property
+    def iterable(self) -> bool:
+        return isinstance(self.dataset, IterableDataset)
+
+    def meta(self) -> DatasetMeta:
+        """What clients plan with; RuntimeError naming the dataset if its ``__len__`` fails."""
+        try:
+            length: int | None = len(self.dataset)
+        except TypeError:  # no __len__ (allowed for iterable and sampler-driven datasets)
+            length = None
+        except Exception as exc:
+            raise RuntimeError(f"dataset {self.spec.name!r}: len() raised {type(exc).__name__}: {clip(str(exc), 500)}") from exc
+        return DatasetMeta(iterable=self.iterable, length=length)
+
+
+def set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
+    # torch has no public setter; get_worker_info() reads this module global.
+    torch_worker._worker_info = info
+
+
+def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
+    """``spec``'s dataset with its collation and worker_init_fn resolved (``prebuilt``: a ``build: once``
+    dataset is the fork server's; else it is built here)."""
+    factory = resolve(spec.factory)
+    # build: once -> the object the fork server built, inherited copy-on-write (server/worker/prebuilt.py).
+    dataset = take(spec) if spec.build == "once" and prebuilt else factory(*spec.args, **spec.kwargs)
+    if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"{spec.factory} returned a {type(dataset).__name__}, which is neither a map-style nor an IterableDataset")
+    collate_fn = resolve(spec.collate_fn) if spec.collate_fn else None
+    return WorkerDataset(
+        spec=spec,
+        factory=factory,
+        dataset=dataset,
+        collate=collate_fn or default_collate,
+        convert=collate_fn or default_convert,
+        worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
+    )
+
+
+def pool_info(ds: WorkerDataset, worker_id: int, pool_size: int, seed: int) -> torch_worker.WorkerInfo:
+    """What ``get_worker_info()`` says in pool worker ``worker_id`` around a map-style dataset's code."""
+    return torch_worker.WorkerInfo(id=worker_id, num_workers=pool_size, seed=seed, dataset=ds.dataset)
+
+
+def build_for_worker(spec: DatasetSpec, worker_id: int, pool_size: int, prebuilt: bool = True) -> WorkerDataset:
+    """Build one dataset as pool worker ``worker_id`` does at its start (its worker_init_fn run for a
+    map-style dataset); RuntimeError with the one line ``loaderd serve`` stops with, naming the dataset.
+
+    ``prebuilt=False`` builds a ``build: once`` dataset here instead of taking the fork server's
+    (``loaderd check``, which has no fork server)."""
+    name = spec.name
+    try:
+        ds = build_dataset(spec, prebuilt)
+    except BuildFailed as exc:
+        raise RuntimeError(f"dataset {name!r}: building {spec.factory} once, in the fork server, failed: {exc}") from None
+    except Exception as exc:
+        raise RuntimeError(f"dataset {name!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}") from exc
+    if ds.worker_init_fn is not None and not ds.iterable:
+        seed = derive_seed(worker_id, 0x1417)
+        seed_everything(seed)
+        set_worker_info(pool_info(ds, worker_id, pool_size, seed))
+        try:
+            ds.worker_init_fn(worker_id)
+        except Exception as exc:
+            raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            set_worker_info(None)
+    return ds
