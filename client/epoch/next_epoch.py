@@ -11,7 +11,7 @@ they would have at ``iter(loader)``, so the rules:
 * Planned ahead from a loader's second epoch on (a loader iterated once, e.g.
   by an evaluation script, would only waste a window of batches), over shared
   memory only (over gRPC a second call costs more than the idle pool it saves,
-  see ``RemoteDataLoader._plan_next_epoch``), and only where every draw the
+  see ``LoaderEpochs.plan_next`` in client/loader/epochs.py), and only where every draw the
   next epoch makes from a generator the user sees comes from torch's global
   RNG, and all of them happen by its first batch: the loader has no
   ``generator`` and no ``share``, is map-style with a length, and its sampler

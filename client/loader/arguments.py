@@ -7,14 +7,40 @@ argument, the message is torch's.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-from loaderd.errors import ConfigOnlyArgumentError
+from loaderd.errors import ConfigOnlyArgumentError, LoaderdError
 from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.limits import IMPORTING_CONFIG_ENV
 
 TRANSPORTS = ("auto", "shm", "grpc")
+
+
+def check_dataset_name(dataset_name: Any) -> None:
+    """The first argument names a dataset of the daemon's config; anything else gets the YAML that would define it.
+
+    Also refuses a loader made while a daemon imports a module its config names (``IMPORTING_CONFIG_ENV``): that
+    module runs training at import, and the loader would wait for the very daemon that is starting."""
+    importing = os.environ.get(IMPORTING_CONFIG_ENV)
+    if importing:
+        raise LoaderdError(
+            f"a RemoteDataLoader was made while loaderd imported module {importing!r}, which its config names: "
+            "the module runs training when imported. Put that code under `if __name__ == \"__main__\":`, "
+            "or move the dataset to a module of its own"
+        )
+    if isinstance(dataset_name, str):
+        return
+    kind = type(dataset_name)
+    module = "your_module" if kind.__module__ == "__main__" else kind.__module__  # the daemon imports it by name
+    raise TypeError(
+        f"RemoteDataLoader takes the name of a dataset in the daemon's config (a str), not a {kind.__qualname__}: "
+        "the daemon builds the dataset itself. Define it in the config, e.g.\n"
+        f"  datasets:\n    train:\n      dataset: {module}:{kind.__qualname__}\n"
+        'and pass its name: RemoteDataLoader("train", ...)'
+    )
 
 
 def refuse_config_only(dataset_name: str, collate_fn: Any, worker_init_fn: Any, multiprocessing_context: Any) -> None:

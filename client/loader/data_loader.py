@@ -26,7 +26,14 @@ from loaderd.epoch.start import EpochStart, epoch_aware, sampler_generators, siz
 from loaderd.epoch.state import LoaderState
 from loaderd.errors import LoaderdError
 from loaderd.fleet.fleet import Fleet
-from loaderd.loader.arguments import check_dataset_fits, check_distributed, check_options, check_share, refuse_config_only
+from loaderd.loader.arguments import (
+    check_dataset_fits,
+    check_dataset_name,
+    check_distributed,
+    check_options,
+    check_share,
+    refuse_config_only,
+)
 from loaderd.loader.epochs import LoaderEpochs
 from loaderd.loader.identity import LoaderIdentity, class_name, share_job_name, share_seed
 from loaderd.loader.plan import build_plan, proxy_dataset
@@ -123,6 +130,7 @@ class RemoteDataLoader:
         plan_ahead: bool = True,
     ) -> None:
         freeze_imports()  # once per process; see loaderd.process_tuning (LOADERD_PROCESS_TUNING=0: off)
+        check_dataset_name(dataset_name)
         refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
         check_options(num_workers, timeout, prefetch_factor, transport, failover_timeout)
         distributed = check_distributed(rank, world_size, sampler, batch_sampler)

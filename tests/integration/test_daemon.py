@@ -606,3 +606,24 @@ def test_json_logs_are_one_object_per_line_from_daemon_and_workers() -> None:
     assert len({r["pid"] for r in built}) == 2 and all(r["level"] == "WARNING" for r in built), built
     assert len([r for r in records if r["logger"] == "chatty" and "built 8 squares" in r["message"]]) == 1, records
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", records[0]["time"]), records[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_config_module_that_trains_at_import_is_named_at_once(short_tmp: Path) -> None:
+    """A module the config names that makes a RemoteDataLoader when imported (a training script without
+    ``if __name__ == "__main__":``) fails serve's import check at once, naming the module, instead of its
+    loader waiting failover_timeout for the daemon that is starting."""
+    (short_tmp / "trains_on_import.py").write_text(
+        "import torch\n"
+        "from loaderd import RemoteDataLoader\n"
+        "class Data(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 4\n"
+        "    def __getitem__(self, i): return i\n"
+        f"for batch in RemoteDataLoader('data', address='unix://{short_tmp}/d.sock'):\n"
+        "    pass\n"
+    )
+    path = write_config(short_tmp, {"data": {"dataset": "trains_on_import:Data"}}, listen=[f"unix://{short_tmp}/d.sock"])
+    config = yaml.safe_load(path.read_text())
+    config["python_path"].append(str(short_tmp))
+    path.write_text(yaml.safe_dump(config))
+    assert_config_error(path, "cannot import module 'trains_on_import'", 'if __name__ == "__main__":')
