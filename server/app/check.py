@@ -17,11 +17,9 @@ import itertools
 import multiprocessing
 import signal
 import time
-import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +29,7 @@ from loaderd.errors import TransportError, clip
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.datasets import build_for_worker
-from loaderd.server.worker.user_code import apply_python_path
+from loaderd.server.worker.user_code import apply_python_path, where_in_user_code
 from loaderd.wire.batch_encoder import encode_batch
 
 # How long a check process may take to start (the fork server imports torch first).
@@ -78,18 +76,8 @@ def structure(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
-_SERVER_DIR = str(Path(__file__).resolve().parent) + "/"  # loaderd.server's own files
-
-
-def _where(exc: BaseException) -> str:
-    """`` (at file:line)`` of the innermost frame of ``exc``'s traceback outside loaderd (the user's code);
-    "" where there is none (a constructor called with arguments it does not take fails in loaderd's call)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_SERVER_DIR)]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
 def _failed(name: str, what: str, exc: BaseException) -> str:
-    return f"dataset {name!r}: {what} failed: {type(exc).__name__}: {clip(str(exc), 500)}{_where(exc)}"
+    return f"dataset {name!r}: {what} failed: {type(exc).__name__}: {clip(str(exc), 500)}{where_in_user_code(exc)}"
 
 
 def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> DatasetReport:
@@ -98,9 +86,12 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
     started = time.perf_counter()
     try:
         ds = build_for_worker(spec, worker_id=0, pool_size=pool_size, prebuilt=False)
+    except Exception as exc:  # noqa: BLE001 - the report carries it, worded as serve words it (file:line included)
+        return DatasetReport(name, error=str(exc))
+    try:
         length = ds.meta().length
     except Exception as exc:  # noqa: BLE001 - the report carries it
-        return DatasetReport(name, error=str(exc) + _where(exc.__cause__ or exc))
+        return DatasetReport(name, error=_failed(name, "len(dataset)", exc))
     build_s = time.perf_counter() - started
     kind = "iterable" if ds.iterable else "map-style"
     samples: list[Any] = []

@@ -12,12 +12,24 @@ import contextlib
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.wire.limits import IMPORTING_CONFIG_ENV
+
+_LOADERD_DIRS = (str(Path(__file__).resolve().parent.parent) + "/",)  # loaderd.server's own files
+
+
+def where_in_user_code(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame of ``exc``'s traceback outside loaderd's daemon (the user's
+    code, or a library it called); "" where there is none (a constructor called with arguments it does not
+    take fails in loaderd's own call). ``loaderd check`` and a starting pool word their failures with it."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LOADERD_DIRS)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def apply_python_path(python_path: Sequence[str]) -> None:
