@@ -153,5 +153,5 @@ def exception_from_remote(err: pb.RemoteError) -> Exception:
         except Exception:  # noqa: BLE001 - a constructor that wants other arguments
             pass
     remote = RemoteWorkerError(f"{err.type_module}.{err.type_qualname}: {message}")
-    remote.remote_type = f"{err.type_module}.{err.type_qualname}"  # type: ignore[attr-defined]
+    remote.remote_type = f"{err.type_module}.{err.type_qualname}"  # type: ignore[attr-defined]  # an attribute of this instance only (the remote class's name)
     return remote

@@ -4,13 +4,15 @@
 - ``ops``: status snapshot, Prometheus metrics, sd_notify.
 - ``rpc``: the gRPC servicer, request checks, sessions, admission, watchdog.
 - ``security``: tokens, mTLS, TLS credentials, listeners.
-- ``scheduling``: the scheduler, producers (client streams, shared jobs), the slot ledger.
+- ``scheduling``: the scheduler, its dispatcher and worker supervisor, producers (client
+  streams, shared jobs), the slot ledger.
 - ``pool``: the persistent worker processes and their pipes.
 - ``worker``: what runs in the workers (the only layer that imports torch or user code)
   and the messages they exchange with the daemon.
-- ``shm``: shared-memory segment names, sizes and writers.
+- ``shm``: shared-memory segments: names, sizes, mappings, sweeping (the worker writes slots).
 - ``config``: the YAML config, validated.
-- ``process``: log format, heap and glibc settings, log throttling.
+- ``process``: log format, heap and glibc settings, log throttling, and every use of
+  multiprocessing's private internals (``multiprocessing_private``, with why).
 
 The daemon imports none of the client's packages (only ``app`` does, for ``loaderd
 status`` and ``loaderd bench``); both sides share ``loaderd.wire``, ``loaderd.errors``

@@ -1,7 +1,8 @@
 """Reaching a daemon: credentials, channels, and what a failed call means.
 
 The lowest client layer: ``Credentials`` and ``open_channel`` (TLS files, bearer
-token), and ``rpc_errors``, the one place a failed gRPC call becomes a loaderd error.
+token), ``rpc_errors``, the one place a failed gRPC call becomes a loaderd error, and
+``threads``, the registry of every thread the client starts, joined at exit.
 Imports only the shared layers (``loaderd.wire``, ``loaderd.errors``, ``loaderd.v1``).
 The daemon's command line (``loaderd.server.app``) borrows it for ``loaderd status``.
 """

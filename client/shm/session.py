@@ -156,7 +156,11 @@ class ShmSession:
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
                 if not challenge.session_id:  # a daemon of an older revision (its probe refuses it too)
                     self._end_call()
-                    raise LoaderdError(f"loaderd at {address} runs an older loaderd (its session challenge carries no id)")
+                    raise LoaderdError(
+                        f"loaderd at {address} runs an older loaderd (protocol revision 2 or older: its session challenge "
+                        f"carries no id; this client speaks revision {PROTOCOL_REVISION}): run the same loaderd release "
+                        "on the daemons and their clients"
+                    )
                 # The id is usable at once (a stream naming it waits in the daemon for the
                 # verdict), and the verdict is what this process just read: the file's name
                 # carries the daemon's random token. `ready` follows; the watcher reads it.

@@ -13,6 +13,8 @@
   slot a displaced iterable replica moves to).
 - ``loaderd.wire.addresses``: the address forms both ``RemoteDataLoader`` and
   ``loaderd serve``/``status`` accept (lists, ``dns:///``, loopback checks).
+- ``loaderd.wire.reasons``: why a call failed, as a ``google.rpc.ErrorInfo`` reason in its
+  status details (the daemon attaches it, the client reads it; no message text is parsed).
 
 Nothing here imports the client's own packages or the daemon's (checked by the
 ``importlinter`` contracts in pyproject.toml): ``loaderd.wire``

@@ -3,7 +3,10 @@
 Owns the scheduler's thread and routing (``Scheduler``), dispatch (``Dispatcher``: round-robin,
 what each worker holds, blame for deaths), keeping the pool's slots filled (``WorkerSupervisor``
 acting on ``WorkerLifecycle``'s states), what it dispatches from (``Producer``: ``BatchStream``,
-``SharedJob``), the daemon's slot ledger, the catalog of what it serves and the per-client tally. Imports no grpc: its
+``SharedJob``), the daemon's slot ledger, the catalog of what it serves, the per-client tally,
+and ``SchedulerSnapshot`` (what status and metrics read, copied under the lock). ``pool_protocol``
+says what it needs of the pool; ``task_errors`` words a batch it gave up on; ``wake_pipe``
+wakes its thread. Imports no grpc: its
 errors carry a loaderd reason the RPC layer maps. May import ``loaderd.server.pool``,
 ``worker`` (messages, seeding), ``shm``, ``config``, ``process`` and the shared layers.
 """

@@ -39,8 +39,8 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-import bench_loaders as bl  # noqa: E402
-from source_trees import Tree, archived_tree, checkout_tree  # noqa: E402
+import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from source_trees import Tree, archived_tree, checkout_tree  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 BATCH_SIZES = dict(bl.WORKLOADS)
 FIRST = "first"  # the first-batch pseudo-workload

@@ -107,12 +107,12 @@ BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))  # cluster, conftest (the oracle), compare, as the other benches
-from bench_datasets import Sleepy  # noqa: E402
-from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, machine_line, median, print_findings  # noqa: E402
-from bench_soak import _fd_count, _kb, _proc_status, descendants, line_count, log_summary  # noqa: E402
-from support.cluster import Cluster, Member, cluster  # noqa: E402
-from support.compare import assert_same  # noqa: E402
-from support.daemons import oracle_loader  # noqa: E402
+from bench_datasets import Sleepy  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_loaders import BATCH_TIMEOUT_S, BenchError, arm_watchdog, fmt, machine_line, median, print_findings  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_soak import _fd_count, _kb, _proc_status, descendants, line_count, log_summary  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from support.cluster import Cluster, Member, cluster  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from support.compare import assert_same  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from support.daemons import oracle_loader  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 PARTS = ("failover", "soak", "scale")
 SIZE = 4  # daemons: failover uses 0-1, soak 0 and 0-2, scale 0..N-1

@@ -30,8 +30,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(TESTS_DIR))
-from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402
-from support import fuzzing  # noqa: E402
+from bench_loaders import STARTUP_TIMEOUT_S, Daemon, start_daemon  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from support import fuzzing  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 SETTLE_S = 60.0  # for the daemon to close every fuzz call
 

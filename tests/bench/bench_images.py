@@ -45,8 +45,8 @@ from torch.utils.data import default_collate
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-import bench_tenancy  # noqa: E402
-from bench_loaders import (  # noqa: E402
+import bench_tenancy  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_loaders import (  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
     BATCH_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     BenchError,
@@ -60,7 +60,7 @@ from bench_loaders import (  # noqa: E402
     run_guarded,
     wait_serving,
 )
-from bench_tenancy import Agent, AgentState, GroupMem, _endless, call_all, close_agents, process_trees, ready, serving, shm_segments_kb  # noqa: E402
+from bench_tenancy import Agent, AgentState, GroupMem, _endless, call_all, close_agents, process_trees, ready, serving, shm_segments_kb  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 from image_datasets import MEAN, STD, JpegImages  # noqa: E402  (trainers of both kinds import torchvision, as real ones do)
 
 BATCH = 64

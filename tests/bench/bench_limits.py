@@ -43,8 +43,8 @@ from torch.utils.data import DataLoader
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-import bench_loaders as bl  # noqa: E402
-from bench_datasets import InMemory  # noqa: E402
+import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_datasets import InMemory  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 SHAPE = (3, 64, 64)
 BATCH = 256

@@ -47,8 +47,8 @@ from torch.utils.data import DataLoader
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_datasets import InMemory  # noqa: E402
-from source_trees import serve_module  # noqa: E402
+from bench_datasets import InMemory  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from source_trees import serve_module  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 STARTUP_TIMEOUT_S = 90.0
 BATCH_TIMEOUT_S = 60  # a batch slower than this is a hang, reported as such

@@ -64,7 +64,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, descendants, fmt, machine_line, print_findings  # noqa: E402
+from bench_loaders import BATCH_TIMEOUT_S, STARTUP_TIMEOUT_S, BenchError, Daemon, arm_watchdog, descendants, fmt, machine_line, print_findings  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 ITEMS = 128
 ITEM_DIM = 16384  # float32: 64 KiB per item

@@ -34,8 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_loaders import Daemon, children_by_parent, start_daemon  # noqa: E402
-from source_trees import REPO, Tree, archived_tree, checkout_tree  # noqa: E402
+from bench_loaders import Daemon, children_by_parent, start_daemon  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from source_trees import REPO, Tree, archived_tree, checkout_tree  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 TESTS_DIR = REPO / "tests"
 TIMEOUT_S = 120.0

@@ -64,8 +64,8 @@ from torch.utils.data import DataLoader
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from bench_datasets import count_calls  # noqa: E402
-from bench_loaders import (  # noqa: E402
+from bench_datasets import count_calls  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_loaders import (  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
     BATCH_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     BenchError,

@@ -251,7 +251,7 @@ def test_a_share_consumer_that_never_reads_does_not_make_the_pool_produce_its_pl
     channel, loader = stub(daemon.address)
     with channel:
         call = loader.StreamBatches(iter([opening, plan] + [None] * 0), timeout=30)
-        computed = lambda: {d.info.name: d.batches_computed for d in daemon_status(daemon.address).datasets}["blocks"] - before  # noqa: E731
+        computed = lambda: {d.info.name: d.batches_computed for d in daemon_status(daemon.address).datasets}["blocks"] - before  # noqa: E731 - a one-line probe, read where it is used
         wait_for(lambda: computed() >= 2, 20, "the window to be produced")
         # The window is 2; gRPC's flow control lets the transport absorb a few MiB the
         # client never reads (a few dozen 128 KiB batches). The pool, free, would run
@@ -387,7 +387,7 @@ def test_the_oom_killer_would_take_a_pool_worker_before_the_fork_server_or_the_d
 def test_an_idle_pool_gives_its_shared_memory_back(daemon: RunningDaemon) -> None:
     kept = list(RemoteDataLoader("blocks", batch_size=None, address=daemon.address, transport="shm", timeout=30))
     prefix = f"loaderd-{daemon.process.pid}-"
-    segments = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "probe" not in n]  # noqa: E731
+    segments = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "probe" not in n]  # noqa: E731 - a one-line probe, read where it is used
     assert segments(), "the epoch left no segment to give back: the test is broken"
     del kept
     # After tests/faults/test_failover.py in the same process, a batch of this epoch stayed referenced

@@ -421,7 +421,7 @@ def test_torch_pin_is_the_projects() -> None:
     assert torch_pins((SYSTEMD / "README.md").read_text()) <= {docker_pin}
     floor = re.search(r'"torch>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
     assert floor is not None
-    as_tuple = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731
+    as_tuple = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731 - a one-line probe, read where it is used
     assert as_tuple(docker_pin) >= as_tuple(floor.group(1))
     assert any(f"--index-url https://download.pytorch.org/whl/cpu torch=={docker_pin}" in run for run in args_of("RUN"))
 

@@ -194,8 +194,7 @@ def test_config_parses_with_loaderds_parser(tmp_path: Path) -> None:
     assert raw["auth"]["token_file"], "tokens: the probe listener is plaintext, so only health may answer without one"
     drain = raw.get("drain_timeout")
     assert isinstance(drain, (int, float)) and drain > 0, "ds.yaml must set drain_timeout"
-    if hasattr(config, "drain_timeout"):
-        assert config.drain_timeout == drain
+    assert config.drain_timeout == drain
 
     # The config file and python_path are where the pod mounts the ConfigMap.
     mount = next(m for m in container()["volumeMounts"] if m["name"] == "config")

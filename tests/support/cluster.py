@@ -2,7 +2,7 @@
 
 Each daemon listens on its own loopback address (127.0.0.2, 127.0.0.3, ...)
 and all on the same port, as the daemons behind a Kubernetes headless Service
-do: ``dns_answer`` is what a DNS server would answer for them, and tests
+do: ``Cluster.running_hosts`` is what a DNS server would answer for them, and tests
 inject it (``inject_dns``) in place of the system resolver's. A daemon keeps
 its address across restarts. Used by tests/faults/test_failover.py and the benches.
 """

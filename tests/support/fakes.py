@@ -110,6 +110,10 @@ class FakePool:
     def exhaust(self, task: IterTask) -> None:
         self._message(task, ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
 
+    def report_first(self, event: PoolEvent) -> None:
+        """``event`` comes out of the next ``poll`` before what is already waiting (it was in a pipe first)."""
+        self._events.insert(0, event)
+
     def die(self, worker_id: int, exitcode: int = -9) -> None:
         self.ready[worker_id] = False
         self._events.append(WorkerDied(worker_id, self.generation[worker_id], exitcode, None))

@@ -214,7 +214,7 @@ def test_a_replacement_that_got_ready_as_it_was_killed_still_counts_as_a_failed_
     pool, sched = hanging_replacement(monkeypatch, 0, start_timeout=0.05, backoff=60.0)
     sched.step(0)
     step_until(sched, lambda: pool.stopped != [])  # killed; its death waits in the pool's events
-    pool._events.insert(0, WorkerMessage(0, pool.generation[0], WorkerReady(0, {})))  # read first
+    pool.report_first(WorkerMessage(0, pool.generation[0], WorkerReady(0, {})))
     sched.step(0)
     slot = sched.snapshot().slots[0]
     assert (slot.state, slot.failed_starts) == (SlotState.WAITING, 1), "a failed start, retried after the backoff"
