@@ -91,7 +91,7 @@ class Scheduler:
         self._policy = policy
         self._on_batch = on_batch
         self._on_fatal = on_fatal
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self._streams: dict[int, BatchStream] = {}  # every open client stream
         self._dispatcher = dispatcher or Dispatcher(pool.size)  # draws from producers: streams and shared jobs
         self._jobs: dict[tuple[str, int], SharedJob] = {}
@@ -102,7 +102,7 @@ class Scheduler:
         self.worker_batches: dict[int, int] = {}
         self.started_at = time.monotonic()
         self._ids = itertools.count(1)
-        self._supervisor = WorkerSupervisor(pool, policy, self.lock, self._fatal)
+        self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
         self._stop = threading.Event()
@@ -131,7 +131,7 @@ class Scheduler:
 
     def stop(self, reason: str = "the daemon is shutting down") -> None:
         """Fail every stream, and any opened later, and end the scheduler thread. Idempotent."""
-        with self.lock:
+        with self._lock:
             self._stop_reason = self._stop_reason or reason
             self._stop.set()  # under the lock: a stream opened after this finds it set (open_stream)
             for stream in self._streams.values():
@@ -142,9 +142,9 @@ class Scheduler:
 
     def open_stream(self, spec: StreamSpec, share: ShareKey | None = None) -> BatchStream:
         """A new stream (a consumer of ``share``'s job if given); ShareMismatchError if it cannot join."""
-        with self.lock:
+        with self._lock:
             job = self._join(share) if share is not None else None
-            stream = BatchStream(next(self._ids), spec, threading.Condition(self.lock), self._ledger.release, upstream=job)
+            stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, upstream=job)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
@@ -175,7 +175,7 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """The scheduler's figures, copied in one short hold of its lock (status, metrics)."""
-        with self.lock:
+        with self._lock:
             now = time.monotonic()
             streams = list(self._streams.values())
             return SchedulerSnapshot(
@@ -192,7 +192,7 @@ class Scheduler:
 
     def open_streams(self) -> int:
         """How many client streams are open now."""
-        with self.lock:
+        with self._lock:
             return len(self._streams)
 
     def add_plan(
@@ -204,7 +204,7 @@ class Scheduler:
         stalled_us: int = 0,
         positions: list[int] | None = None,
     ) -> None:
-        with self.lock:
+        with self._lock:
             if stream.closed:  # the plan raced the stream's close: a consumer would be handed batches nobody drops
                 return
             stream.progress(consumed, stalled_us)
@@ -212,12 +212,12 @@ class Scheduler:
         self.wake()
 
     def fail_stream(self, stream: BatchStream, failure: StreamFailed) -> None:
-        with self.lock:
+        with self._lock:
             stream.fail(failure)
 
     def close_stream(self, stream: BatchStream) -> None:
         """The client is gone or done: stop working for it. Idempotent."""
-        with self.lock:
+        with self._lock:
             if not stream.close():
                 return
             self._streams.pop(stream.stream_id, None)
@@ -277,7 +277,7 @@ class Scheduler:
 
     def step(self, timeout: float) -> None:
         """One round: dispatch what fits, wait up to ``timeout`` for the pool, handle what came."""
-        with self.lock:
+        with self._lock:
             self._dispatcher.dispatch(self._supervisor.accepting(), self._supervisor.slots, self._submit)
         events = self._pool.poll(timeout, extra=[self._wake.readable])
         self._wake.drain()
@@ -298,7 +298,7 @@ class Scheduler:
     def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:
         """The daemon could not handle a result for ``producer_id``: end its streams (INTERNAL), not silence."""
         failure = StreamFailed(FailReason.INTERNAL, f"the daemon failed handling a batch: {type(exc).__name__}: {clip(str(exc), 300)}")
-        with self.lock:
+        with self._lock:
             for stream in self._streams_of(producer_id):
                 stream.fail(failure)
 
@@ -344,7 +344,7 @@ class Scheduler:
             delivery = Delivery(seq=result.seq, exhausted=True)
         key = (result.stream_id, result.seq)
         worker = message.worker_id
-        with self.lock:
+        with self._lock:
             record = self._dispatcher.answered(worker, key)
             if record is not None:
                 self._count(worker, record.task, record.sent_at, result)
@@ -375,7 +375,7 @@ class Scheduler:
 
     def _on_death(self, event: WorkerDied) -> None:
         expected = self._supervisor.died(event)
-        with self.lock:
+        with self._lock:
             for spent in self._dispatcher.worker_lost(event.worker_id, blame_running=not expected):
                 error = crash_error(spent.task, spent.attempts, event.worker_id, event.exitcode)
                 spent.producer.resolve(Delivery(seq=spent.task.seq, error=error))
@@ -391,7 +391,7 @@ class Scheduler:
         if not timeouts:
             return
         now = time.monotonic()
-        with self.lock:
+        with self._lock:
             overdue = []
             for worker_id, key, record in self._dispatcher.running():
                 limit = timeouts.get(record.task.dataset)
