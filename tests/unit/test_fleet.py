@@ -21,7 +21,7 @@ import loaderd.fleet.member as member_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
-from loaderd.errors import LimitExceededError
+from loaderd.errors import LimitExceededError, LoaderdError
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
 from loaderd.stream.lane import Lane
@@ -141,10 +141,17 @@ def test_a_daemon_that_keeps_refusing_for_its_limits_is_asked_less_and_less_ofte
 def test_a_full_daemon_in_its_long_backoff_is_asked_at_once_when_no_other_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Else a loader whose other daemon died would wait up to 30 s (past a short failover_timeout)
     before asking the one daemon it has left, which may have room by then."""
-    monkeypatch.setattr(fleet_module, "get_connection", lambda address, credentials: types.SimpleNamespace(credentials=None))
-    fleet = Fleet(Target("A:1,B:1", ("A:1", "B:1"), ()), "d", "grpc")
     probed: list[str] = []
-    monkeypatch.setattr(fleet, "_probe", lambda member: probed.append(member.address) or False)
+
+    def down_connection(address: str, credentials: object) -> types.SimpleNamespace:
+        def describe_later(dataset: str) -> None:  # the probe's first call: recorded, and the daemon is down
+            probed.append(address)
+            raise LoaderdError(f"{address} is down")
+
+        return types.SimpleNamespace(credentials=None, describe_later=describe_later)
+
+    monkeypatch.setattr(fleet_module, "get_connection", down_connection)
+    fleet = Fleet(Target("A:1,B:1", ("A:1", "B:1"), ()), "d", "grpc")
     b = fleet.members["B:1"]
     b.up, b.next_probe = True, time.monotonic() + 60  # serving; its recheck not due
     for _ in range(9):
