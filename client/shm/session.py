@@ -36,6 +36,8 @@ from loaderd.wire.mapping import SharedMapping
 log = logging.getLogger("loaderd.session")
 
 _POLL_S = 0.25
+# How long closing a session waits for its watcher thread to leave (its call is cancelled first).
+_CLOSE_JOIN_S = 1.0
 # How long a dropped lease waits (one to two periods) for a plan message of its stream to carry it
 # before the session call sends it: long enough to span a few batches, short enough that a worker
 # gets its slot back while the next batches are made.
@@ -263,8 +265,12 @@ class ShmSession:
             self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
 
     def close(self) -> None:
+        """End the session: pinned copies' slots go back, the call is cancelled and its watcher joined."""
         self._fence.close()  # pinned slots still being copied go back first (its thread joined)
         self._end_call()
+        if threading.current_thread() is not self._watcher:
+            # The cancelled call ends the watcher's read at once; bounded all the same (the exit hook joins it too).
+            self._watcher.join(_CLOSE_JOIN_S)
 
     def _end_call(self) -> None:
         """Stop sending and cancel the call (all a session that failed to open has to undo)."""

@@ -202,6 +202,7 @@ def test_a_revision_3_session_is_usable_before_ready(scripted: tuple[_ScriptedDa
         assert session.alive and session.shm
     finally:
         session.close()
+    assert not session.alive, "close() joins the session's watcher thread, not only the process's exit"
 
 
 @pytest.mark.parametrize("scripted", [(True, False, None)], indirect=True)
