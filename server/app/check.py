@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import signal
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from loaderd.errors import TransportError, clip
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.process.multiprocessing_private import start_child
-from loaderd.server.worker.datasets import build_for_worker
+from loaderd.server.worker.datasets import WorkerDataset, build_for_worker
 from loaderd.server.worker.user_code import apply_python_path, where_in_user_code
 from loaderd.wire.batch_encoder import encode_batch
 
@@ -53,6 +54,9 @@ class DatasetReport:
     ms_per_item: float = 0.0
     ms_per_batch: float = 0.0  # collation alone
     items_timed: int = 0
+    # With ``--all``: every item was fetched (how many), and the indices (positions, for an iterable) that failed.
+    items_checked: int = 0
+    failed_items: tuple[int, ...] = ()
     error: str = ""
 
 
@@ -80,8 +84,60 @@ def _failed(name: str, what: str, exc: BaseException) -> str:
     return f"dataset {name!r}: {what} failed: {type(exc).__name__}: {clip(str(exc), 500)}{where_in_user_code(exc)}"
 
 
-def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> DatasetReport:
-    """Build ``spec``'s dataset here and describe it; never raises (a failure is the report's ``error``)."""
+def _ranges(indices: tuple[int, ...]) -> str:
+    """``0, 3-5, 9``: sorted indices, runs joined."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _every_item(name: str, ds: WorkerDataset, length: int | None) -> tuple[int, list[tuple[int, str]]]:
+    """Fetch every item (``--all``): how many were tried, and each failure's (index, one line). An iterable
+    ends at its first failure (it cannot go on past it). Progress goes to stderr on a terminal."""
+    failures: list[tuple[int, str]] = []
+    shown = 0.0
+    tried = 0
+
+    def progress(final: bool = False) -> None:
+        nonlocal shown
+        now = time.monotonic()
+        if sys.stderr.isatty() and (final or now - shown > 0.2):
+            shown = now
+            total = f"/{length:,}" if length is not None else ""
+            print(f"\r{name}: {tried:,}{total} items, {len(failures)} failed", end="\n" if final else "", file=sys.stderr, flush=True)
+
+    if ds.iterable:
+        iterator = iter(ds.dataset)
+        while True:
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001 - the report lists it
+                failures.append((tried, f"{type(exc).__name__}: {clip(str(exc), 200)}{where_in_user_code(exc)}"))
+                tried += 1
+                break
+            tried += 1
+            progress()
+    else:
+        for index in range(length or 0):
+            try:
+                ds.dataset[index]
+            except Exception as exc:  # noqa: BLE001 - the report lists it
+                failures.append((index, f"{type(exc).__name__}: {clip(str(exc), 200)}{where_in_user_code(exc)}"))
+            tried += 1
+            progress()
+    progress(final=True)
+    return tried, failures
+
+
+def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int, every_item: bool = False) -> DatasetReport:
+    """Build ``spec``'s dataset here and describe it; never raises (a failure is the report's ``error``).
+    With ``every_item``, then fetch every item and list the ones that fail."""
     name = spec.name
     started = time.perf_counter()
     try:
@@ -108,7 +164,12 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
             count = TIMED_ITEMS if length is None else min(TIMED_ITEMS, length)
             for index in range(count):
                 what = f"item {index} (dataset[{index}])"
-                samples.append(ds.dataset[index])
+                try:
+                    samples.append(ds.dataset[index])
+                except Exception:
+                    if not every_item:
+                        raise
+                    continue  # --all lists every failing item below; the sample goes on with the others
                 if len(samples) >= batch_size and time.perf_counter() - started > TIMED_BUDGET_S:
                     break
         elapsed = time.perf_counter() - started
@@ -123,6 +184,17 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
         return DatasetReport(name, kind, length, build_s, error=f"dataset {name!r}: a collated batch cannot be sent: {exc}")
     except Exception as exc:  # noqa: BLE001 - the report carries it
         return DatasetReport(name, kind, length, build_s, error=_failed(name, what, exc))
+    checked, error = 0, ""
+    failed: tuple[int, ...] = ()
+    if every_item:
+        checked, failures = _every_item(name, ds, length)
+        failed = tuple(index for index, _ in failures)
+        if failures:
+            which = "positions" if ds.iterable else "indices"
+            error = (
+                f"dataset {name!r}: {len(failures)} of {checked:,} items failed ({which} {_ranges(failed)}); "
+                f"the first, item {failures[0][0]}: {failures[0][1]}"
+            )
     return DatasetReport(
         name,
         kind,
@@ -134,6 +206,9 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int) -> Dataset
         ms_per_item=1000 * elapsed / len(samples),
         ms_per_batch=1000 * collate_s,
         items_timed=len(samples),
+        items_checked=checked,
+        failed_items=failed,
+        error=error,
     )
 
 
@@ -145,6 +220,7 @@ class CheckJob:
     python_path: tuple[str, ...]
     pool_size: int
     batch_size: int
+    every_item: bool
     results: Connection
 
 
@@ -153,10 +229,10 @@ def run_check(job: CheckJob) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     job.results.send(None)  # started: the dataset's time limit runs from here, not from the fork server's imports
     apply_python_path(job.python_path)
-    job.results.send(check_dataset(job.spec, job.pool_size, job.batch_size))
+    job.results.send(check_dataset(job.spec, job.pool_size, job.batch_size, job.every_item))
 
 
-def check_config(config: LoaderConfig, batch_size: int, timeout_s: float) -> Iterator[DatasetReport]:
+def check_config(config: LoaderConfig, batch_size: int, timeout_s: float, every_item: bool = False) -> Iterator[DatasetReport]:
     """Every dataset of ``config``, each checked in a child process of its own, as they finish.
 
     A child that dies (crash, exit) or runs past ``timeout_s`` (killed) gives a report saying so."""
@@ -164,7 +240,7 @@ def check_config(config: LoaderConfig, batch_size: int, timeout_s: float) -> Ite
     context.set_forkserver_preload(["loaderd.server.app.check"])  # torch and loaderd imported once, not per dataset
     for spec in config.datasets.values():
         receive, send = context.Pipe(duplex=False)
-        job = CheckJob(spec, config.python_path, config.workers, batch_size, send)
+        job = CheckJob(spec, config.python_path, config.workers, batch_size, every_item, send)
         process = context.Process(target=run_check, args=(job,), name=f"loaderd-check-{spec.name}", daemon=True)
         start_child(process)
         send.close()
@@ -215,5 +291,13 @@ def format_report(report: DatasetReport) -> str:
         f"  item:           {report.item}\n"
         f"  batch of {report.batch_size}:{' ' * max(1, 6 - len(str(report.batch_size)))}{report.batch}\n"
         f"  time:           {report.ms_per_item:.3f} ms per item ({report.items_timed} items), "
-        f"collation {report.ms_per_batch:.3f} ms per batch"
+        f"collation {report.ms_per_batch:.3f} ms per batch\n"
+        f"  items:          {_items_line(report)}"
     )
+
+
+def _items_line(report: DatasetReport) -> str:
+    if report.items_checked:
+        return f"all {report.items_checked:,} fetched"
+    of = "" if report.length is None else f" of {report.length:,}"
+    return f"{report.items_timed}{of} sampled (--all fetches every one)"

@@ -139,7 +139,7 @@ def _check(args: argparse.Namespace) -> int:
         listen = ", ".join(config.addresses)
         print(f"{args.config}: valid; {len(config.datasets)} dataset(s), workers: {config.workers}, listen: {listen}\n", flush=True)
     reports = []
-    for report in check_config(config, args.batch_size, args.timeout):
+    for report in check_config(config, args.batch_size, args.timeout, every_item=args.all):
         reports.append(report)
         if not args.json:
             print(format_report(report), flush=True)
@@ -149,10 +149,11 @@ def _check(args: argparse.Namespace) -> int:
     if failed:  # each cause once (above, or in the JSON); stderr has the verdict a script greps for
         names = ", ".join(r.name for r in failed)
         where = "in the JSON" if args.json else "above"
-        verdict = f"{len(failed)} of {len(reports)} dataset(s) cannot be served ({names}); the causes are {where}"
-        print(f"loaderd: check failed: {verdict}", file=sys.stderr)
+        print(f"loaderd: check failed for {len(failed)} of {len(reports)} dataset(s) ({names}); the causes are {where}", file=sys.stderr)
+    elif not args.json and args.all:
+        print(f"\nOK: every dataset builds, yields every item and collates ({len(reports)})")
     elif not args.json:
-        print(f"\nOK: every dataset builds, yields items and collates ({len(reports)})")
+        print(f"\nOK: every dataset builds, yields the items sampled and collates ({len(reports)}); --all fetches every item")
     return EXIT_START if failed else 0
 
 
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--batch-size", type=int, default=8, help="items per collated batch (default 8)")
     check.add_argument("--json", action="store_true", help="print the reports as JSON")
     check.add_argument("--timeout", type=float, default=300.0, help="seconds each dataset may take (default 300)")
+    check.add_argument(
+        "--all", action="store_true", help="fetch every item (not a sample) and list every one that fails; mind --timeout"
+    )
     bench = sub.add_parser("bench", help="compare torch's DataLoader and RemoteDataLoader on a dataset of a config")
     bench.add_argument("--config", required=True, help="the YAML config that defines the dataset")
     bench.add_argument("--dataset", required=True, help="the dataset's name in the config")

@@ -32,7 +32,28 @@ def test_the_example_config_checks_out() -> None:
     assert "item:           (Tensor float32 [1, 8, 8], int)" in out, out
     assert "batch of 8:     [Tensor float32 [8, 1, 8, 8], Tensor int64 [8]]" in out, out
     assert "counting: iterable, no len()" in out and "{'value': Tensor int64 [8], 'square': Tensor int64 [8]}" in out, out
-    assert "ms per item" in out and out.rstrip().endswith("(3)"), out
+    assert "ms per item" in out and "items:          64 of 1,438 sampled (--all fetches every one)" in out, out
+    assert out.rstrip().endswith("collates (3); --all fetches every item"), out
+
+
+def test_all_fetches_every_item_and_lists_every_one_that_fails(short_tmp: Path) -> None:
+    path = write_config(
+        short_tmp,
+        {
+            "ok": {"dataset": "support.datasets:Squares", "kwargs": {"n": 100}},
+            "holes": {"dataset": "support.datasets:Failing", "kwargs": {"n": 100, "bad": [2, 70, 71, 72, 99]}},
+        },
+    )
+    result = loaderd_cli("check", "--config", str(path), "--all", "--batch-size", "4")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "ok: map-style, 100 items" in result.stdout and "items:          all 100 fetched" in result.stdout, result.stdout
+    [cause] = [line.strip() for line in result.stdout.splitlines() if line.startswith("  dataset 'holes'")]
+    assert cause.startswith("dataset 'holes': 5 of 100 items failed (indices 2, 70-72, 99); the first, item 2: ValueError: "), cause
+    assert "datasets.py:" in cause, cause
+    assert result.stderr.strip().splitlines() == ["loaderd: check failed for 1 of 2 dataset(s) (holes); the causes are above"], result.stderr
+    report = json.loads(loaderd_cli("check", "--config", str(path), "--all", "--json").stdout)
+    failed = {r["name"]: r["failed_items"] for r in report["datasets"]}
+    assert failed == {"ok": [], "holes": [2, 70, 71, 72, 99]}, failed
 
 
 def test_each_failure_is_said_once_and_the_rest_is_still_reported(short_tmp: Path) -> None:
@@ -54,7 +75,7 @@ def test_each_failure_is_said_once_and_the_rest_is_still_reported(short_tmp: Pat
     assert "factory exploded on purpose" in boom and "datasets.py:" in boom, boom
     assert bad_item.startswith("dataset 'bad-item': item 0 (dataset[0]) failed: ValueError: bad item 0"), bad_item
     assert result.stderr.strip().splitlines() == [
-        "loaderd: check failed: 2 of 3 dataset(s) cannot be served (bad-item, boom); the causes are above"
+        "loaderd: check failed for 2 of 3 dataset(s) (bad-item, boom); the causes are above"
     ], result.stderr
     assert not (short_tmp / "never.sock").exists()
 
@@ -93,4 +114,4 @@ def test_a_dataset_that_exits_or_hangs_is_reported_and_the_others_still_are(shor
         "dataset 'a-exits': its check process ended with exit code 3",
         "dataset 'b-hangs': not done after 5s (killed): a hang?",
     ], result.stdout
-    assert "cannot be served (a-exits, b-hangs)" in result.stderr, result.stderr
+    assert "check failed for 2 of 3 dataset(s) (a-exits, b-hangs)" in result.stderr, result.stderr
