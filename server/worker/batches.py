@@ -53,6 +53,13 @@ class _Replica:
     next_batch: int = 0
 
 
+
+def _indices_of(task: FetchTask) -> str:
+    """A map-style batch's indices as its failure names them (bounded), as a timed-out batch's are."""
+    if not task.auto_collation:
+        return f"index {task.indices}"
+    return f"indices {clip(str(list(cast(tuple[int, ...], task.indices))), 200)}"
+
 class BatchMaker:
     """One worker's batches: its datasets, the iterable replicas it holds, its shared-memory slots."""
 
@@ -166,7 +173,7 @@ class BatchMaker:
                 set_worker_info(None)
                 batch, placed = ds.convert(sample), None
         except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
-            self.fail(task.stream_id, task.seq, exc, where)
+            self.fail(task.stream_id, task.seq, exc, f"{where} ({_indices_of(task)})")  # worded only on failure
             return
         finally:
             set_worker_info(None)

@@ -158,6 +158,10 @@ def test_user_exception_reaches_client_and_iteration_continues(
         assert "Traceback" in message and "__getitem__" in message, message
         assert last_line(message) == last_line(str(oracle_error)), message
     assert text in str(errors[0]), str(errors[0])
+    # The failed batch is named by its indices too (the daemon knows them; the client's traceback does not show them).
+    bad = {"failing-value": 5, "failing-key": 5, "failing-custom": 0}[name]
+    named = f"(index {bad})" if batch_size is None else f"(indices {list(range(bad - bad % 3, bad - bad % 3 + 3))})"
+    assert named in str(errors[0]), str(errors[0])
 
 
 @pytest.mark.timeout(60)
