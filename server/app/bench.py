@@ -35,10 +35,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.utils.data import DataLoader
 
-from loaderd.errors import clip
+import loaderd.errors as loaderd_errors
+import loaderd.server as server_package
+from loaderd.errors import BatchTimeoutError, LoaderdError, RemoteWorkerError, WorkerCrashedError, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.worker.datasets import build_dataset
-from loaderd.server.worker.user_code import apply_python_path
+from loaderd.server.worker.user_code import apply_python_path, where_in_user_code
 
 STARTUP_TIMEOUT_S = 300.0
 LOADERS = ("torch", "shm", "grpc")
@@ -47,6 +49,23 @@ LABELS = {"torch": "torch DataLoader", "shm": "loaderd, shared memory", "grpc": 
 
 class BenchError(Exception):
     """The benchmark cannot run as asked (no such dataset, a daemon that does not start); the message says why."""
+
+
+# A frame of a traceback quoted in an exception's message ('File "path", line N').
+_QUOTED_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
+# Frames in these are not where a dataset went wrong: torch's, and loaderd's own (both sides).
+_NOT_THE_USERS = tuple(str(Path(str(m.__file__)).resolve().parent) + "/" for m in (torch, loaderd_errors, server_package))
+
+
+def failure_line(exc: BaseException) -> str:
+    """A batch's failure in one line: the exception line and the user's file:line. A worker's exception (torch's
+    DataLoader or loaderd's) quotes the worker's traceback in its message: the line and frame come from there."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return f"{type(exc).__name__}: {clip(text.splitlines()[0] if text else '', 300)}{where_in_user_code(exc)}"
+    last = [line for line in text.splitlines() if line.strip()][-1].strip()
+    frames = [(path, line) for path, line in _QUOTED_FRAME.findall(text) if not path.startswith(_NOT_THE_USERS)]
+    return clip(last, 300) + (f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else "")
 
 
 @dataclass(frozen=True)
@@ -220,7 +239,8 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
     try:
         local = build_dataset(spec, prebuilt=False)
     except Exception as exc:  # noqa: BLE001 - the user's dataset may raise anything: the report names it
-        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}") from None
+        what = f"{type(exc).__name__}: {exc}{where_in_user_code(exc)}"
+        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {what}") from None
     kind = "iterable" if local.iterable else "map-style"
     shuffle = options.shuffle and not local.iterable
 
@@ -240,7 +260,7 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
         warm_torch = torch_loader(persistent=True)
         next(iter(warm_torch))
     except Exception as exc:  # noqa: BLE001 - the dataset fails under torch too: that is the answer
-        raise BenchError(f"dataset {options.dataset!r} fails in torch's own DataLoader: {type(exc).__name__}: {exc}") from None
+        raise BenchError(_failed_under(options, "torch DataLoader", "its first batches", exc)) from None
 
     with _addresses(options, err) as (shm_address, grpc_address):
         from loaderd import RemoteDataLoader  # its channels come after the forks above
@@ -253,32 +273,62 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
             )  # fmt: skip
 
         loaders: dict[str, Any] = {"torch": warm_torch}
-        for transport in ("shm", "grpc"):
-            try:
-                loaders[transport] = remote(transport)
-                for _ in range(trials):
-                    results[transport].first_batch_ms.append(first_batch_ms(functools.partial(remote, transport)))
-            except Exception as exc:  # noqa: BLE001 - e.g. transport="shm" against a daemon on another host
-                results[transport].error = f"{type(exc).__name__}: {exc}"
-        for round_no in range(1, options.epochs + 1):
-            for name in LOADERS:
-                if name not in loaders:
-                    continue
-                label = f"round {round_no}/{options.epochs} {name}"
-                try:
-                    batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, functools.partial(progress.update, label))
-                except Exception as exc:  # noqa: BLE001 - reported in its row; the other loaders go on
-                    results[name].error = f"{type(exc).__name__}: {clip(str(exc), 300)}"
-                    del loaders[name]
-                    progress.finished(f"{label}: failed: {results[name].error}")
-                    continue
-                results[name].batches_s.append(batches / seconds)
-                results[name].mb_s.append(nbytes / seconds / 1e6)
-                progress.finished(f"{label}: {batches} batches in {seconds:.2f} s ({batches / seconds:.1f} batches/s)")
-        loaders.clear()
-    _stop_workers(warm_torch)
+        try:
+            _rounds(options, loaders, results, progress, remote, trials)
+        finally:
+            loaders.clear()
+            _stop_workers(warm_torch)
     _report(options, kind, local, results, out)
     return results
+
+
+def _failed_under(options: BenchOptions, loader: str, when: str, exc: BaseException) -> str:
+    """One line for a dataset that failed a loader: it stops the bench (the figures would compare nothing)."""
+    return (
+        f"dataset {options.dataset!r} failed under {loader} ({when}): {failure_line(exc)}; "
+        f"`loaderd check --config {options.config.path} --all` lists every item that fails"
+    )
+
+
+def _of_the_dataset(exc: BaseException) -> bool:
+    """Whether a loader's failure is the dataset's (a batch failed in a worker) rather than the loader's own
+    (a transport this host cannot use, a daemon out of reach)."""
+    return not isinstance(exc, LoaderdError) or isinstance(exc, (RemoteWorkerError, WorkerCrashedError, BatchTimeoutError))
+
+
+def _rounds(
+    options: BenchOptions,
+    loaders: dict[str, Any],
+    results: dict[str, Measured],
+    progress: Progress,
+    remote: Callable[[str], Any],
+    trials: int,
+) -> None:
+    """The first batches of loaderd's loaders, then ``options.epochs`` rounds of one epoch per loader.
+    A loader that cannot be made here (e.g. shared memory with a remote daemon) is a row's note; a batch
+    that fails is the dataset's failure, and ends the bench (BenchError)."""
+    for transport in ("shm", "grpc"):
+        try:
+            loaders[transport] = remote(transport)
+            for _ in range(trials):
+                results[transport].first_batch_ms.append(first_batch_ms(functools.partial(remote, transport)))
+        except Exception as exc:  # noqa: BLE001 - e.g. transport="shm" against a daemon on another host
+            if _of_the_dataset(exc):
+                raise BenchError(_failed_under(options, LABELS[transport], "its first batches", exc)) from None
+            results[transport].error = f"{type(exc).__name__}: {exc}"
+    for round_no in range(1, options.epochs + 1):
+        for name in LOADERS:
+            if name not in loaders:
+                continue
+            label = f"round {round_no}/{options.epochs} {name}"
+            try:
+                batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, functools.partial(progress.update, label))
+            except Exception as exc:  # noqa: BLE001 - the user's dataset may raise anything: one line says what and where
+                progress.finished(f"{label}: failed")
+                raise BenchError(_failed_under(options, LABELS[name], f"round {round_no}", exc)) from None
+            results[name].batches_s.append(batches / seconds)
+            results[name].mb_s.append(nbytes / seconds / 1e6)
+            progress.finished(f"{label}: {batches} batches in {seconds:.2f} s ({batches / seconds:.1f} batches/s)")
 
 
 @contextmanager

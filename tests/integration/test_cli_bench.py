@@ -57,6 +57,21 @@ def test_bench_against_a_running_daemon_and_a_wrong_name(short_tmp: Path) -> Non
     assert wrong.returncode == 1 and wrong.stderr.startswith("loaderd: no dataset named 'sqaures'"), wrong.stderr
     broken = write_config(short_tmp, {"boom": {"dataset": "support.datasets:broken_factory"}})
     failed = loaderd_cli("bench", "--config", str(broken), "--dataset", "boom")
-    assert failed.returncode == 1 and failed.stderr.strip().splitlines() == [
-        "loaderd: dataset 'boom': building support.datasets:broken_factory failed: RuntimeError: factory exploded on purpose"
-    ], failed.stderr
+    [line] = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and line.startswith(
+        "loaderd: dataset 'boom': building support.datasets:broken_factory failed: RuntimeError: factory exploded on purpose (at "
+    ), failed.stderr
+    assert "support/datasets.py:" in line, line
+
+
+@pytest.mark.parametrize(("bad", "when"), [(0, "its first batches"), (37, "round 1")])
+def test_a_failing_item_ends_the_bench_with_one_line_naming_it(short_tmp: Path, bad: int, when: str) -> None:
+    """One outcome whichever batch meets the bad item first: exit 1, no table, the cause and its file:line."""
+    config = write_config(short_tmp, {"holes": {"dataset": "support.datasets:Failing", "kwargs": {"n": 40, "bad": [bad]}}})
+    result = loaderd_cli(
+        "bench", "--config", str(config), "--dataset", "holes", "--batch-size", "4", "--epochs", "1", "--no-shuffle", timeout=170
+    )
+    assert result.returncode == 1 and not rows(result.stdout), (result.stdout, result.stderr)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"loaderd: dataset 'holes' failed under torch DataLoader ({when}): ValueError: bad item {bad} (at "), last
+    assert "support/datasets.py:" in last and "loaderd check --config" in last and "--all" in last, last
