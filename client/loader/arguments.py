@@ -59,6 +59,24 @@ def refuse_config_only(dataset_name: str, collate_fn: Any, worker_init_fn: Any, 
             )
 
 
+def unsharded_warning(dataset_name: str) -> str | None:
+    """What to warn when a loader with no ``rank=``, sampler or batch sampler is iterated inside an initialised
+    ``torch.distributed`` group of more than one process: every rank would get the whole epoch, in the same
+    order, where a framework hands a ``DataLoader`` its ``DistributedSampler`` shard. None where that is not so."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    if world <= 1:
+        return None
+    return (
+        f"RemoteDataLoader({dataset_name!r}) is iterated in a torch.distributed group of {world} processes "
+        "without rank=, a sampler or a batch_sampler: every rank gets the whole epoch, in the same order "
+        f"(a DataLoader there gets a DistributedSampler shard). Pass rank={dist.get_rank()}, world_size={world} "
+        "(torch.distributed.get_rank() and get_world_size()) to give each rank its shard as DistributedSampler would"
+    )
+
+
 def check_options(num_workers: Any, timeout: float, prefetch_factor: int | None, transport: str, failover_timeout: float) -> None:
     """Validate the numeric and option arguments (in torch's words where torch has the argument)."""
     if not isinstance(num_workers, int) or num_workers < 0:

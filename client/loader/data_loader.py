@@ -33,6 +33,7 @@ from loaderd.loader.arguments import (
     check_options,
     check_share,
     refuse_config_only,
+    unsharded_warning,
 )
 from loaderd.loader.epochs import LoaderEpochs
 from loaderd.loader.identity import LoaderIdentity, class_name, share_job_name, share_seed
@@ -184,6 +185,8 @@ class RemoteDataLoader:
         self._identity = self._make_identity(bool(shuffle), info.length if info.has_length else None)
         self._pin = pin_memory and torch.cuda.is_available()
         self._closed = False
+        # Under DDP without a shard of its own, every rank would read the whole epoch: said once (__iter__).
+        self._check_sharding = not distributed and sampler is None and batch_sampler is None and not self._iterable
         # The next epoch is planned ahead (loaderd.epoch.next_epoch) only where every draw it makes
         # comes from torch's global RNG, by its first batch.
         may_plan_ahead = (
@@ -253,6 +256,11 @@ class RemoteDataLoader:
                 "then device pinned memory won't be used.",
                 stacklevel=2,
             )
+        if self._check_sharding:  # every epoch until said once (a process group may start after the loader)
+            unsharded = unsharded_warning(self.dataset_name)
+            if unsharded is not None:
+                self._check_sharding = False
+                warnings.warn(unsharded, UserWarning, stacklevel=2)
         return self._epochs.begin(self._epoch_rng, self._reseed, self._epoch_stream)
 
     def _reseed(self, epoch: int) -> int | None:

@@ -9,8 +9,11 @@ epoch with ``set_epoch``, with the real dataset as torch's oracle.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,3 +260,38 @@ def test_share_argument_errors(daemon: RunningDaemon) -> None:
         RemoteDataLoader("stream", batch_size=2, share="s", address=daemon.address)
     with pytest.raises(ValueError, match="non-empty string"):
         RemoteDataLoader("augment", share="", address=daemon.address)
+
+
+_DDP_RANK = r"""
+import sys, warnings
+import torch.distributed as dist
+from loaderd import RemoteDataLoader
+rank, store, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plain = RemoteDataLoader("squares-10", batch_size=4, address=address)
+    sharded = RemoteDataLoader("squares-10", batch_size=4, address=address, rank=rank, world_size=2)
+    for loader in (plain, plain, sharded, sharded):  # two epochs each
+        list(loader)
+said = [str(w.message) for w in caught if "torch.distributed group" in str(w.message)]
+print(len(said), said[0] if said else "")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_without_a_shard_under_ddp_warns_once_naming_rank_and_world_size(daemon: RunningDaemon, tmp_path: Path) -> None:
+    """Every rank would get the whole epoch in the same order; the loader says so once, with the arguments to pass."""
+    store = tmp_path / "store"
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _DDP_RANK, str(rank), str(store), daemon.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    outputs = [rank.communicate(timeout=100) for rank in ranks]
+    for rank, (out, err) in enumerate(outputs):
+        assert ranks[rank].returncode == 0, err
+        count, _, message = out.strip().partition(" ")
+        assert count == "1", out
+        assert "RemoteDataLoader('squares-10') is iterated in a torch.distributed group of 2 processes" in message, message
+        assert f"Pass rank={rank}, world_size=2" in message, message
