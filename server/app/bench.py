@@ -40,7 +40,7 @@ import loaderd.server as server_package
 from loaderd.errors import BatchTimeoutError, LoaderdError, RemoteWorkerError, WorkerCrashedError, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.worker.datasets import build_dataset
-from loaderd.server.worker.user_code import apply_python_path, where_in_user_code
+from loaderd.server.worker.user_code import apply_python_path, user_error
 
 STARTUP_TIMEOUT_S = 300.0
 LOADERS = ("torch", "shm", "grpc")
@@ -62,7 +62,7 @@ def failure_line(exc: BaseException) -> str:
     DataLoader or loaderd's) quotes the worker's traceback in its message: the line and frame come from there."""
     text = str(exc)
     if "Original Traceback" not in text:
-        return f"{type(exc).__name__}: {clip(text.splitlines()[0] if text else '', 300)}{where_in_user_code(exc)}"
+        return " ".join(user_error(exc, 300).split())  # one line, whatever the message holds
     last = [line for line in text.splitlines() if line.strip()][-1].strip()
     frames = [(path, line) for path, line in _QUOTED_FRAME.findall(text) if not path.startswith(_NOT_THE_USERS)]
     return clip(last, 300) + (f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else "")
@@ -239,8 +239,7 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
     try:
         local = build_dataset(spec, prebuilt=False)
     except Exception as exc:  # noqa: BLE001 - the user's dataset may raise anything: the report names it
-        what = f"{type(exc).__name__}: {exc}{where_in_user_code(exc)}"
-        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {what}") from None
+        raise BenchError(f"dataset {options.dataset!r}: building {spec.factory} failed: {user_error(exc)}") from None
     kind = "iterable" if local.iterable else "map-style"
     shuffle = options.shuffle and not local.iterable
 

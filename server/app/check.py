@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from loaderd.errors import TransportError, clip
+from loaderd.errors import TransportError
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.datasets import WorkerDataset, build_for_worker
-from loaderd.server.worker.user_code import apply_python_path, where_in_user_code
+from loaderd.server.worker.user_code import apply_python_path, user_error
 from loaderd.wire.batch_encoder import encode_batch
 
 # How long a check process may take to start (the fork server imports torch first).
@@ -81,7 +81,7 @@ def structure(value: Any, depth: int = 0) -> str:
 
 
 def _failed(name: str, what: str, exc: BaseException) -> str:
-    return f"dataset {name!r}: {what} failed: {type(exc).__name__}: {clip(str(exc), 500)}{where_in_user_code(exc)}"
+    return f"dataset {name!r}: {what} failed: {user_error(exc, 500)}"
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -118,7 +118,7 @@ def _every_item(name: str, ds: WorkerDataset, length: int | None) -> tuple[int, 
             except StopIteration:
                 break
             except Exception as exc:  # noqa: BLE001 - the report lists it
-                failures.append((tried, f"{type(exc).__name__}: {clip(str(exc), 200)}{where_in_user_code(exc)}"))
+                failures.append((tried, user_error(exc, 200)))
                 tried += 1
                 break
             tried += 1
@@ -128,7 +128,7 @@ def _every_item(name: str, ds: WorkerDataset, length: int | None) -> tuple[int, 
             try:
                 ds.dataset[index]
             except Exception as exc:  # noqa: BLE001 - the report lists it
-                failures.append((index, f"{type(exc).__name__}: {clip(str(exc), 200)}{where_in_user_code(exc)}"))
+                failures.append((index, user_error(exc, 200)))
             tried += 1
             progress()
     progress(final=True)

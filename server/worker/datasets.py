@@ -23,7 +23,7 @@ from loaderd.server.config.schema import DatasetSpec
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.tasks import DatasetMeta
-from loaderd.server.worker.user_code import resolve, where_in_user_code
+from loaderd.server.worker.user_code import resolve, user_error
 
 
 @dataclass
@@ -93,7 +93,7 @@ def build_for_worker(spec: DatasetSpec, worker_id: int, pool_size: int, prebuilt
     except BuildFailed as exc:
         raise RuntimeError(f"dataset {name!r}: building {spec.factory} once, in the fork server, failed: {exc}") from None
     except Exception as exc:
-        raise RuntimeError(f"dataset {name!r}: building {spec.factory} failed: {type(exc).__name__}: {exc}{where_in_user_code(exc)}") from exc
+        raise RuntimeError(f"dataset {name!r}: building {spec.factory} failed: {user_error(exc)}") from exc
     if ds.worker_init_fn is not None and not ds.iterable:
         seed = derive_seed(worker_id, 0x1417)
         seed_everything(seed)
@@ -101,7 +101,7 @@ def build_for_worker(spec: DatasetSpec, worker_id: int, pool_size: int, prebuilt
         try:
             ds.worker_init_fn(worker_id)
         except Exception as exc:
-            raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {type(exc).__name__}: {exc}{where_in_user_code(exc)}") from exc
+            raise RuntimeError(f"dataset {name!r}: worker_init_fn failed: {user_error(exc)}") from exc
         finally:
             set_worker_info(None)
     return ds

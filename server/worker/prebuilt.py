@@ -48,7 +48,7 @@ from typing import Any
 from loaderd.server.config.schema import DatasetSpec
 from loaderd.server.process import glibc_tunables
 from loaderd.server.process.log_format import configure_logging
-from loaderd.server.worker.user_code import apply_python_path, import_config_module, resolve, where_in_user_code
+from loaderd.server.worker.user_code import apply_python_path, import_config_module, resolve, user_error
 
 ENV = "LOADERD_BUILD_ONCE"
 
@@ -126,6 +126,6 @@ def build_from_environment() -> None:
         try:
             _built[spec.name] = resolve(spec.factory)(*spec.args, **spec.kwargs)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the fork server must survive
-            _failed[spec.name] = f"{type(exc).__name__}: {exc}{where_in_user_code(exc)}"
+            _failed[spec.name] = user_error(exc)
     # Everything built so far lives as long as the fork server and its workers: out of the collector's way.
     gc.freeze()

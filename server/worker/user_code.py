@@ -18,18 +18,23 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from loaderd.errors import clip
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.wire.limits import IMPORTING_CONFIG_ENV
 
 _LOADERD_DIRS = (str(Path(__file__).resolve().parent.parent) + "/",)  # loaderd.server's own files
 
 
-def where_in_user_code(exc: BaseException) -> str:
-    """`` (at file:line)`` of the innermost frame of ``exc``'s traceback outside loaderd's daemon (the user's
-    code, or a library it called); "" where there is none (a constructor called with arguments it does not
-    take fails in loaderd's own call). ``loaderd check`` and a starting pool word their failures with it."""
+def user_error(exc: BaseException, limit: int | None = None) -> str:
+    """``Type: message (at file:line)``: a user's exception in one line, the message clipped to ``limit``
+    characters if given. The place is the innermost frame of its traceback outside loaderd's daemon (the
+    user's code, or a library it called); none where there is no such frame (a constructor called with
+    arguments it does not take fails in loaderd's own call). ``serve`` (a starting pool, the fork server's
+    ``build: once``), ``check`` and ``bench`` word a user's failure with it."""
+    message = str(exc) if limit is None else clip(str(exc), limit)
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LOADERD_DIRS)]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {message}{where}"
 
 
 def apply_python_path(python_path: Sequence[str]) -> None:
