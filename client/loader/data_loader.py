@@ -12,6 +12,7 @@ import logging
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -130,6 +131,9 @@ class RemoteDataLoader:
         token: str | None = None,
         plan_ahead: bool = True,
     ) -> None:
+        # The arguments as given, before anything reads them: an integration (loaderd.integrations) builds the
+        # same loader again around a framework's own sampler from them.
+        self._arguments = MappingProxyType({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         freeze_imports()  # once per process; see loaderd.process_tuning (LOADERD_PROCESS_TUNING=0: off)
         check_dataset_name(dataset_name)
         refuse_config_only(dataset_name, collate_fn, worker_init_fn, multiprocessing_context)
@@ -198,6 +202,12 @@ class RemoteDataLoader:
             and plans_ahead(self._plan._index_sampler)
         )
         self._epochs = LoaderEpochs(self._plan, dataset_name, self._iterable, may_plan_ahead)
+
+    @property
+    def arguments(self) -> Mapping[str, Any]:
+        """The constructor's arguments, as given (read-only): ``RemoteDataLoader(**{**loader.arguments, "sampler": s})``
+        is this loader with another sampler. The framework adapters (``loaderd.integrations``) build theirs so."""
+        return self._arguments
 
     def _make_identity(self, shuffle: bool, length: int | None) -> LoaderIdentity:
         """What decides this loader's batches: shares and ``load_state_dict`` compare its fingerprint."""
