@@ -100,12 +100,22 @@ def sized_len(obj: Any) -> int | None:
         return None
 
 
+# A bound on the walk through wrapped samplers (a wrapper that wraps itself would not end it).
+_MAX_SAMPLER_OBJECTS = 16
+
+
 def _sampler_objects(plan: DataLoader) -> list[Any]:
-    """The sampler objects of a plan, outermost first, each once."""
+    """The sampler objects of a plan, outermost first, each once: the plan's own, and those they wrap
+    as ``.sampler`` or ``.batch_sampler`` (a framework's wrappers nest: accelerate's ``BatchSamplerShard``
+    and ``SkipBatchSampler`` hold the ``BatchSampler`` whose sampler owns the generator)."""
     found: list[Any] = []
-    for obj in (plan._index_sampler, plan.sampler, plan.batch_sampler, getattr(plan.batch_sampler, "sampler", None)):
-        if obj is not None and not any(obj is seen for seen in found):
-            found.append(obj)
+    pending: list[Any] = [plan._index_sampler, plan.sampler, plan.batch_sampler]
+    while pending and len(found) < _MAX_SAMPLER_OBJECTS:
+        obj = pending.pop(0)
+        if obj is None or any(obj is seen for seen in found):
+            continue
+        found.append(obj)
+        pending += [getattr(obj, "sampler", None), getattr(obj, "batch_sampler", None)]
     return found
 
 
