@@ -1,4 +1,4 @@
-"""The README's examples (deploy/examples/) run against a real daemon serving deploy/ds.yaml, and do what they say."""
+"""The examples (deploy/examples/, listed in docs/pages/getting-started.md and the README's quickstart) run against a real daemon serving deploy/ds.yaml, and do what they say."""
 
 from __future__ import annotations
 

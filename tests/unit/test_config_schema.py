@@ -43,6 +43,15 @@ def test_the_committed_schema_is_the_models() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_the_committed_config_reference_is_the_schemas() -> None:
+    """docs/pages/reference/config.md, the docs' config reference, is generated from the same schema."""
+    from gen_config_schema import REFERENCE, reference_text
+
+    expected = reference_text(json.loads(json_schema_text()))
+    assert REFERENCE.exists() and REFERENCE.read_text() == expected, f"{REFERENCE.relative_to(REPO)} is stale: run python tests/gen_config_schema.py"
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", sorted(deploy_configs()))
 def test_deploy_configs_follow_the_schema(name: str) -> None:
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator().iter_errors(deploy_configs()[name])]
