@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -171,7 +171,9 @@ class RemoteDataLoader:
             shuffle = True  # DistributedSampler's default
         # Loaders of a share draw from a generator of their own, reseeded every epoch.
         self._share_generator = torch.Generator() if share is not None else None
-        self.dataset = proxy_dataset(dataset_name, info)
+        # The stand-in fetches from the daemon for code that reads it (the slow path, loaderd.loader.plan).
+        self._slow_path = _SlowPath(self)
+        self.dataset = proxy_dataset(dataset_name, info, self._slow_path)
         self._plan: DataLoader = build_plan(
             self.dataset,
             batch_size=batch_size,
@@ -244,6 +246,7 @@ class RemoteDataLoader:
         self._closed = True
         iterator, planned = self._epochs.end()
         deadline = time.monotonic() + timeout
+        self._slow_path.close(timeout)
         joined = self._calls.close(timeout)
         for epoch in (iterator, planned):
             if epoch is not None:
@@ -384,3 +387,56 @@ class RemoteDataLoader:
             fingerprint=self._identity.fingerprint(),
         )
 
+
+class _Given(Sampler[Any]):
+    """A sampler (or batch sampler) yielding whatever it was last given: a slow-path loader's plan, call by call."""
+
+    def __init__(self) -> None:
+        self.given: list[Any] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.given)
+
+    def __len__(self) -> int:
+        return len(self.given)
+
+
+class _SlowPath:
+    """A loader's dataset read directly (``loaderd.loader.plan.DaemonFetch``): two more loaders on the
+    same daemons with the same options, made on first use, one for lone items and one for batches. Each
+    has a generator of its own, so fetching never draws from torch's global RNG (a DataLoader draws one
+    base seed per epoch, not one per call)."""
+
+    def __init__(self, owner: RemoteDataLoader) -> None:
+        self._owner = owner
+        self._loaders: dict[str, tuple[RemoteDataLoader, _Given]] = {}
+
+    def item(self, index: int) -> Any:
+        (item,) = self._fetch("item", [int(index)])
+        return item
+
+    def batch(self, indices: Sequence[int]) -> Any:
+        (batch,) = self._fetch("batch", [[int(i) for i in indices]])
+        return batch
+
+    def close(self, timeout: float) -> None:
+        for loader, _ in self._loaders.values():
+            loader.close(timeout)
+
+    def _fetch(self, kind: str, given: list[Any]) -> list[Any]:
+        if self._owner.closed:
+            raise LoaderdError(f"the RemoteDataLoader of {self._owner.dataset_name!r} is closed")
+        if kind not in self._loaders:
+            plan = _Given()
+            if kind == "item":
+                one_by_one: dict[str, Any] = {"batch_size": None, "sampler": plan, "batch_sampler": None}
+            else:
+                one_by_one = {"batch_size": 1, "sampler": None, "batch_sampler": plan}
+            arguments = {
+                **self._owner.arguments, **one_by_one, "shuffle": None, "drop_last": False, "generator": torch.Generator().manual_seed(0),
+                "rank": None, "world_size": None, "seed": None, "share": None, "plan_ahead": False,
+            }
+            self._loaders[kind] = (RemoteDataLoader(**arguments), plan)
+        loader, plan = self._loaders[kind]
+        plan.given = given
+        return list(loader)

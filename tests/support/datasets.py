@@ -406,3 +406,19 @@ class ModulesSeen(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor(float(self.modules[i] in sys.modules))
+
+
+class Records(Dataset):
+    """Item i is a dict, as a transformers Trainer's model takes it: {"x": tensor([i, i*i]) float32,
+    "labels": tensor(i % 3) float32, "index": i}."""
+
+    def __init__(self, n: int = 100) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(f"Records index {i} out of range for {self.n} items")
+        return {"x": torch.tensor([i, i * i], dtype=torch.float32), "labels": torch.tensor(float(i % 3)), "index": i}
