@@ -363,6 +363,7 @@ class RemoteLoaderIter:
             raise StopIteration
         self._consumed += 1
         self._record.yielded = self._consumed  # what state_dict() reports (an error counts: it took a position)
+        self._lanes.caller_at(self._consumed, self._stalled_s)  # what the daemons' status shows as CONSUMED
         if kind is Heard.ERROR:
             raise exception_from_remote(payload)
         return payload

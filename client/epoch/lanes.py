@@ -104,6 +104,12 @@ class EpochLanes:
         if self._outage.answered():
             log.warning("loaderd: streaming %r again, from %s", self._stream.dataset, lane.address)
 
+    def caller_at(self, consumed: int, stalled_s: float) -> None:
+        """The caller took the positions before ``consumed``: each lane notes it (``Lane.caller_at``)."""
+        stalled_us = int(stalled_s * 1e6)
+        for lane in self.by_address.values():
+            lane.caller_at(consumed, stalled_us)
+
     def drop(self, lane: Lane) -> None:
         """Close ``lane``; the positions it owed and no other lane holds wait for a lane again."""
         if lane.closed:

@@ -16,6 +16,7 @@ never raises into the iterator and never blocks it.
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import os
 import queue
@@ -31,7 +32,7 @@ from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
 from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
-from loaderd.stream.stream_call import CallEpoch, StreamCall, StreamCalls
+from loaderd.stream.stream_call import CallEpoch, Progress, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
 
 _stream_tokens = itertools.count(1)
@@ -93,7 +94,12 @@ class Lane:
         self._sent_at: deque[float] = deque()
         # Contiguous lanes (iterable, share): the position the next answer is for.
         self.next_position = opening.start
-        self.answered = 0  # batches this lane delivered; map-style lanes report it as `consumed`
+        self.answered = 0  # batches this lane delivered
+        # What the lane reports as `consumed`: how many of its batches the caller took, in the daemon's
+        # numbering (a positioned lane's from 0, others' epoch positions from `start`); see caller_at.
+        self.progress = Progress(0 if opening.positioned else opening.start)
+        # A positioned lane: the positions it answered that the caller has not got to yet (a heap).
+        self._ahead_of_caller: list[int] = []
         self.latency = 0.0  # moving average of seconds from sending a position to its answer
         self.closed = False
         # An epoch planned ahead that nobody iterates yet (loaderd.epoch.next_epoch): set by hold_ahead,
@@ -115,9 +121,9 @@ class Lane:
         opening.stream_token = token
         epoch = CallEpoch(functools.partial(_post, weakref.ref(self), events), token, pin_memory, buffers)
         call = calls.take(address, connection, session)
-        if call is None or not call.open(opening, epoch):  # none parked, or it ended just now
+        if call is None or not call.open(opening, epoch, self.progress):  # none parked, or it ended just now
             call = calls.new(address, connection, session)
-            if not call.open(opening, epoch):
+            if not call.open(opening, epoch, self.progress):
                 # Over before the epoch was on it (the daemon refused the call at once, e.g. at its
                 # max_streams): its receiver told nobody, so the epoch hears it here.
                 epoch.post(*call.outcome())
@@ -136,10 +142,8 @@ class Lane:
         share's lane, opened at ``start``) the positions must follow on.
         """
         now = time.monotonic()
-        # What the daemon counts the plan's lead from: its own numbering on a positioned
-        # lane (it numbers the lane's batches from 0), epoch positions otherwise.
-        consumed = self.answered if self._positioned else self.next_position
-        plan = pb.PlanBatches(consumed=consumed, end=end, stalled_us=stalled_us)
+        # What the daemon counts the plan's lead from, and shows as the stream's CONSUMED.
+        plan = pb.PlanBatches(consumed=self.progress.consumed, end=end, stalled_us=stalled_us)
         for position, indices in batches:
             if self._positioned:
                 plan.batches.add(indices=indices, position=position)
@@ -155,6 +159,25 @@ class Lane:
         if end:
             self.ended = True
 
+    def caller_at(self, consumed: int, stalled_us: int) -> None:
+        """The caller took every position before ``consumed`` (waiting ``stalled_us`` in all): noted as
+        the lane's ``progress``, which the next plan carries, or the call reports on its own
+        (``loaderd.stream.stream_call.Progress``): no message here. A positioned lane counts its
+        answers the caller got past (a hedge's losing answer too, so it ends at what the daemon
+        delivered); a contiguous lane, the caller's position up to the lane's."""
+        progress = self.progress
+        if self._positioned:
+            behind = self._ahead_of_caller
+            taken = progress.consumed
+            while behind and behind[0] < consumed:
+                heapq.heappop(behind)
+                taken += 1
+        else:
+            taken = min(consumed, self.next_position)
+        progress.stalled_us = stalled_us
+        if taken > progress.consumed:
+            progress.consumed = taken
+
     def credit(self, consumed: int, stalled_us: int) -> None:
         """Tell an iterable lane how far the caller got (its credit), or any lane how long it waited."""
         self._call.send(pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=stalled_us)))
@@ -168,6 +191,8 @@ class Lane:
             self.answered += 1
             return position
         position = self.sent.popleft()
+        if self._positioned:
+            heapq.heappush(self._ahead_of_caller, position)
         took = time.monotonic() - self._sent_at.popleft()
         self.latency = took if self.answered == 0 else 0.8 * self.latency + 0.2 * took
         self.answered += 1

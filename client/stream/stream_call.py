@@ -15,6 +15,11 @@ epoch waiting on it hears ``lost`` (the daemon is gone or going) or ``failed``
 (the request was refused). The thread holds nothing of the ``StreamCall``, so a
 call nobody holds is cancelled by its finalizer.
 
+The call's sending thread (gRPC's, running ``_request_stream``) also tells the daemon how far
+the caller got (``Progress``) when no plan message has said so for ``PROGRESS_S``: a
+``PlanBatches`` with no batches (protocol revision 6), so a daemon's status keeps up with a
+caller whose epoch arrived whole long before it consumes it, without a message per batch.
+
 The daemon waits ``StreamEnd.keep_open_ms`` on a call for the next ``open``;
 a parked call is reused only within half of that (or before its END arrived,
 when the daemon's wait has not begun), else it is cancelled and a new one opens.
@@ -50,6 +55,31 @@ from loaderd.wire.limits import PROTOCOL_REVISION
 
 # How often blocked waits re-check their stop signal.
 POLL_S = 0.25
+# A caller's progress no plan message carried goes to the daemon on its own at most this often.
+PROGRESS_S = 0.2
+
+
+class Progress:
+    """How far the caller got on one epoch's stream, as ``PlanBatches.consumed`` counts it (``Lane.caller_at``).
+
+    The epoch's iterator thread writes ``consumed`` and ``stalled_us``; the call's sending thread reads
+    them and alone writes ``reported`` (the most any message sent for this epoch said). Plain ints: no lock."""
+
+    __slots__ = ("consumed", "reported", "stalled_us")
+
+    def __init__(self, start: int) -> None:
+        self.consumed = start
+        self.stalled_us = 0
+        self.reported = start
+
+    def report(self) -> pb.StreamRequest | None:
+        """A progress-only message, if the caller got further than any message said (on the sending thread)."""
+        consumed = self.consumed
+        if consumed <= self.reported:
+            return None
+        self.reported = consumed
+        # No batches, no end, no released leases (those travel only on plans of batches, and on the session).
+        return pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=self.stalled_us))
 
 
 @dataclass(frozen=True)
@@ -115,19 +145,38 @@ class _Route:
             return waiting, first
 
 
-def _request_stream(
-    requests: queue.Queue[pb.StreamRequest | None], stop: threading.Event, sender: SenderThread
-) -> Iterator[pb.StreamRequest]:
-    """The call's requests. A free function: gRPC's sending thread holds this generator."""
+# A queued request, with the ``Progress`` of the epoch it opens (None: not an ``open``).
+_Queued = tuple[pb.StreamRequest, Progress | None]
+
+
+def _request_stream(requests: queue.Queue[_Queued | None], stop: threading.Event, sender: SenderThread) -> Iterator[pb.StreamRequest]:
+    """The call's requests. A free function: gRPC's sending thread holds this generator.
+
+    Between them, at most every ``PROGRESS_S``, the progress of the epoch last opened (its plans
+    belong to it) that no message has reported yet: on this thread, so that a message is sent in
+    the end even when the caller stopped asking for batches."""
     sender.seen()
+    progress: Progress | None = None
+    reported_at = time.monotonic()
     while not stop.is_set():
         try:
-            request = requests.get(timeout=POLL_S)
+            queued = requests.get(timeout=POLL_S)
         except queue.Empty:
-            continue
-        if request is None:
-            return
-        yield request
+            pass
+        else:
+            if queued is None:
+                return
+            request, opens = queued
+            if opens is not None:
+                progress = opens
+            elif progress is not None and request.plan.consumed > progress.reported:
+                progress.reported = request.plan.consumed
+            yield request
+        if progress is not None and time.monotonic() - reported_at >= PROGRESS_S:
+            report = progress.report()
+            if report is not None:
+                reported_at = time.monotonic()
+                yield report
 
 
 def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: int) -> None:
@@ -147,7 +196,7 @@ class StreamCall:
         self._connection = connection
         self._pid = os.getpid()
         self._stop = threading.Event()
-        self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        self._requests: queue.Queue[_Queued | None] = queue.Queue()
         self._route = _Route()
         if session is None:  # batches arrive as multi-MiB messages: keep their memory on the heap
             raise_mmap_threshold()
@@ -161,15 +210,16 @@ class StreamCall:
         track(self._receiver)  # joined at exit, even once this object is gone (loaderd.channel.threads)
         connection.track_stream(self._closer)
 
-    def open(self, opening: pb.OpenStream, epoch: CallEpoch) -> bool:
-        """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s.
+    def open(self, opening: pb.OpenStream, epoch: CallEpoch, progress: Progress) -> bool:
+        """Start an epoch on the call: what the daemon sends after the previous epoch's END is ``epoch``'s,
+        and the call reports ``progress`` for it from now on.
 
         False if the call is over already (its receiver has gone: nothing would reach ``epoch``)."""
         if not self._route.add(epoch):
             return False
         request = pb.StreamRequest(open=opening)  # a copy: the revision is the call's to state
         request.open.protocol_revision = PROTOCOL_REVISION
-        self._requests.put(request)
+        self._requests.put((request, progress))
         return True
 
     def outcome(self) -> tuple[Heard, Any]:
@@ -179,7 +229,8 @@ class StreamCall:
             return self._route.outcome
 
     def send(self, request: pb.StreamRequest) -> None:
-        self._requests.put(request)
+        """Send a ``plan`` for the epoch opened last."""
+        self._requests.put((request, None))
 
     @property
     def over(self) -> bool:

@@ -144,7 +144,7 @@ def open_spec(
 
 
 def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits) -> PlanItems:
-    """The index batches a plan request adds to ``stream`` (none for an iterable stream's progress report).
+    """The index batches a plan request adds to ``stream`` (none for a progress report: no batches, no end).
 
     Reads the stream's counters: call with the scheduler's lock held, or accept
     that a concurrent delivery makes the limits a little looser (never tighter).
@@ -158,6 +158,9 @@ def plan_batches(request: pb.StreamRequest, stream: BatchStream, limits: Limits)
         if plan.batches or plan.end:
             raise BadRequestError(f"dataset {spec.dataset!r} is an IterableDataset: it takes no index plan")
         return PlanItems([], None, plan)
+    if not plan.batches and not plan.end:
+        # Progress only (the client's CONSUMED and wait; protocol revision 6): taken after the plan's end too.
+        return PlanItems([], [] if spec.positioned else None, plan)
     if stream.plan_end:
         raise BadRequestError("plan received after the plan's end")
     ahead = stream.planned + len(plan.batches) - max(stream.consumed, plan.consumed)

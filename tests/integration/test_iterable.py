@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 from support import datasets
 from support.compare import assert_same_batches
-from support.daemons import RunningDaemon, oracle_loader, running_daemon
+from support.daemons import RunningDaemon, daemon_status, oracle_loader, running_daemon, wait_for
 from torch.utils.data import DataLoader, SequentialSampler
 
 from loaderd import RemoteDataLoader
+from loaderd.stream.lane import client_name
 
 # torch warns that 3 workers exceed a 2-core machine's suggestion; the oracle needs them anyway.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -217,3 +218,24 @@ def test_large_batches_match_torch_workers(daemon: RunningDaemon, transport: str
     for epoch in range(2):
         got = list(loader)  # the whole epoch held at once
         assert_same_batches(got, want, f"epoch {epoch}")
+
+
+@pytest.mark.timeout(60)
+def test_status_counts_what_the_caller_took_between_credits(daemon: RunningDaemon, transport: str) -> None:
+    """The client grants its credit every quarter window; the daemon's status still follows the caller
+    batch by batch once it stops (CONSUMED, issue 38)."""
+    kwargs: dict[str, Any] = dict(batch_size=1, num_workers=2)
+    loader = remote(daemon, transport, "stream", prefetch_factor=8, **kwargs)  # a window of 16: a credit every 4 batches
+
+    def consumed() -> int | None:
+        mine = [s.consumed for s in daemon_status(daemon.address).streams if s.client == client_name() and s.dataset == "stream"]
+        assert len(mine) <= 1, mine
+        return mine[0] if mine else None
+
+    it = iter(loader)
+    got = []
+    for taken in (3, 6):
+        got += [next(it) for _ in range(taken - len(got))]
+        wait_for(lambda: consumed() == taken, 20.0, f"CONSUMED to reach {taken}")
+    got += list(it)
+    assert_same_batches(got, torch_batches("stream", **kwargs))

@@ -16,12 +16,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
+from support.compare import assert_same_batches
 from support.daemons import (
     STARTUP_TIMEOUT_S,
     RunningDaemon,
@@ -33,6 +35,8 @@ from support.daemons import (
     wait_serving,
     write_config,
 )
+from support.datasets import Squares
+from torch.utils.data import DataLoader
 
 from loaderd import RemoteDataLoader
 from loaderd.server.ops.status import ClientRate, client_rates
@@ -148,6 +152,38 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     assert re.search(rf"stream {stream['stream_id']} opened by {re.escape(repr(client_name()))} ", daemon.log())
     wait_for(lambda: not daemon_status(daemon.address).streams, 20.0, "the finished stream to leave the status")
     assert my_batches(daemon.address) - before == EPOCH  # batches sent to it, the epoch's last ones included
+
+
+def my_stream(address: str) -> Any:
+    """This process's one open stream of 'squares' in the daemon's status (None: none is open)."""
+    mine = [s for s in daemon_status(address).streams if s.client == client_name() and s.dataset == "squares"]
+    assert len(mine) <= 1, mine
+    return mine[0] if mine else None
+
+
+@pytest.mark.timeout(60)
+def test_consumed_counts_what_the_caller_took_of_an_epoch_that_arrived_whole(daemon: RunningDaemon) -> None:
+    """The whole epoch fits in the stream's window, so every batch arrives before the caller takes
+    any and no plan message follows: CONSUMED still follows the caller (issue 38)."""
+    batch_size, taken = 16, 3
+    loader = RemoteDataLoader("squares", batch_size=batch_size, address=daemon.address)
+    length = len(loader)
+    assert length == -(-N // batch_size) <= 4 * 2, "the epoch fits in the window (prefetch_factor 4 x 2 pool workers)"
+    it = iter(loader)
+    got = [next(it) for _ in range(taken)]
+    wait_for(lambda: (s := my_stream(daemon.address)) is not None and s.delivered == length, 20.0, "the whole epoch to be sent")
+    wait_for(lambda: my_stream(daemon.address).consumed == taken, 20.0, f"CONSUMED to reach {taken}")
+    table = loaderd_cli("status", "--address", daemon.address)
+    assert table.returncode == 0, table.stderr
+    header, row = [line.split() for line in table.stdout.splitlines() if line.startswith("STREAM ") or client_name() in line.split()[1:2]]
+    assert row[header.index("CONSUMED")] == str(taken) and row[header.index("DELIVERED")] == str(length), table.stdout
+
+    got += [next(it) for _ in range(length - taken)]  # every batch taken; the next next() ends the epoch
+    wait_for(lambda: my_stream(daemon.address).consumed == length, 20.0, f"CONSUMED to reach {length}")
+    with pytest.raises(StopIteration):
+        next(it)
+    assert_same_batches(got, list(DataLoader(Squares(N), batch_size=batch_size)))
+    wait_for(lambda: my_stream(daemon.address) is None, 20.0, "the finished stream to leave the status")
 
 
 def test_client_rates_over_an_interval_or_over_the_time_its_streams_were_open() -> None:

@@ -25,12 +25,13 @@ from support.compare import assert_same_batches
 from support.daemons import RunningDaemon, daemon_status, oracle_loader, running_daemon, wait_for
 
 from loaderd import RemoteDataLoader
+from loaderd.channel.threads import SenderThread
 from loaderd.errors import LimitExceededError
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.handlers import parse_each
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.stream.receive_buffers import ReceiveBuffers
-from loaderd.stream.stream_call import CallEpoch, StreamCall, _Receiver, _Route
+from loaderd.stream.stream_call import PROGRESS_S, CallEpoch, Progress, StreamCall, _Receiver, _request_stream, _Route
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
@@ -376,7 +377,7 @@ def test_a_call_refused_before_its_epoch_opens_tells_that_epoch_why() -> None:
     call = StreamCall("test", connection, None)  # type: ignore[arg-type]
     wait_for(lambda: call.over, 5, "the refusal to end the call")
     kinds: list[str] = []
-    assert not call.open(pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares"), _epoch(kinds))
+    assert not call.open(pb.OpenStream(protocol_revision=PROTOCOL_REVISION, dataset="squares"), _epoch(kinds), Progress(0))
     kind, payload = call.outcome()
     assert (kind, type(payload)) == ("failed", LimitExceededError) and "max_streams" in str(payload)
     assert kinds == [], "nobody was waiting when the call ended"
@@ -402,3 +403,28 @@ def test_an_epoch_that_opens_as_the_daemon_says_draining_between_epochs_asks_aga
     assert heard == ["retry"]
     assert route.over and not route.epochs
 
+
+
+@pytest.mark.timeout(30)
+def test_the_sending_thread_reports_progress_no_plan_carried_at_most_every_interval() -> None:
+    """How far the caller got goes to the daemon on its own (a PlanBatches with no batches, no leases)
+    when no plan said it, for the epoch opened last; what a plan carried is not sent again."""
+    requests: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    sent = _request_stream(requests, stop, SenderThread())
+    first, second = Progress(0), Progress(10)
+    requests.put((pb.StreamRequest(open=pb.OpenStream(dataset="a")), first))
+    assert next(sent).open.dataset == "a"
+    first.consumed, first.stalled_us = 3, 7
+    started = time.monotonic()
+    report = next(sent)  # the caller stopped: nothing else will be sent, this must be
+    assert time.monotonic() - started >= PROGRESS_S * 0.9
+    assert report == pb.StreamRequest(plan=pb.PlanBatches(consumed=3, stalled_us=7))
+    first.consumed = 5
+    requests.put((pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=[1])], consumed=5, end=True)), None))
+    requests.put((pb.StreamRequest(open=pb.OpenStream(dataset="b")), second))
+    assert next(sent).plan.end and next(sent).open.dataset == "b"  # 5 went with the plan: no report of it
+    first.consumed, second.consumed = 9, 12
+    assert next(sent) == pb.StreamRequest(plan=pb.PlanBatches(consumed=12)), "only the epoch opened last reports"
+    requests.put(None)
+    assert next(sent, None) is None

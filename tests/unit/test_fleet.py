@@ -207,7 +207,7 @@ class _Call:
         self.epoch: Any = None
         self.cancelled = False
 
-    def open(self, opening: pb.OpenStream, epoch: Any) -> bool:
+    def open(self, opening: pb.OpenStream, epoch: Any, progress: Any) -> bool:
         self.epoch = epoch
         return True
 

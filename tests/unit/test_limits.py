@@ -76,6 +76,17 @@ def test_a_plan_may_run_at_most_max_plan_ahead_past_consumption() -> None:
     assert plan_batches(plan_request([[9]], consumed=1), stream, LIMITS).batches == [(9,)]
 
 
+def test_progress_alone_is_taken_after_the_plans_end_and_nothing_else_is() -> None:
+    """Revision 6: a PlanBatches with no batches and no end reports progress (CONSUMED), even after the end."""
+    stream = lone_stream(map_spec())
+    stream.add_plan(plan_batches(plan_request([[i] for i in range(8)]), stream, LIMITS).batches, True)
+    progress = plan_batches(pb.StreamRequest(plan=pb.PlanBatches(consumed=5, stalled_us=7)), stream, LIMITS)
+    assert progress.batches == [] and (progress.plan.consumed, progress.plan.stalled_us) == (5, 7)
+    for late in (plan_request([[9]], consumed=8), pb.StreamRequest(plan=pb.PlanBatches(end=True))):
+        with pytest.raises(BadRequestError, match="after the plan's end"):
+            plan_batches(late, stream, LIMITS)
+
+
 def test_a_plan_may_hold_at_most_max_plan_indices_undispatched() -> None:
     stream = lone_stream(map_spec())
     with pytest.raises(LimitExceededError, match="max_plan_indices"):
