@@ -57,7 +57,7 @@ class RemoteDataset(Dataset):
         return self.loader.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        return self.loader.dataset.__getitems__(indices)  # type: ignore[attr-defined,no-any-return]
+        return self.loader.dataset.__getitems__(indices)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Close the dataset's loader (and with it the slow path's)."""
@@ -68,12 +68,16 @@ class LoaderdTrainerMixin:
     """Put before ``Trainer`` (``class MyTrainer(LoaderdTrainerMixin, Trainer)``): the loaders the Trainer
     builds over a ``RemoteDataset`` are fed from the daemon; any other dataset is the Trainer's as ever."""
 
+    # The Trainer's, which the mixin reads.
+    train_dataset: Any
+    eval_dataset: Any
+
     def get_train_dataloader(self) -> Any:
         return _from_daemon(super().get_train_dataloader(), self.train_dataset)  # type: ignore[misc]
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         prepared = super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
-        chosen = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset or self.eval_dataset  # type: ignore[attr-defined]
+        chosen = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset or self.eval_dataset
         return _from_daemon(prepared, chosen)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:

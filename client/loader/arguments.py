@@ -8,6 +8,7 @@ argument, the message is torch's.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -59,20 +60,39 @@ def refuse_config_only(dataset_name: str, collate_fn: Any, worker_init_fn: Any, 
             )
 
 
+# The framework adapters (loaderd.integrations), by the module that shows the framework is in use: the
+# first found names the adapter in the unsharded warning.
+ADAPTERS = (
+    ("lightning", "under Lightning, add the mixin: class LitModel(RemoteLoaders, L.LightningModule), "
+                  "from loaderd.integrations.lightning import RemoteLoaders"),
+    ("pytorch_lightning", "under Lightning, add the mixin: class LitModel(RemoteLoaders, pl.LightningModule), "
+                          "from loaderd.integrations.lightning import RemoteLoaders"),
+    ("transformers.trainer", "under the transformers Trainer, use LoaderdTrainer with train_dataset=RemoteDataset(name), "
+                             "from loaderd.integrations.transformers"),
+    ("accelerate", "under accelerate, prepare it with loaderd.integrations.accelerate.prepare_loader(accelerator, loader) "
+                   "instead of accelerator.prepare"),
+)
+
+
 def unsharded_warning(dataset_name: str) -> str | None:
     """What to warn when a loader with no ``rank=``, sampler or batch sampler is iterated inside an initialised
     ``torch.distributed`` group of more than one process: every rank would get the whole epoch, in the same
-    order, where a framework hands a ``DataLoader`` its ``DistributedSampler`` shard. None where that is not so."""
+    order, where a framework hands a ``DataLoader`` its ``DistributedSampler`` shard. Names the adapter of a
+    framework in use (``ADAPTERS``). None where that is not so."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size()
     if world <= 1:
         return None
+    adapter = next((hint for module, hint in ADAPTERS if module in sys.modules), None)
     return (
         f"RemoteDataLoader({dataset_name!r}) is iterated in a torch.distributed group of {world} processes "
         "without rank=, a sampler or a batch_sampler: every rank gets the whole epoch, in the same order "
-        f"(a DataLoader there gets a DistributedSampler shard). Pass rank={dist.get_rank()}, world_size={world} "
+        "(a DataLoader there gets a DistributedSampler shard). "
+        + (f"{adapter[0].upper()}{adapter[1:]} (loaderd.integrations gives each rank the framework's own shard); or pass "
+           if adapter else "Pass ")
+        + f"rank={dist.get_rank()}, world_size={world} "
         "(torch.distributed.get_rank() and get_world_size()) to give each rank its shard as DistributedSampler would"
     )
 

@@ -267,6 +267,8 @@ import sys, warnings
 import torch.distributed as dist
 from loaderd import RemoteDataLoader
 rank, store, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 1:
+    import accelerate  # a framework in use: the warning names its adapter
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -282,7 +284,8 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(120)
 def test_a_loader_without_a_shard_under_ddp_warns_once_naming_rank_and_world_size(daemon: RunningDaemon, tmp_path: Path) -> None:
-    """Every rank would get the whole epoch in the same order; the loader says so once, with the arguments to pass."""
+    """Every rank would get the whole epoch in the same order; the loader says so once, with the arguments to
+    pass, and the adapter of the framework it sees (rank 1 imported accelerate)."""
     store = tmp_path / "store"
     ranks = [
         subprocess.Popen([sys.executable, "-c", _DDP_RANK, str(rank), str(store), daemon.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -294,4 +297,8 @@ def test_a_loader_without_a_shard_under_ddp_warns_once_naming_rank_and_world_siz
         count, _, message = out.strip().partition(" ")
         assert count == "1", out
         assert "RemoteDataLoader('squares-10') is iterated in a torch.distributed group of 2 processes" in message, message
-        assert f"Pass rank={rank}, world_size=2" in message, message
+        if rank == 0:
+            assert f"Pass rank={rank}, world_size=2" in message, message
+        else:
+            assert "Under accelerate, prepare it with loaderd.integrations.accelerate.prepare_loader(accelerator, loader)" in message, message
+            assert f"or pass rank={rank}, world_size=2" in message, message
