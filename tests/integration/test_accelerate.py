@@ -38,7 +38,7 @@ def launch(tmp: Path, name: str, **spec: Any) -> list[dict[str, Any]]:
     """Run accelerate_run under torchrun with 2 processes; each rank's record."""
     out = tmp / name
     full = {**BASE_SPEC, **spec, "out": str(out)}
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                "-m", "support.accelerate_run", json.dumps(full)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp)

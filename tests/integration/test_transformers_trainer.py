@@ -41,7 +41,7 @@ def launch(tmp: Path, name: str, **spec: Any) -> list[dict[str, Any]]:
     """Run trainer_run under torchrun with 2 processes; each rank's record."""
     out = tmp / name
     full = {**BASE_SPEC, "output_dir": str(tmp / f"{name}-out"), **spec, "out": str(out)}
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                "-m", "support.trainer_run", json.dumps(full)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp)

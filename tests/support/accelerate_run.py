@@ -8,7 +8,7 @@ HuggingFace's ``datasets``, which accelerate imports).
 SPEC_JSON: {"loader": "torch" | "loaderd", "address": ..., "dataset": "squares-359", "n": 359,
 "batch_size": 8, "epochs": 2, "accumulation": 4, "seed": 7, "out": path prefix,
 "stop_after": k (save_state after k batches of epoch stop_epoch, then exit), "stop_epoch": e,
-"resume": true | false, "skip": true (resume by skip_first_batches; otherwise the loader is registered
+"cpu": false (default true: place batches on the accelerator), "resume": true | false, "skip": true (resume by skip_first_batches; otherwise the loader is registered
 for checkpointing and resumes from its own state), "state_dir": path}
 
 Each rank writes ``{out}.rank{r}.json``: per epoch, each batch's item indices, ``sync_gradients`` and
@@ -49,7 +49,7 @@ def skip(spec: dict[str, Any], accelerator: Accelerator, loader: Any, batches: i
 
 
 def main(spec: dict[str, Any]) -> None:
-    accelerator = Accelerator(gradient_accumulation_steps=spec["accumulation"], cpu=True)
+    accelerator = Accelerator(gradient_accumulation_steps=spec["accumulation"], cpu=spec.get("cpu", True))
     set_seed(spec["seed"])
     loader = make_loader(spec, accelerator)
     model = torch.nn.Linear(2, 1)
@@ -71,7 +71,7 @@ def main(spec: dict[str, Any]) -> None:
         for step, (x, index) in enumerate(active):
             with accelerator.accumulate(model):
                 rows.append({
-                    "index": index.tolist(),
+                    "index": index.cpu().tolist(),
                     "sync": accelerator.sync_gradients,
                     "end": accelerator.gradient_state.end_of_dataloader,
                     "device": str(x.device),
@@ -80,7 +80,7 @@ def main(spec: dict[str, Any]) -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-            gathered += accelerator.gather_for_metrics(index).tolist()
+            gathered += accelerator.gather_for_metrics(index).cpu().tolist()
             if epoch == spec.get("stop_epoch") and step + 1 == spec.get("stop_after") and not spec.get("resume"):
                 accelerator.save_state(spec["state_dir"])
                 epochs.append({"epoch": epoch, "batches": rows, "gathered": gathered})

@@ -2,7 +2,7 @@
 
 Run as a file (Lightning's DDP launcher starts rank 1 by running ``sys.argv`` again)::
 
-    python lightning_run.py OUT ADDRESS DEVICES LOADERS [--max-steps K --ckpt-dir D] [--resume PATH] [--val-generator]
+    python lightning_run.py OUT ADDRESS DEVICES LOADERS [--max-steps K --ckpt-dir D] [--resume PATH] [--val-generator] [--accelerator gpu]
 
 LOADERS is ``torch`` (DataLoader over the real dataset), ``remote`` (RemoteDataLoader, through
 ``loaderd.integrations.lightning.RemoteLoaders``) or ``both`` (a dict of the two, iterated in
@@ -39,7 +39,7 @@ def describe(batch: Any) -> dict[str, Any]:
     values, index = batch
     return {
         "indices": index.tolist(),
-        "digest": hashlib.sha256(values.numpy().tobytes()).hexdigest()[:16],
+        "digest": hashlib.sha256(values.cpu().numpy().tobytes()).hexdigest()[:16],
         "types": [type(values).__name__, str(values.dtype), str(index.dtype), values.device.type],
     }
 
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir")
     parser.add_argument("--resume")
     parser.add_argument("--val-generator", action="store_true")
+    parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
 
     L.seed_everything(SEED)
@@ -119,7 +120,7 @@ def main() -> None:
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="stop", every_n_train_steps=args.max_steps, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         strategy="ddp" if args.devices > 1 else "auto",
         devices=args.devices,
         max_epochs=args.epochs,

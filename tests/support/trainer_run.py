@@ -4,7 +4,7 @@
 
 SPEC_JSON: {"loader": "torch" | "loaderd", "address": ..., "n": train items, "eval_n": eval items,
 "batch_size": 8, "epochs": 2, "accumulation": 2, "seed": 7, "out": path prefix, "output_dir": path,
-"save_steps": k, "stop_at": global step to stop at (after its checkpoint) or null, "resume": bool}
+"save_steps": k, "cpu": false (default true: train on the accelerator; records end with the device), "stop_at": global step to stop at (after its checkpoint) or null, "resume": bool}
 
 Each rank writes ``{out}.rank{r}.json``: the item indices of every batch the model saw in training, in
 order, and in ``evaluate()`` after it. The torch run is the oracle: the plain Trainer over the real
@@ -23,7 +23,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from support.datasets import Records
 
-SEEN: list[list[int]] = []
+SEEN: list[list[Any]] = []
+RECORD_DEVICE = False  # set by main from the spec: each batch's record ends with its device
 
 
 class Tiny(torch.nn.Module):
@@ -34,7 +35,7 @@ class Tiny(torch.nn.Module):
         self.linear = torch.nn.Linear(2, 1)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        SEEN.append(index.tolist())
+        SEEN.append([*index.tolist(), str(index.device)] if RECORD_DEVICE else index.tolist())
         return {"loss": (self.linear(x).squeeze(-1) - labels).pow(2).mean()}
 
 
@@ -49,10 +50,12 @@ class StopAt(TrainerCallback):
 
 
 def main(spec: dict[str, Any]) -> None:
+    global RECORD_DEVICE
+    RECORD_DEVICE = not spec.get("cpu", True)
     args = TrainingArguments(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch_size"], per_device_eval_batch_size=spec["batch_size"],
         num_train_epochs=spec["epochs"], gradient_accumulation_steps=spec["accumulation"], seed=spec["seed"],
-        save_strategy="steps", save_steps=spec["save_steps"], report_to="none", use_cpu=True, disable_tqdm=True,
+        save_strategy="steps", save_steps=spec["save_steps"], report_to="none", use_cpu=spec.get("cpu", True), disable_tqdm=True,
         logging_strategy="no", dataloader_pin_memory=False,
     )
     torch.manual_seed(spec["seed"])
