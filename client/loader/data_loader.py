@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -408,7 +409,9 @@ class _SlowPath:
     base seed per epoch, not one per call)."""
 
     def __init__(self, owner: RemoteDataLoader) -> None:
-        self._owner = owner
+        # Weak: the stand-in holds this, and the loader's plan and epoch threads hold the stand-in; a strong
+        # reference would keep a dropped loader (and its streams on the daemon) alive.
+        self._owner = weakref.ref(owner)
         self._loaders: dict[str, tuple[RemoteDataLoader, _Given]] = {}
 
     def item(self, index: int) -> Any:
@@ -424,8 +427,9 @@ class _SlowPath:
             loader.close(timeout)
 
     def _fetch(self, kind: str, given: list[Any]) -> list[Any]:
-        if self._owner.closed:
-            raise LoaderdError(f"the RemoteDataLoader of {self._owner.dataset_name!r} is closed")
+        owner = self._owner()
+        if owner is None or owner.closed:
+            raise LoaderdError("the RemoteDataLoader this dataset stands in for is closed")
         if kind not in self._loaders:
             plan = _Given()
             if kind == "item":
@@ -433,7 +437,7 @@ class _SlowPath:
             else:
                 one_by_one = {"batch_size": 1, "sampler": None, "batch_sampler": plan}
             arguments = {
-                **self._owner.arguments, **one_by_one, "shuffle": None, "drop_last": False, "generator": torch.Generator().manual_seed(0),
+                **owner.arguments, **one_by_one, "shuffle": None, "drop_last": False, "generator": torch.Generator().manual_seed(0),
                 "rank": None, "world_size": None, "seed": None, "share": None, "plan_ahead": False,
             }
             self._loaders[kind] = (RemoteDataLoader(**arguments), plan)

@@ -9,22 +9,18 @@ processes with ``load_state`` (the loader's own state) or ``skip_first_batches``
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.daemons import RunningDaemon, running_daemon
+from support.torchrun import torchrun
 
 pytest.importorskip("accelerate")
 
 N = 359  # odd: the DistributedSampler-style shards pad, the last batch is partial
 DATASETS = {"squares-359": {"dataset": "support.datasets:Squares", "kwargs": {"n": N}}}
-TESTS = Path(__file__).resolve().parents[1]
 BASE_SPEC: dict[str, Any] = {"dataset": "squares-359", "n": N, "batch_size": 8, "epochs": 2, "accumulation": 4, "seed": 7}
 
 
@@ -36,14 +32,7 @@ def daemon() -> Iterator[RunningDaemon]:
 
 def launch(tmp: Path, name: str, **spec: Any) -> list[dict[str, Any]]:
     """Run accelerate_run under torchrun with 2 processes; each rank's record."""
-    out = tmp / name
-    full = {**BASE_SPEC, **spec, "out": str(out)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               "-m", "support.accelerate_run", json.dumps(full)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp)
-    assert done.returncode == 0, f"{name} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    return torchrun("support.accelerate_run", {**BASE_SPEC, **spec, "out": str(tmp / name)}, tmp, ACCELERATE_USE_CPU="true")
 
 
 @pytest.mark.timeout(400)

@@ -7,7 +7,6 @@ Skipped without CUDA (CI has none); run on a GPU machine with ``python -m pytest
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from support.daemons import TESTS_DIR, RunningDaemon, running_daemon
+from support.torchrun import script_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,7 +27,6 @@ DATASETS: dict[str, Any] = {
     "squares-359": {"dataset": "support.datasets:Squares", "kwargs": {"n": 359}},
     **{f"records-{n}": {"dataset": "support.datasets:Records", "kwargs": {"n": n}, "collate_fn": COLLATE} for n in (103, 21)},
 }
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,7 @@ def daemon() -> Iterator[RunningDaemon]:
 
 
 def run(command: list[str], tmp: Path) -> None:
-    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=180, cwd=tmp, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=180, cwd=tmp, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 

@@ -8,16 +8,13 @@ which skips the resumed epoch's first batches through accelerate's ``skip_first_
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.daemons import RunningDaemon, running_daemon
+from support.torchrun import torchrun
 
 pytest.importorskip("transformers")
 
@@ -26,7 +23,6 @@ COLLATE = "transformers.data.data_collator:default_data_collator"  # the Trainer
 DATASETS = {
     f"records-{n}": {"dataset": "support.datasets:Records", "kwargs": {"n": n}, "collate_fn": COLLATE} for n in (N, EVAL_N)
 }
-TESTS = Path(__file__).resolve().parents[1]
 # 13 batches of 4 per rank and epoch, 2 per optimizer step: steps 1-7 in epoch 0; checkpoint at step 4.
 BASE_SPEC: dict[str, Any] = {"n": N, "eval_n": EVAL_N, "batch_size": 4, "epochs": 2, "accumulation": 2, "seed": 7, "save_steps": 4}
 
@@ -39,14 +35,8 @@ def daemon() -> Iterator[RunningDaemon]:
 
 def launch(tmp: Path, name: str, **spec: Any) -> list[dict[str, Any]]:
     """Run trainer_run under torchrun with 2 processes; each rank's record."""
-    out = tmp / name
-    full = {**BASE_SPEC, "output_dir": str(tmp / f"{name}-out"), **spec, "out": str(out)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               "-m", "support.trainer_run", json.dumps(full)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp)
-    assert done.returncode == 0, f"{name} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    full = {**BASE_SPEC, "output_dir": str(tmp / f"{name}-out"), **spec, "out": str(tmp / name)}
+    return torchrun("support.trainer_run", full, tmp, TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.mark.timeout(400)
