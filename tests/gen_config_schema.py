@@ -22,13 +22,14 @@ REFERENCE = REPO / "docs" / "pages" / "reference" / "config.md"
 # Each section of the schema ($defs), as a config spells where it goes, and its anchor on the page.
 SECTIONS = {
     "DatasetEntry": ("datasets.NAME", "dataset"),
+    "CacheSection": ("datasets.NAME.cache", "cache"),
     "ListenEntry": ("listen: an entry as a mapping", "listen-entry"),
     "TlsSection": ("listen: an entry's tls", "tls"),
     "AuthSection": ("auth", "auth"),
     "MetricsSection": ("metrics", "metrics"),
     "LimitsSection": ("limits", "limits"),
 }
-LINK_TEXT = {"ListenEntry": "listen entry", "TlsSection": "tls"}
+LINK_TEXT = {"ListenEntry": "listen entry", "TlsSection": "tls", "CacheSection": "cache"}
 _PATTERNS = {"^[^:]+:[\\s\\S]": "`module:name`", "\\S": "not blank"}
 
 

@@ -20,7 +20,8 @@ Shutdown (``Daemon.shutdown``, idempotent, run after the drain, or at once on SI
   5. the metrics HTTP server (if any) stops and its thread is joined;
   6. workers get a stop message, then terminate/kill after a timeout, and the
      fork server is stopped and reaped;
-  7. the slot ledger unlinks every shared-memory segment of this daemon;
+  7. the slot ledger unlinks every shared-memory segment of this daemon, then
+     the daemon its memory-tier item caches (and their lock files);
   8. unix socket files are removed.
 A daemon that cannot serve any more (its scheduler keeps failing, no worker
 can start) says NOT_SERVING at once and sets ``failed``; ``loaderd serve``
@@ -72,7 +73,7 @@ from loaderd.server.security.listeners import (
     secure_sockets,
     tcp_in_use,
 )
-from loaderd.server.shm.arena import daemon_prefix, shm_available, sweep_stale
+from loaderd.server.shm.arena import daemon_prefix, shm_available, sweep_stale, unlink_segments
 from loaderd.server.worker.import_check import ImportCheck
 from loaderd.server.worker.tasks import DatasetMeta
 from loaderd.wire.addresses import is_loopback
@@ -119,6 +120,7 @@ class Daemon:
         # Set by start(), in this order; shutdown() stops whatever was set.
         self.pool: WorkerPool | None = None
         self.ledger: SlotLedger | None = None
+        self._cache_prefix: str | None = None  # the memory tier's item caches in /dev/shm (None: none)
         self.scheduler: Scheduler | None = None
         self.session_host: SessionHost | None = None
         self.server: grpc.Server | None = None
@@ -158,11 +160,13 @@ class Daemon:
             swept = sweep_stale()
             if swept:
                 log.info("removed %d shared-memory segments left by a daemon that was killed", swept)
-            shm_prefix = (
-                daemon_prefix(os.getpid(), secrets.token_hex(8)) if config.shm_bytes_per_worker > 0 and shm_available() else None
-            )
+            names = daemon_prefix(os.getpid(), secrets.token_hex(8))
+            shm_prefix = names if config.shm_bytes_per_worker > 0 and shm_available() else None
+            # The memory tier's item caches (server/cache/item_store.py): this daemon's, removed when it stops.
+            memory_cache = any(spec.cache is not None and spec.cache.tier == "memory" for spec in config.datasets.values())
+            self._cache_prefix = f"{names}cache-" if memory_cache and shm_available() else None
             sessions = SessionRegistry()
-            self.pool = pool = WorkerPool(config, shm_prefix)
+            self.pool = pool = WorkerPool(config, shm_prefix, self._cache_prefix)
             self.ledger = ledger = SlotLedger(shm_prefix, give_back=pool.give_back, on_retired=sessions.announce_retired)
             catalog = Catalog(self._start_pool(pool, check), pool.size)
         finally:
@@ -329,6 +333,8 @@ class Daemon:
             self.pool.shutdown()
         if self.ledger is not None:
             self.ledger.close()
+        if self._cache_prefix is not None:
+            unlink_segments(self._cache_prefix)  # the memory tier's items: no worker maps them any more
         for path in self._unix_paths:
             try:
                 os.unlink(path)

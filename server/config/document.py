@@ -9,6 +9,7 @@ processes use without pydantic). ``json_schema_text`` is the same schema for edi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -18,6 +19,7 @@ from loaderd.server.config.messages import config_error, expected, fail, refuse_
 from loaderd.server.config.schema import (
     DEFAULT_LISTEN,
     AuthConfig,
+    CacheSpec,
     DatasetSpec,
     Limits,
     ListenSpec,
@@ -70,6 +72,30 @@ def _one_of(choices: Any) -> str:
 
 
 Build = Annotated[BuildMode, says(literal_error=_one_of(BuildMode))]
+
+# A size in bytes: an integer, or a number with a unit ("4GiB", "512 MB"); kB/MB/GB/TB are powers of 1000.
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_PATTERN = r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"
+MIN_CACHE_BYTES = 1 << 20  # an LMDB environment smaller than this holds next to nothing
+
+
+def _size_in_bytes(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value  # an integer is checked as one; anything else is refused by its type
+    match = re.match(_SIZE_PATTERN, value)
+    if match is None:
+        fail(f"{value!r} is not a size (an integer number of bytes, or a number with a unit: 512MiB, 4GiB, 2GB)", value=value)
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+Bytes = Annotated[
+    int,
+    Field(ge=MIN_CACHE_BYTES),
+    BeforeValidator(_size_in_bytes),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": MIN_CACHE_BYTES}, {"type": "string", "pattern": _SIZE_PATTERN}]}),
+    says("a size in bytes (an integer, or a string such as '4GiB')", greater_than_equal="must be at least {ge} bytes (1 MiB), got {input}"),
+]
 LogFormatName = Annotated[LogFormat, says(literal_error=_one_of(LogFormat))]
 
 
@@ -165,6 +191,40 @@ Listen = Annotated[
 ]
 
 
+class CacheSection(Section):
+    """Where a map-style dataset's items are kept once computed: read back instead of computed again."""
+
+    memory: Bytes | None = Field(None, description="Shared memory the daemon owns, at most this size: one copy per host, gone when it stops.")
+    disk: PathText | None = Field(None, description="A directory (relative to this file) that outlives the daemon and is shared by daemons.")
+    max: Bytes | None = Field(None, description="With disk: the most the items there may take.")
+    version: Annotated[str | int | None, says("a string")] = Field(
+        None, description="Part of the items' key with the dataset's import path and arguments: change it when its code changes."
+    )
+
+    @model_validator(mode="after")
+    def _one_tier(self) -> CacheSection:
+        if (self.memory is None) == (self.disk is None):
+            fail("needs either 'memory: BYTES' or 'disk: PATH' (with 'max: BYTES')")
+        if self.disk is not None and self.max is None:
+            fail("needs 'max: BYTES' with 'disk' (the most the items there may take)")
+        if self.memory is not None and self.max is not None:
+            fail("'max' goes with 'disk'; the memory tier's size is 'memory' itself", "max", value=self.max)
+        return self
+
+
+def _not_yet_auto(value: Any) -> Any:
+    if value == "auto":
+        fail("'auto' is not supported yet: give {memory: BYTES} or {disk: PATH, max: BYTES}", value=value)
+    return value
+
+
+Cache = Annotated[
+    CacheSection | None,
+    BeforeValidator(_not_yet_auto, json_schema_input_type=CacheSection | Literal["auto"] | None),
+    says("a mapping with 'memory', or 'disk' and 'max'"),
+]
+
+
 class DatasetEntry(Section):
     """One dataset: the callable that builds it, its arguments, and what runs beside it."""
 
@@ -175,6 +235,12 @@ class DatasetEntry(Section):
     worker_init_fn: OptionalImportPath = Field(None, description="Called in each worker with its id.")
     task_timeout: Seconds | None = Field(None, description="Seconds one batch may run before its worker is replaced (BatchTimeoutError).")
     build: Build = Field("per_worker", description="per_worker: each worker builds its own; once: built once, shared by every worker.")
+    transform: OptionalImportPath = Field(
+        None, description="Called on each item after it is fetched (or read from the cache), before collation, under the batch's seeds."
+    )
+    cache: Cache = Field(
+        None, description="Map-style datasets: keep items once computed, in memory or on disk (auto: reserved, not yet supported)."
+    )
 
 
 def _some_dataset(value: Any) -> Any:
@@ -281,6 +347,16 @@ class ConfigFile(Section):
 # ------------------------------------------------------------------ to the daemon's config
 
 
+def _cache(section: CacheSection | None, file: Any) -> CacheSpec | None:
+    if section is None:
+        return None
+    version = "" if section.version is None else str(section.version)
+    if section.memory is not None:
+        return CacheSpec(tier="memory", max_bytes=section.memory, version=version)
+    assert section.disk is not None and section.max is not None  # _one_tier
+    return CacheSpec(tier="disk", max_bytes=section.max, path=file(section.disk), version=version)
+
+
 def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
     """The validated document as the daemon's runtime config, its paths resolved against the config's directory."""
 
@@ -302,6 +378,8 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
             worker_init_fn=entry.worker_init_fn,
             task_timeout=entry.task_timeout,
             build=entry.build,
+            transform=entry.transform,
+            cache=_cache(entry.cache, file),
         )
         for name, entry in doc.datasets.items()
     }

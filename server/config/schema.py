@@ -20,6 +20,18 @@ class ConfigError(Exception):
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """A dataset's ``cache:``: where its items are kept once computed (server/cache/), and how much of them."""
+
+    # "memory": shared memory the daemon owns (one copy per host, gone when the daemon stops);
+    # "disk": a directory that outlives daemons and is shared by those on the host.
+    tier: str
+    max_bytes: int  # the most the items (and the store's own pages) take; then nothing more is added
+    path: Path | None = None  # the disk tier's directory
+    version: str = ""  # the user's own part of the items' fingerprint: change it when the dataset's code changes
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
     """One entry of ``datasets:``: how to build a dataset and what runs beside it."""
 
@@ -35,6 +47,9 @@ class DatasetSpec:
     # "per_worker": every worker builds its own copy. "once": built in the pool's fork
     # server before it forks the workers, which share its pages (server/worker/prebuilt.py).
     build: str = "per_worker"
+    # "module:function" called on each item after it is fetched (or read from the cache), before collation.
+    transform: str | None = None
+    cache: CacheSpec | None = None  # None: every item computed every time
 
 
 @dataclass(frozen=True)

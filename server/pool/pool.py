@@ -83,11 +83,13 @@ PoolEvent = WorkerMessage | WorkerDied
 class WorkerPool:
     """A fixed number of worker processes, each replaceable when it dies."""
 
-    def __init__(self, config: LoaderConfig, shm_prefix: str | None) -> None:
-        """``shm_prefix``: the daemon's shared-memory name prefix (None: payloads go over pipes)."""
+    def __init__(self, config: LoaderConfig, shm_prefix: str | None, cache_prefix: str | None = None) -> None:
+        """``shm_prefix``: the daemon's shared-memory name prefix (None: payloads go over pipes); ``cache_prefix``:
+        its memory-tier item caches' (None: no memory cache)."""
         self.config = config
         self.size = config.workers
         self.shm_prefix = shm_prefix
+        self.cache_prefix = cache_prefix
         self._fork_server = ForkServer(config)
         self._workers: dict[int, WorkerHandle] = {}
         self._generations: dict[int, int] = {}
@@ -124,6 +126,7 @@ class WorkerPool:
             results=send_end,
             shm_prefix=prefix,
             shm_cap_bytes=self.config.shm_bytes_per_worker,
+            cache_prefix=self.cache_prefix,
         )
         context = self._fork_server.context
         process = context.Process(target=worker_main, args=(spec,), name=f"loaderd-worker-{worker_id}", daemon=True)

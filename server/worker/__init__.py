@@ -8,6 +8,6 @@ seeds; ``slot_writer``/``slot_collate`` a batch collated straight into the worke
 shared-memory slots; ``user_code`` the config's own code imported; ``import_check`` the
 daemon's first check of it, in a forked child; ``prebuilt``/``build_once`` the ``build:
 once`` datasets built in the fork server. The only daemon layer that imports torch or
-the config's own code. May import ``loaderd.server.shm``, ``config``, ``process`` and
-the shared layers.
+the config's own code. May import ``loaderd.server.cache`` (the item cache a dataset's
+``cache:`` asks for), ``shm``, ``config``, ``process`` and the shared layers.
 """

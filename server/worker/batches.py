@@ -162,14 +162,14 @@ class BatchMaker:
         try:
             if task.auto_collation:
                 indices = cast(tuple[int, ...], task.indices)  # a batch's, with auto-collation
-                getitems = getattr(ds.dataset, "__getitems__", None)
-                samples = getitems(list(indices)) if getitems else [ds.dataset[i] for i in indices]
+                # From the item cache where the dataset has one, then each through its transform (server/worker/datasets.py).
+                samples = ds.items(list(indices))
                 # Collate without worker info: torch's default_collate would
                 # otherwise put every batch in a fresh shared-memory segment.
                 set_worker_info(None)
                 batch, placed = self._collate(ds, samples, task.inline)
             else:
-                sample = ds.dataset[task.indices]
+                sample = ds.item(task.indices)
                 set_worker_info(None)
                 batch, placed = ds.convert(sample), None
         except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
@@ -219,13 +219,16 @@ class BatchMaker:
         seed_everything(derive_seed(task.base_seed, task.replica, replica.next_batch))
         set_worker_info(replica.info)
         try:
+            transform = ds.transform  # per sample as the iterator yields it, under this batch's seed
             if task.batch_size:
                 samples = list(itertools.islice(replica.iterator, task.batch_size))
                 if not samples or (task.drop_last and len(samples) < task.batch_size):
                     return None
-                return samples
+                return samples if transform is None else [transform(sample) for sample in samples]
             sample = next(replica.iterator, _END)
-            return None if sample is _END else sample
+            if sample is _END:
+                return None
+            return sample if transform is None else transform(sample)
         finally:
             replica.next_batch += 1
             set_worker_info(None)

@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from loaderd.errors import clip
+from loaderd.server.cache.item_store import ItemStore
 from loaderd.server.config.schema import DatasetSpec
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
@@ -36,10 +37,47 @@ class WorkerDataset:
     collate: Callable[[Any], Any]  # used with automatic batching
     convert: Callable[[Any], Any]  # used per sample without it
     worker_init_fn: Callable[[int], Any] | None
+    transform: Callable[[Any], Any] | None = None  # each item's, after the fetch (or the cache), before collation
+    store: ItemStore | None = None  # the item cache, opened in the worker (server/cache/item_store.py)
 
     @property
     def iterable(self) -> bool:
         return isinstance(self.dataset, IterableDataset)
+
+    def items(self, indices: list[Any]) -> Any:
+        """The items at ``indices``, each transformed: from the cache where it has them, the others fetched
+        (in one ``__getitems__`` call where the dataset has one) and stored before their transform runs."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        store = self.store
+        if store is None or not all(type(i) is int for i in indices):  # a sampler's own keys are not cached
+            samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+            return samples if self.transform is None else self._transformed(samples)
+        found = store.get_many(indices)  # by position: an index twice in a batch is two objects, as without a cache
+        missing = [n for n in range(len(indices)) if n not in found]
+        if missing:
+            keys = [indices[n] for n in missing]
+            computed = getitems(keys) if getitems else [self.dataset[i] for i in keys]
+            found.update(zip(missing, computed))
+            store.put_many({indices[n]: found[n] for n in missing})  # encoded now: a transform may change them in place
+        return self._transformed([found[n] for n in range(len(indices))])
+
+    def item(self, index: Any) -> Any:
+        """The item at ``index`` (no automatic batching: ``dataset[index]``, as torch), transformed."""
+        store = self.store
+        if store is None or type(index) is not int:
+            sample = self.dataset[index]
+        else:
+            found = store.get_many([index])
+            if found:
+                sample = found[0]
+            else:
+                sample = self.dataset[index]
+                store.put_many({index: sample})
+        return sample if self.transform is None else self.transform(sample)
+
+    def _transformed(self, samples: Any) -> list[Any]:
+        transform = self.transform
+        return list(samples) if transform is None else [transform(sample) for sample in samples]
 
     def meta(self) -> DatasetMeta:
         """What clients plan with; RuntimeError naming the dataset if its ``__len__`` fails."""
@@ -66,6 +104,11 @@ def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
     if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__getitem__"):
         raise TypeError(f"{spec.factory} returned a {type(dataset).__name__}, which is neither a map-style nor an IterableDataset")
     collate_fn = resolve(spec.collate_fn) if spec.collate_fn else None
+    if spec.cache is not None and isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{spec.factory} returned an IterableDataset, and cache: keeps a map-style dataset's items by index "
+            "(remove cache:, or cache inside the dataset)"
+        )
     return WorkerDataset(
         spec=spec,
         factory=factory,
@@ -73,6 +116,7 @@ def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
         collate=collate_fn or default_collate,
         convert=collate_fn or default_convert,
         worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
+        transform=resolve(spec.transform) if spec.transform else None,
     )
 
 

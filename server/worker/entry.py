@@ -25,6 +25,8 @@ class WorkerSpec:
     # Name prefix of this worker's shared-memory segments; None sends payloads over the pipe.
     shm_prefix: str | None
     shm_cap_bytes: int
+    # Name prefix of the memory tier's item caches in /dev/shm (server/cache/item_store.py), the daemon's to remove.
+    cache_prefix: str | None = None
 
 
 def worker_main(spec: WorkerSpec) -> None:

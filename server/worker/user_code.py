@@ -85,7 +85,8 @@ def check_imports(config: LoaderConfig) -> None:
     """Import every callable the config names, so a typo fails before any worker starts."""
     apply_python_path(config.python_path)
     for spec in config.datasets.values():
-        for key, value in (("dataset", spec.factory), ("collate_fn", spec.collate_fn), ("worker_init_fn", spec.worker_init_fn)):
+        named = (("dataset", spec.factory), ("collate_fn", spec.collate_fn), ("worker_init_fn", spec.worker_init_fn), ("transform", spec.transform))
+        for key, value in named:
             if value is None:
                 continue
             try:

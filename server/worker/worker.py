@@ -20,6 +20,7 @@ import time
 import torch
 
 from loaderd.errors import clip
+from loaderd.server.cache.item_store import open_store
 from loaderd.server.process.log_format import configure_logging
 from loaderd.server.process.multiprocessing_private import drop_fork_server_handle
 from loaderd.server.worker.batches import BatchMaker
@@ -105,6 +106,8 @@ def run_worker(spec: WorkerSpec) -> None:
         try:
             # Every dataset built, and map-style worker_init_fns run, as torch does at worker start.
             datasets = {name: build_for_worker(ds, spec.worker_id, spec.pool_size) for name, ds in spec.config.datasets.items()}
+            for ds in datasets.values():
+                ds.store = open_store(ds.spec, spec.cache_prefix)  # LMDB: opened here, after the fork, never inherited
             ready = WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in datasets.items()})
         except Exception as exc:  # noqa: BLE001 - a dataset's constructor may raise anything: the pool reports it
             send_result(spec.results, WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))

@@ -1,0 +1,102 @@
+"""A dataset item as the cache stores it: loaderd's wire codec (loaderd.wire), never pickle.
+
+A record is a fixed head (magic, the ``Value``'s length, the payload's length), the item's
+serialized ``loaderd.v1.Value`` tree, then its arrays' bytes at 64-byte aligned offsets,
+exactly as a batch crosses the wire. Reading one back runs no code of the record's choosing:
+the decoder builds tensors, numpy arrays, scalars and containers, and names only classes the
+process already loaded. ``unfaithful`` says why an item would not come back as it was (a PIL
+image, a tensor subclass, a set...): such an item is not cached, since a cached epoch must
+yield what an uncached one does.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaderd.errors import TransportError
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.batch_decoder import view_batch
+from loaderd.wire.batch_encoder import align, encode_batch
+from loaderd.wire.dtypes import TORCH_DTYPES
+from loaderd.wire.names import find_loaded
+
+# The records' format: part of every environment's fingerprint, so a change of format starts a new one.
+MAGIC = b"LDI1"
+_HEAD = struct.Struct("<4sQQ")  # magic, length of the Value, length of the payload
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+# Mappings the decoder rebuilds as themselves (another Mapping class may come back as a dict).
+_MAPPINGS = (dict, collections.OrderedDict)
+
+
+class CorruptRecord(Exception):
+    """A record that does not decode (not written by this format): read as a miss."""
+
+
+def unfaithful(item: Any, path: str = "the item") -> str | None:
+    """Why the codec would not give ``item`` back as it is (its first such part), or None if it would."""
+    kind = type(item)
+    if kind is torch.Tensor:
+        if item.layout != torch.strided or item.is_quantized or item.device.type != "cpu":
+            return f"{path} is a {item.layout} tensor on {item.device}"
+        if item.requires_grad:
+            return f"{path} is a tensor that requires grad"
+        if str(item.dtype).removeprefix("torch.") not in TORCH_DTYPES:
+            return f"{path} is a tensor of dtype {item.dtype}"
+        return None
+    if kind is np.ndarray or isinstance(item, np.generic):
+        return f"{path} is a numpy array of dtype {item.dtype} (Python objects)" if item.dtype.hasobject else None
+    if kind in _SCALARS:
+        return None
+    if kind in (list, tuple):
+        return next((why for i, v in enumerate(item) if (why := unfaithful(v, f"{path}[{i}]")) is not None), None)
+    if isinstance(item, tuple) and getattr(kind, "_fields", None) is not None:  # a namedtuple: rebuilt as its class, if loaded
+        if find_loaded(kind.__module__, kind.__qualname__) is not kind:
+            return f"{path} is a {kind.__module__}.{kind.__qualname__}, a namedtuple class that cannot be found by name"
+        fields: tuple[str, ...] = getattr(kind, "_fields")  # noqa: B009 - a namedtuple's, which the type checker does not know
+        return next((why for name, v in zip(fields, item) if (why := unfaithful(v, f"{path}.{name}")) is not None), None)
+    if kind in _MAPPINGS:
+        for key, value in item.items():
+            why = unfaithful(key, f"{path} key {key!r}") or unfaithful(value, f"{path}[{key!r}]")
+            if why is not None:
+                return why
+        return None
+    return f"{path} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def encode_item(item: Any) -> bytearray:
+    """``item``'s record; TransportError if the codec cannot lay it out (check ``unfaithful`` first)."""
+    encoded = encode_batch(item)
+    value = encoded.value.SerializeToString()
+    start = align(_HEAD.size + len(value))
+    record = bytearray(start + encoded.payload_bytes)
+    _HEAD.pack_into(record, 0, MAGIC, len(value), encoded.payload_bytes)
+    record[_HEAD.size : _HEAD.size + len(value)] = value
+    for offset, buf in encoded.buffers:
+        record[start + offset : start + offset + buf.nbytes] = buf
+    return record
+
+
+def decode_item(record: memoryview) -> Any:
+    """The item a record holds, in memory of its own (``record`` may be unmapped once this returns).
+
+    CorruptRecord if it is not a record of this format.
+    """
+    if record.nbytes < _HEAD.size:
+        raise CorruptRecord(f"a record of {record.nbytes} bytes")
+    magic, value_bytes, payload_bytes = _HEAD.unpack_from(record, 0)
+    start = align(_HEAD.size + value_bytes)
+    if magic != MAGIC or start + payload_bytes != record.nbytes:
+        raise CorruptRecord(f"a record of {record.nbytes} bytes with head {magic!r}, {value_bytes}, {payload_bytes}")
+    try:
+        value = pb.Value.FromString(bytes(record[_HEAD.size : _HEAD.size + value_bytes]))
+        # One copy: the item's tensors are views of this bytearray (writable, so a transform may work in place).
+        payload = bytearray(record[start:])
+        return view_batch(pb.BatchHeader(seq=0, value=value, payload_bytes=payload_bytes), memoryview(payload))
+    except (TransportError, ValueError) as exc:  # ValueError covers protobuf's DecodeError
+        raise CorruptRecord(str(exc)) from None
