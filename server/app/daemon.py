@@ -46,6 +46,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from loaderd.server.cache.item_store import locate
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.server.ops.status import StatusBoard
 from loaderd.server.pool.fork_server import PoolStartError
@@ -195,7 +196,8 @@ class Daemon:
         self.watchdog.arm(MEMORY_TRIM_S, self._trim_memory)
         limits = config.limits
         self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
-        status = StatusBoard(pool.states, catalog, scheduler, sessions)
+        caches = {spec.name: where for spec in config.datasets.values() if (where := locate(spec, self._cache_prefix)) is not None}
+        status = StatusBoard(pool.states, catalog, scheduler, sessions, caches)
         if config.metrics is not None and latency is not None:
             from loaderd.server.ops.metrics import MetricsEndpoint
 

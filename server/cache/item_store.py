@@ -31,6 +31,7 @@ import lmdb
 
 from loaderd.errors import TransportError, clip
 from loaderd.server.cache.item_codec import MAGIC, CorruptRecord, decode_item, encode_item, unfaithful
+from loaderd.server.cache.usage import CacheDelta, CacheLocation
 from loaderd.server.config.schema import CacheSpec, DatasetSpec
 from loaderd.wire.limits import SHM_DIR
 
@@ -58,15 +59,32 @@ def store_path(spec: DatasetSpec, cache: CacheSpec, memory_prefix: str | None) -
     return str(Path(cache.path) / f"loaderd-{name}.mdb")
 
 
+def locate(spec: DatasetSpec, memory_prefix: str | None) -> CacheLocation | None:
+    """Where ``spec``'s store is (None: no ``cache:``, or a memory tier without shared memory)."""
+    if spec.cache is None:
+        return None
+    path = store_path(spec, spec.cache, memory_prefix)
+    return None if path is None else CacheLocation(spec.cache.tier, spec.cache.max_bytes, path)
+
+
 @dataclass
 class CacheStats:
-    """One worker's counts for one dataset, since it started (TODO(issue 39): report them to the daemon)."""
+    """One worker's counts for one dataset; each batch's part of them goes to the daemon with the batch
+    (``take``: the counts since the last ``take``, as a ``CacheDelta``)."""
 
     hits: int = 0
     misses: int = 0
     stored: int = 0  # items this worker added
     stored_bytes: int = 0
     not_stored: int = 0  # items the codec would not give back as they were, or that found the store full
+    miss_cpu_s: float = 0.0  # CPU time computing the misses (dataset[i] / __getitems__)
+
+    def take(self) -> CacheDelta:
+        """The counts since the last ``take`` (and start again from zero)."""
+        delta = CacheDelta(self.hits, self.misses, self.stored_bytes, self.not_stored, self.miss_cpu_s)
+        self.hits = self.misses = self.stored = self.stored_bytes = self.not_stored = 0
+        self.miss_cpu_s = 0.0
+        return delta
 
 
 def _key(index: int) -> bytes:

@@ -36,6 +36,16 @@ _PER_DATASET: tuple[tuple[str, str, type[CounterMetricFamily] | type[GaugeMetric
     ("loaderd_queue_depth", "queued", GaugeMetricFamily, "Tasks waiting for a worker"),
     ("loaderd_open_streams", "open_streams", GaugeMetricFamily, "Open client streams"),
 )
+# (metric, CacheStatus field, family, help) exported per dataset with a cache: (config `cache:`).
+CACHE_METRICS: tuple[tuple[str, str, type[CounterMetricFamily] | type[GaugeMetricFamily], str], ...] = (
+    ("loaderd_cache_hits", "hits", CounterMetricFamily, "Items the pool took from the item cache"),
+    ("loaderd_cache_misses", "misses", CounterMetricFamily, "Items the pool computed (not in the item cache)"),
+    ("loaderd_cache_saved_cpu_seconds", "saved_cpu_s", CounterMetricFamily, "CPU time the cache's hits saved (estimate)"),
+    ("loaderd_cache_not_stored", "not_stored", CounterMetricFamily, "Items the cache did not keep (full, or not encodable)"),
+    ("loaderd_cache_items", "items", GaugeMetricFamily, "Items in the item cache's store"),
+    ("loaderd_cache_used_bytes", "used_bytes", GaugeMetricFamily, "Bytes the item cache's store takes"),
+    ("loaderd_cache_capacity_bytes", "capacity_bytes", GaugeMetricFamily, "The item cache's bound (config cache: max)"),
+)
 
 
 class _StatusCollector(Collector):
@@ -50,6 +60,12 @@ class _StatusCollector(Collector):
             family = kind(name, doc, labels=["dataset"])
             for dataset in status.datasets:
                 family.add_metric([dataset.info.name], getattr(dataset, field))
+            yield family
+        for name, field, kind, doc in CACHE_METRICS:
+            family = kind(name, doc, labels=["dataset", "tier"])
+            for dataset in status.datasets:
+                if dataset.HasField("cache"):
+                    family.add_metric([dataset.info.name, dataset.cache.tier], getattr(dataset.cache, field))
             yield family
 
         labels = ["client", "identity", "stream", "dataset"]

@@ -365,6 +365,11 @@ class Scheduler:
             counters.errors += 1
         elif isinstance(result, BatchDone):
             counters.batches_computed += 1
+            if result.cache is not None:
+                counters.cache_hits += result.cache.hits
+                counters.cache_misses += result.cache.misses
+                counters.cache_not_stored += result.cache.not_stored
+                counters.cache_miss_cpu_s += result.cache.miss_cpu_s
             self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
             if isinstance(task, FetchTask):
                 counters.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1

@@ -26,6 +26,11 @@ class DatasetCounters:
     errors: int = 0
     # Batches delivered by streams already closed; open streams add their own.
     delivered_closed: int = 0
+    # The item cache's counts, summed from the workers' batches (BatchDone.cache).
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_not_stored: int = 0
+    cache_miss_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ the worker lives on. Used by the worker's task loop (server/worker/worker.py) on
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,16 +178,20 @@ class BatchMaker:
             return
         finally:
             set_worker_info(None)
-        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
 
     def _send_encoded(
-        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool
+        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""
     ) -> None:
         try:
             done, buffers = self._encode(stream_id, seq, batch, placed, inline)
         except TransportError as exc:
             self.fail(stream_id, seq, exc, where)
             return
+        ds = self.datasets.get(dataset)
+        if ds is not None and ds.store is not None:
+            # The cache's counts since its last batch go with this one (the daemon sums them per dataset).
+            done = dataclasses.replace(done, cache=ds.store.stats.take())
         conn = self.spec.results
         send_result(conn, done)
         for buf in buffers:

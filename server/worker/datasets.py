@@ -10,6 +10,7 @@ code runs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,9 @@ class WorkerDataset:
         missing = [n for n in range(len(indices)) if n not in found]
         if missing:
             keys = [indices[n] for n in missing]
+            started = time.process_time()
             computed = getitems(keys) if getitems else [self.dataset[i] for i in keys]
+            store.stats.miss_cpu_s += time.process_time() - started
             found.update(zip(missing, computed))
             store.put_many({indices[n]: found[n] for n in missing})  # encoded now: a transform may change them in place
         return self._transformed([found[n] for n in range(len(indices))])
@@ -71,7 +74,9 @@ class WorkerDataset:
             if found:
                 sample = found[0]
             else:
+                started = time.process_time()
                 sample = self.dataset[index]
+                store.stats.miss_cpu_s += time.process_time() - started
                 store.put_many({index: sample})
         return sample if self.transform is None else self.transform(sample)
 

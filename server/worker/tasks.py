@@ -11,6 +11,7 @@ import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from loaderd.server.cache.usage import CacheDelta
 from loaderd.server.shm.arena import SlotRef
 
 # A map-style batch's indices: a list to collate, or one index when auto_collation is off.
@@ -108,6 +109,8 @@ class BatchDone:
     buffer_offsets: tuple[int, ...] = ()
     # Segments the worker removed since its last batch (the daemon unmaps them).
     retired: tuple[str, ...] = ()
+    # The dataset's item cache's counts for this batch (None: no cache:).
+    cache: CacheDelta | None = None
 
 
 @dataclass(frozen=True)

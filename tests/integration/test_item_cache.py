@@ -21,7 +21,7 @@ import pytest
 import torch
 from support.cached_datasets import Counted, Transformed, computed
 from support.compare import assert_same_batches
-from support.daemons import RunningDaemon, running_daemon
+from support.daemons import RunningDaemon, daemon_status, loaderd_cli, metrics_url, running_daemon, scrape
 from torch.utils.data import DataLoader, DistributedSampler
 
 from loaderd import RemoteDataLoader
@@ -81,7 +81,7 @@ def cached(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     logs = tmp_path_factory.mktemp("logs")
     datasets = {"plain": _spec(logs / "plain", None), "mem": _spec(logs / "mem", {"memory": "8MiB"})}
     before = set(_our_shm())
-    with running_daemon(datasets, prefix="ld-ic-", workers=request.param) as daemon:
+    with running_daemon(datasets, prefix="ld-ic-", workers=request.param, metrics={"port": 0}) as daemon:
         yield daemon, logs
         assert len(set(_our_shm()) - before) == 2, "the memory tier is one LMDB file and its lock file"
     assert set(_our_shm()) <= before, "the memory tier outlived its daemon"
@@ -98,6 +98,17 @@ def test_cache_on_equals_off_equals_torch(cached: tuple[RunningDaemon, Path]) ->
     # Every index computed once by the cached daemon, whatever the epochs and workers; every epoch by the plain one.
     assert computed(logs / "mem") == {i: 1 for i in range(N)}
     assert computed(logs / "plain") == {i: 3 for i in range(N)}
+    # Status counts the cache as the workers saw it: N misses, 2N hits, N items stored; none for the plain one.
+    by_name = {d.info.name: d for d in daemon_status(daemon.address).datasets}
+    cache = by_name["mem"].cache
+    assert (cache.tier, cache.items, cache.misses, cache.hits, cache.capacity_bytes) == ("memory", N, N, 2 * N, 8 << 20)
+    assert 0 < cache.used_bytes <= cache.capacity_bytes and cache.saved_cpu_s > 0
+    assert not by_name["plain"].HasField("cache")
+    table = loaderd_cli("status", "--address", daemon.address).stdout
+    assert "CACHE" in table and "67%" in table, table  # hit rate 2N / 3N
+    samples = scrape(metrics_url(daemon.log()))
+    labels = frozenset({"dataset": "mem", "tier": "memory"}.items())
+    assert (samples[("loaderd_cache_hits_total", labels)], samples[("loaderd_cache_items", labels)]) == (2 * N, N)
     # Epochs differ (the transform's seeds and the shuffle), and the deterministic part is torch's.
     assert not torch.equal(got["mem"][0][0]["image"], got["mem"][1][0]["image"])
     oracle = DataLoader(Transformed(Counted(N, os.devnull)), batch_size=6)

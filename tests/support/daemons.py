@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import platform
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,3 +256,27 @@ def client_process(script: str, *args: str) -> Iterator[ClientProcess]:
     reader.join(10)
 
 
+# ------------------------------------------------------------------ the Prometheus endpoint
+
+METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def metrics_url(daemon_log: str) -> str:
+    """The metrics endpoint a daemon's log names (config ``metrics: {port: 0}`` picks a free port)."""
+    found = METRICS_LINE.search(daemon_log)
+    assert found, f"no metrics line in the log:\n{daemon_log}"
+    return found.group(1)
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of the endpoint: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10.0) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

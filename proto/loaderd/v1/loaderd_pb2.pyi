@@ -376,7 +376,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., busy: _Optional[int] = ..., restarts: _Optional[int] = ..., batches: _Optional[int] = ...) -> None: ...
 
 class DatasetStatus(_message.Message):
-    __slots__ = ("info", "batches_computed", "samples_fetched", "batches_delivered", "errors", "open_streams", "queued")
+    __slots__ = ("info", "batches_computed", "samples_fetched", "batches_delivered", "errors", "open_streams", "queued", "cache")
     INFO_FIELD_NUMBER: _ClassVar[int]
     BATCHES_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FETCHED_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class DatasetStatus(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     info: DatasetInfo
     batches_computed: int
     samples_fetched: int
@@ -391,7 +392,28 @@ class DatasetStatus(_message.Message):
     errors: int
     open_streams: int
     queued: int
-    def __init__(self, info: _Optional[_Union[DatasetInfo, _Mapping]] = ..., batches_computed: _Optional[int] = ..., samples_fetched: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., errors: _Optional[int] = ..., open_streams: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    cache: CacheStatus
+    def __init__(self, info: _Optional[_Union[DatasetInfo, _Mapping]] = ..., batches_computed: _Optional[int] = ..., samples_fetched: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., errors: _Optional[int] = ..., open_streams: _Optional[int] = ..., queued: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ...) -> None: ...
+
+class CacheStatus(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "items", "hits", "misses", "saved_cpu_s", "not_stored")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    items: int
+    hits: int
+    misses: int
+    saved_cpu_s: float
+    not_stored: int
+    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., saved_cpu_s: _Optional[float] = ..., not_stored: _Optional[int] = ...) -> None: ...
 
 class StreamStatus(_message.Message):
     __slots__ = ("stream_id", "peer", "client", "dataset", "window", "delivered", "consumed", "in_flight", "stalled_s", "open_s", "share", "shm", "identity")
