@@ -27,6 +27,9 @@ import numpy as np
 import torch
 
 from loaderd.errors import TransportError
+from loaderd.server.cache.item_codec import encode_item, unfaithful
+from loaderd.server.cache.item_store import locate
+from loaderd.server.cache.usage import store_usage
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.datasets import WorkerDataset, build_for_worker
@@ -57,6 +60,7 @@ class DatasetReport:
     # With ``--all``: every item was fetched (how many), and the indices (positions, for an iterable) that failed.
     items_checked: int = 0
     failed_items: tuple[int, ...] = ()
+    cache: str = ""  # with cache: in the config, what it would keep (cache_line)
     error: str = ""
 
 
@@ -114,7 +118,9 @@ def _every_item(name: str, ds: WorkerDataset, length: int | None) -> tuple[int, 
         iterator = iter(ds.dataset)
         while True:
             try:
-                next(iterator)
+                item = next(iterator)
+                if ds.transform is not None:
+                    ds.transform(item)
             except StopIteration:
                 break
             except Exception as exc:  # noqa: BLE001 - the report lists it
@@ -126,7 +132,9 @@ def _every_item(name: str, ds: WorkerDataset, length: int | None) -> tuple[int, 
     else:
         for index in range(length or 0):
             try:
-                ds.dataset[index]
+                item = ds.dataset[index]
+                if ds.transform is not None:
+                    ds.transform(item)
             except Exception as exc:  # noqa: BLE001 - the report lists it
                 failures.append((index, user_error(exc, 200)))
             tried += 1
@@ -151,13 +159,14 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int, every_item
     build_s = time.perf_counter() - started
     kind = "iterable" if ds.iterable else "map-style"
     samples: list[Any] = []
+    raw: list[Any] = []  # before the transform: what a cache would keep
     what = "item 0"
     try:
         started = time.perf_counter()
         if ds.iterable:
             what = "iterating"
             for sample in itertools.islice(iter(ds.dataset), max(TIMED_ITEMS, batch_size)):
-                samples.append(sample)
+                samples.append(sample if ds.transform is None else ds.transform(sample))
                 if len(samples) >= batch_size and time.perf_counter() - started > TIMED_BUDGET_S:
                     break
         else:
@@ -165,7 +174,8 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int, every_item
             for index in range(count):
                 what = f"item {index} (dataset[{index}])"
                 try:
-                    samples.append(ds.dataset[index])
+                    raw.append(ds.dataset[index])
+                    samples.append(raw[-1] if ds.transform is None else ds.transform(raw[-1]))
                 except Exception:
                     if not every_item:
                         raise
@@ -208,8 +218,43 @@ def check_dataset(spec: DatasetSpec, pool_size: int, batch_size: int, every_item
         items_timed=len(samples),
         items_checked=checked,
         failed_items=failed,
+        cache=cache_line(spec, raw, length) if spec.cache is not None else "",
         error=error,
     )
+
+
+def cache_line(spec: DatasetSpec, items: list[Any], length: int | None) -> str:
+    """What ``spec``'s cache would keep, from the sampled items: whether the cache can keep them, their
+    mean size, whether the dataset fits, and (disk tier) what the store already holds."""
+    cache = spec.cache
+    assert cache is not None
+    where = f"{cache.tier}, up to {_size(cache.max_bytes)}" + (f" in {cache.path}" if cache.path is not None else "")
+    reasons = [why for why in (unfaithful(item) for item in items) if why is not None]
+    if reasons or not items:
+        return f"{where}: items not cached: {reasons[0] if reasons else 'none sampled'} (return tensors, arrays and scalars)"
+    mean = sum(len(encode_item(item)) for item in items) / len(items)
+    if length is None:
+        fits = "the dataset has no len()"
+    else:
+        need = mean * length
+        share = min(1.0, cache.max_bytes / need) if need else 1.0
+        kept = "all fit" if share >= 1 else f"~{share:.0%} fit (kept; the rest computed every epoch)"
+        fits = f"{length:,} items need ~{_size(int(need))}: {kept}"
+    held = ""
+    location = locate(spec, None)
+    usage = store_usage(location.path) if location is not None else None
+    if usage is not None:
+        held = f"; the store holds {usage.items:,} items ({_size(usage.used_bytes)})"
+    return f"{where}: ~{_size(int(mean))} per item (sampled); {fits}{held}"
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
 
 
 @dataclass(frozen=True)
@@ -293,6 +338,7 @@ def format_report(report: DatasetReport) -> str:
         f"  time:           {report.ms_per_item:.3f} ms per item ({report.items_timed} items), "
         f"collation {report.ms_per_batch:.3f} ms per batch\n"
         f"  items:          {_items_line(report)}"
+        + (f"\n  cache:          {report.cache}" if report.cache else "")
     )
 
 

@@ -115,3 +115,24 @@ def test_a_dataset_that_exits_or_hangs_is_reported_and_the_others_still_are(shor
         "dataset 'b-hangs': not done after 5s (killed): a hang?",
     ], result.stdout
     assert "check failed for 2 of 3 dataset(s) (a-exits, b-hangs)" in result.stderr, result.stderr
+
+
+def test_check_runs_the_transform_and_says_what_the_cache_would_keep(short_tmp: Path) -> None:
+    """With transform:, the item shown is the transformed one; with cache:, a line says each item's size,
+    whether the dataset fits, and (disk tier) what the store holds."""
+    path = write_config(
+        short_tmp,
+        {
+            "fits": {
+                "dataset": "support.cached_datasets:Counted", "kwargs": {"n": 40, "log": "/dev/null"},
+                "transform": "support.cached_datasets:augment", "cache": {"memory": "1MiB"},
+            },
+            "half": {"dataset": "support.datasets:Squares", "kwargs": {"n": 20000}, "cache": {"disk": str(short_tmp / "c"), "max": "1MiB"}},
+        },
+    )
+    out = loaderd_cli("check", "--config", str(path), "--batch-size", "4").stdout
+    assert "'image': Tensor float32 [3, 8, 8]" in out, out  # the transform's output, not the cached uint8 item
+    cache_lines = [line.strip() for line in out.splitlines() if line.startswith("  cache:")]
+    assert cache_lines[0].startswith("cache:          memory, up to 1.0 MiB: ~") and cache_lines[0].endswith("all fit"), cache_lines
+    assert cache_lines[1].startswith(f"cache:          disk, up to 1.0 MiB in {short_tmp / 'c'}: ~"), cache_lines
+    assert "20,000 items need ~" in cache_lines[1] and "fit (kept; the rest computed every epoch)" in cache_lines[1], cache_lines
