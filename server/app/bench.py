@@ -351,8 +351,8 @@ def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Mea
         f"{options.epochs} epoch(s){cap} of each loader, interleaved; loaderd: {where}\n\n"
     )
     base = statistics.median(results["torch"].batches_s) if results["torch"].batches_s else 0.0
-    out.write(f"| {'loader':<24} | {'batches/s':>10} | {'MB/s':>9} | {'vs torch':>8} | {'first batch':>11} |\n")
-    out.write(f"| {'-' * 24} | {'-' * 10:>10} | {'-' * 9:>9} | {'-' * 8:>8} | {'-' * 11:>11} |\n")
+    out.write(f"| {'loader':<24} | {'batches/s':>10} | {'MB/s':>9} | {'vs torch':>8} | {'first batch':>11} | per round |\n")
+    out.write(f"| {'-' * 24} | {'-' * 10:>10} | {'-' * 9:>9} | {'-' * 8:>8} | {'-' * 11:>11} | --- |\n")
     for name in LOADERS:
         measured = results[name]
         if measured.error or not measured.batches_s:
@@ -363,8 +363,10 @@ def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Mea
         first = f"{statistics.median(measured.first_batch_ms):.0f} ms" if measured.first_batch_ms else "-"
         mb_s = statistics.median(measured.mb_s)
         mb = f"{mb_s:.1f}" if mb_s >= 10 else f"{mb_s:.3f}"
-        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {first:>11} |\n")
+        rounds = ", ".join(f"{r:.1f}" for r in measured.batches_s)
+        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {first:>11} | {rounds} |\n")
     out.write(
-        "\nbatches/s and MB/s: medians over the rounds. first batch: a new loader, from construction to its first batch "
-        "(torch: forking its workers and copying the dataset into them; loaderd: on the warm daemon).\n"
+        "\nbatches/s and MB/s: medians over the rounds; per round: each round's batches/s (with cache: in the daemon's "
+        "config, its first epoch computes the items and later ones read them back). first batch: a new loader, from "
+        "construction to its first batch (torch: forking its workers and copying the dataset into them; loaderd: on the warm daemon).\n"
     )

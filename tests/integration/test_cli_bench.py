@@ -14,7 +14,7 @@ DATASETS = {
     "squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 200}},
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 64}},  # iterable, no len()
 }
-ROW = re.compile(r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|\s+(\d+) ms \|$", re.M)
+ROW = re.compile(r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|\s+(\d+) ms \| [\d., ]+ \|$", re.M)
 
 
 def rows(stdout: str) -> dict[str, tuple[float, float, float, int]]:
