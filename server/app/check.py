@@ -31,6 +31,7 @@ from loaderd.server.cache.item_codec import encode_item, unfaithful
 from loaderd.server.cache.item_store import locate
 from loaderd.server.cache.usage import store_usage
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
+from loaderd.server.ops.status import human_bytes
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.datasets import WorkerDataset, build_for_worker
 from loaderd.server.worker.user_code import apply_python_path, user_error
@@ -228,7 +229,7 @@ def cache_line(spec: DatasetSpec, items: list[Any], length: int | None) -> str:
     mean size, whether the dataset fits, and (disk tier) what the store already holds."""
     cache = spec.cache
     assert cache is not None
-    where = f"{cache.tier}, up to {_size(cache.max_bytes)}" + (f" in {cache.path}" if cache.path is not None else "")
+    where = f"{cache.tier}, up to {human_bytes(cache.max_bytes)}" + (f" in {cache.path}" if cache.path is not None else "")
     reasons = [why for why in (unfaithful(item) for item in items) if why is not None]
     if reasons or not items:
         return f"{where}: items not cached: {reasons[0] if reasons else 'none sampled'} (return tensors, arrays and scalars)"
@@ -239,22 +240,13 @@ def cache_line(spec: DatasetSpec, items: list[Any], length: int | None) -> str:
         need = mean * length
         share = min(1.0, cache.max_bytes / need) if need else 1.0
         kept = "all fit" if share >= 1 else f"~{share:.0%} fit (kept; the rest computed every epoch)"
-        fits = f"{length:,} items need ~{_size(int(need))}: {kept}"
+        fits = f"{length:,} items need ~{human_bytes(int(need))}: {kept}"
     held = ""
     location = locate(spec, None)
     usage = store_usage(location.path) if location is not None else None
     if usage is not None:
-        held = f"; the store holds {usage.items:,} items ({_size(usage.used_bytes)})"
-    return f"{where}: ~{_size(int(mean))} per item (sampled); {fits}{held}"
-
-
-def _size(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"
+        held = f"; the store holds {usage.items:,} items ({human_bytes(usage.used_bytes)})"
+    return f"{where}: ~{human_bytes(int(mean))} per item (sampled); {fits}{held}"
 
 
 @dataclass(frozen=True)

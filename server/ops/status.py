@@ -189,12 +189,14 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024  # type: ignore[assignment]
-    return f"{count} B"
+def human_bytes(count: int) -> str:
+    """``count`` bytes as people read them: 512 B, 1.5 KiB, 38.5 MiB, 4.0 GiB."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def _yes(flag: bool) -> str:
@@ -261,7 +263,7 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
             c = d.cache
             lookups = c.hits + c.misses
             rows.append([
-                d.info.name, c.tier, c.items, f"{_bytes(c.used_bytes)} of {_bytes(c.capacity_bytes)}",
+                d.info.name, c.tier, c.items, f"{human_bytes(c.used_bytes)} of {human_bytes(c.capacity_bytes)}",
                 f"{c.hits / lookups:.0%}" if lookups else "-", c.hits, c.misses, _duration(c.saved_cpu_s), c.not_stored,
             ])
         parts.append(
