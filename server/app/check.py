@@ -28,7 +28,7 @@ import torch
 
 from loaderd.errors import TransportError
 from loaderd.server.cache.item_codec import encode_item, unfaithful
-from loaderd.server.cache.item_store import locate
+from loaderd.server.cache.location import locate
 from loaderd.server.cache.usage import store_usage
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
 from loaderd.server.ops.status import human_bytes

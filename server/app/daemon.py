@@ -46,7 +46,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from loaderd.server.cache.item_store import locate
+from loaderd.server.cache.location import locate
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.server.ops.status import StatusBoard
 from loaderd.server.pool.fork_server import PoolStartError

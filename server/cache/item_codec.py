@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from loaderd.errors import TransportError
+from loaderd.server.cache.location import RECORD_FORMAT
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.batch_decoder import view_batch
 from loaderd.wire.batch_encoder import align, encode_batch
@@ -26,7 +27,7 @@ from loaderd.wire.dtypes import TORCH_DTYPES
 from loaderd.wire.names import find_loaded
 
 # The records' format: part of every environment's fingerprint, so a change of format starts a new one.
-MAGIC = b"LDI1"
+MAGIC = RECORD_FORMAT
 _HEAD = struct.Struct("<4sQQ")  # magic, length of the Value, length of the payload
 
 _SCALARS = (type(None), bool, int, float, str, bytes)

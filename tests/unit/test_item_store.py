@@ -12,7 +12,8 @@ import torch
 from support.compare import assert_same
 
 from loaderd.server.cache.item_codec import CorruptRecord, decode_item, encode_item, unfaithful
-from loaderd.server.cache.item_store import ItemStore, fingerprint
+from loaderd.server.cache.item_store import ItemStore
+from loaderd.server.cache.location import fingerprint
 from loaderd.server.config.schema import CacheSpec, ConfigError, DatasetSpec, parse_config
 
 Point = collections.namedtuple("Point", ["x", "y"])
