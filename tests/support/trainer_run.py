@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from support.accelerate_run import exit_now
 from support.datasets import Records
 
 SEEN: list[list[Any]] = []
@@ -79,6 +80,8 @@ def main(spec: dict[str, Any]) -> None:
     record = {"train": trained, "eval": list(SEEN), "eval_loss": metrics["eval_loss"]}
     with open(f"{spec['out']}.rank{trainer.args.process_index}.json", "w") as out:
         json.dump(record, out)
+    trainer.accelerator.wait_for_everyone()
+    exit_now()  # no interpreter teardown: see support.accelerate_run.exit_now
 
 
 if __name__ == "__main__":
