@@ -1,13 +1,25 @@
 """Benchmark: a real image pipeline (JPEG decode + torchvision augmentation), torch DataLoaders vs one daemon.
 
     pip install -e '.[bench]'
-    python tests/bench/bench_images.py [--images 512] [--epoch 65536] [--workers 2] [--trainers 4]
-        [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4] [--prefetch N] [--quick]
+    python tests/bench/bench_images.py [--pipeline resized-crop|cached] [--images 512] [--epoch 65536] [--workers 2]
+        [--trainers 4] [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4]
+        [--prefetch N] [--quick]
 
 Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
 ``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
 is read from the page cache, decoded with PIL and run through RandomResizedCrop(224),
 RandomHorizontalFlip, ToTensor and Normalize; batch 64 (float32 64x3x224x224 + int64 labels).
+
+``--pipeline cached`` splits the work as issue 39's item cache wants it: the dataset decodes the
+JPEG and resizes it deterministically (shorter side 256, centre crop 256: a uint8 3x256x256
+tensor), the transform (``image_datasets:augment_resized``) does RandomCrop(224),
+RandomHorizontalFlip, float32 / 255 and Normalize. torch's workers do both every epoch (one
+``__getitem__``); the daemon has ``transform:`` and ``cache: {memory: ...}`` (room for every
+item), so it decodes each JPEG once and later epochs only read the item back and augment it.
+Epochs are the data set (``--epoch`` is ignored: the cache is keyed by index); the warm-up is at
+least one epoch and two batches per trainer, so the measured windows are epochs >= 2 (the
+daemon is new each group: its cache starts empty). The first epoch is reported apart: per
+trainer, images/s from its first batch's arrival to its epoch's last.
 
 Scenario A: 1 trainer; DataLoader(num_workers=W) vs a RemoteDataLoader on a daemon with W workers.
 Scenario B: T trainers; T DataLoaders with W_total/T workers each vs T RemoteDataLoaders on one
@@ -61,7 +73,7 @@ from bench_loaders import (  # noqa: E402 - imported once sys.path holds what it
     wait_serving,
 )
 from bench_tenancy import Agent, AgentState, GroupMem, _endless, call_all, close_agents, process_trees, ready, serving, shm_segments_kb  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
-from image_datasets import MEAN, STD, JpegImages  # noqa: E402  (trainers of both kinds import torchvision, as real ones do)
+from image_datasets import CROP, MEAN, RESIZED, STD, JpegFile, JpegImages, JpegResized, augment_steps  # noqa: E402  (trainers of both kinds import torchvision, as real ones do)
 
 BATCH = 64
 SHAPE = (BATCH, 3, 224, 224)
@@ -71,6 +83,8 @@ WARMUP_TIMEOUT_S = 240.0  # processes start, import torch, fork workers, run the
 DATASET = "images"
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("torch", "loaderd")
+PIPELINES = ("resized-crop", "cached")
+CACHE_ROOM = 1.2  # cached: the memory tier's bound, x the items' bytes (records carry a head and alignment)
 
 
 def log(message: str) -> None:
@@ -97,10 +111,12 @@ def check_batch(batch: Any) -> None:
 class ImageAgentState(AgentState):
     """bench_tenancy's trainer commands (torch, remote, ...) plus a background consumer: run, count, halt."""
 
-    def op_run(self, name: str, warmup: int) -> dict[str, Any]:
-        """Consume ``name`` in a thread until halted; returns once ``warmup`` batches arrived."""
+    def op_run(self, name: str, warmup: int, per_epoch: int = 0) -> dict[str, Any]:
+        """Consume ``name`` in a thread until halted; returns once ``warmup`` batches arrived. With
+        ``per_epoch`` (<= ``warmup``): also when (CLOCK_MONOTONIC) batch 1 and batch ``per_epoch`` arrived."""
         loader = self._loader(name)
-        box: dict[str, Any] = {"mark": (0, time.monotonic()), "error": ""}
+        box: dict[str, Any] = {"mark": (0, time.monotonic()), "error": "", "arrived": {}}
+        started = time.monotonic()
         stop, warm = threading.Event(), threading.Event()
 
         def consume() -> None:
@@ -110,6 +126,8 @@ class ImageAgentState(AgentState):
                     check_batch(batch)
                     del batch  # an shm batch's slot goes back when its last view dies
                     box["mark"] = (count, time.monotonic())  # one tuple: read whole by op_count
+                    if count in (1, per_epoch):
+                        box["arrived"][count] = box["mark"][1]
                     if count >= warmup:
                         warm.set()
                     if stop.is_set():
@@ -126,7 +144,11 @@ class ImageAgentState(AgentState):
             stop.set()
             raise RuntimeError(f"no {warmup} warm-up batches: {box['error'] or 'timeout'}")
         self.consumer = (thread, stop, box)
-        return {}
+        if not per_epoch:
+            return {}
+        first, last = box["arrived"][1], box["arrived"][per_epoch]
+        return {"first_s": first - started, "epoch1_s": last - started, "images": per_epoch * BATCH,
+                "steady_images_s": (per_epoch - 1) * BATCH / max(last - first, 1e-9)}  # fmt: skip
 
     def op_count(self) -> dict[str, Any]:
         """Batches so far and when the last one arrived (CLOCK_MONOTONIC: one clock for all processes)."""
@@ -186,6 +208,8 @@ class Sample:
     interval_s: float
     memory: GroupMem
     others: float  # cores that other processes on the machine kept busy meanwhile (noise)
+    epoch1: list[dict[str, float]] = field(default_factory=list)  # cached: op_run's replies, one per trainer
+    cache: dict[str, float] = field(default_factory=dict)  # cached, loaderd: the item cache over the window
 
     @property
     def cpu_per_1k(self) -> float:
@@ -194,6 +218,21 @@ class Sample:
     @property
     def cores(self) -> float:
         return self.cpu_s / self.interval_s
+
+    @property
+    def epoch1_s(self) -> float:
+        """From the trainers' start of iteration (all at once) to the last one's end of epoch 1."""
+        return max(e["epoch1_s"] for e in self.epoch1) if self.epoch1 else float("nan")
+
+    @property
+    def epoch1_images_s(self) -> float:
+        """Epoch 1's images of all trainers over ``epoch1_s``: the pipeline's start-up included."""
+        return sum(e["images"] for e in self.epoch1) / self.epoch1_s if self.epoch1 else float("nan")
+
+    @property
+    def epoch1_steady_s(self) -> float:
+        """Epoch 1's images/s, each trainer's from its first batch's arrival to its epoch's last, summed."""
+        return sum(e["steady_images_s"] for e in self.epoch1) if self.epoch1 else float("nan")
 
 
 @dataclass
@@ -219,8 +258,33 @@ def machine_busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICK
 
 
+def cache_status(daemon: Daemon) -> dict[str, float]:
+    """The item cache's counters (Status RPC's CacheStatus) and its file's KiB in /dev/shm; {} if none."""
+    import grpc
+
+    from loaderd.v1 import loaderd_pb2 as pb
+    from loaderd.v1 import loaderd_pb2_grpc
+
+    with grpc.insecure_channel(daemon.unix_address) as channel:
+        reply = loaderd_pb2_grpc.LoaderStub(channel).Status(pb.StatusRequest(), timeout=10)
+    found = [d for d in reply.datasets if d.info.name == DATASET and d.HasField("cache")]
+    if not found:
+        return {}
+    c = found[0].cache
+    kb = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/dev/shm"):  # the LMDB file (and its -lock) under the daemon's prefix
+            if entry.name.startswith(f"loaderd-{daemon.process.pid}-") and "-cache-" in entry.name:
+                with contextlib.suppress(OSError):
+                    kb += entry.stat().st_blocks * 512 // 1024
+    return {"hits": c.hits, "misses": c.misses, "items": c.items, "used_bytes": c.used_bytes, "not_stored": c.not_stored,
+            "saved_cpu_s": c.saved_cpu_s, "shm_kb": kb}  # fmt: skip
+
+
 def measure_window(args: argparse.Namespace, agents: list[Agent], roots: dict[int, str], daemon: Daemon | None) -> Sample:
     """One measured interval of a warm group: images/s, CPU of ``roots``' trees, PSS mid-way."""
+    cached = daemon is not None and args.pipeline == "cached"
+    cache0 = cache_status(daemon) if cached else {}  # type: ignore[arg-type]  # cached: a daemon
     busy0, cpu0 = machine_busy_s(), sum(cpu_seconds(pid) for pid in roots)
     marks0 = call_all(agents, "count")
     t0 = time.monotonic()
@@ -238,7 +302,14 @@ def measure_window(args: argparse.Namespace, agents: list[Agent], roots: dict[in
             raise BenchError(f"trainer {agent.label} got no batch in {interval:.1f} s")
         rates.append((m1["batches"] - m0["batches"]) * BATCH / (m1["at"] - m0["at"]))  # arrival to arrival
     others = max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / interval
-    return Sample(sum(rates), cpu1 - cpu0, interval, memory, others)
+    sample = Sample(sum(rates), cpu1 - cpu0, interval, memory, others)
+    if cached:
+        cache1 = cache_status(daemon)  # type: ignore[arg-type]  # cached: a daemon
+        if not cache1:
+            raise BenchError("the daemon reports no item cache for the dataset")
+        sample.cache = {**cache1, "window_hits": cache1["hits"] - cache0.get("hits", 0),
+                        "window_misses": cache1["misses"] - cache0.get("misses", 0)}  # fmt: skip
+    return sample
 
 
 def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state: dict[str, Any], findings: list[str]) -> Sample:
@@ -246,14 +317,20 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
 
     The machine is shared: a window during which other processes kept more than ``--quiet`` cores
     busy is measured again (``--tries`` windows at most) and the least disturbed one is kept."""
-    kwargs = {"n": args.images, "seed": args.seed, "length": args.epoch}
+    cached = args.pipeline == "cached"
+    kwargs: dict[str, Any] = {"n": args.images, "seed": args.seed} if cached else {"n": args.images, "seed": args.seed, "length": args.epoch}
     loader: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "timeout": BATCH_TIMEOUT_S}
+    epoch1: list[dict[str, Any]] = []
     try:
         with contextlib.ExitStack() as stack:
             roots: dict[int, str] = {}
             daemon = None
             if kind == "loaderd":
                 datasets = {DATASET: {"dataset": "image_datasets:JpegImages", "kwargs": kwargs}}
+                if cached:
+                    datasets = {DATASET: {"dataset": "image_datasets:JpegResized", "kwargs": kwargs,
+                                          "transform": "image_datasets:augment_resized",
+                                          "cache": {"memory": cache_bytes(args.images)}}}  # fmt: skip
                 daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.workers, findings))
                 roots[daemon.process.pid] = "daemon"
             agents: list[Agent] = [ImageAgent(f"{kind}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
@@ -265,11 +342,15 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
             ready(agents)
             if daemon is None:
                 loader.update(num_workers=scenario.workers // scenario.trainers, persistent_workers=True, prefetch_factor=2)
-                call_all(agents, "torch", name="img", factory="image_datasets:JpegImages", kwargs=kwargs, loader=loader)
+                factory = "image_datasets:JpegResizedAugmented" if cached else "image_datasets:JpegImages"
+                call_all(agents, "torch", name="img", factory=factory, kwargs=kwargs, loader=loader)
             else:  # prefetch_factor None: loaderd's default (4 x pool size)
                 loader.update(address=daemon.unix_address, prefetch_factor=args.prefetch)
                 call_all(agents, "remote", name="img", dataset=DATASET, loader=loader)
-            call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup)
+            if cached:
+                epoch1 = call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup, per_epoch=args.images // BATCH)
+            else:
+                call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup)
             best: Sample | None = None
             for attempt in range(args.tries):
                 sample = measure_window(args, agents, roots, daemon)
@@ -283,16 +364,39 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
         state.pop("agents", None)
         state.pop("daemon", None)
     assert best is not None
+    best.epoch1 = epoch1
     return best
 
 
-def stage_times(n: int) -> dict[str, float]:
+def cache_bytes(n: int) -> int:
+    """cached: the memory tier's bound, room for every item (uint8 3 x RESIZED x RESIZED) and then some."""
+    return int(CACHE_ROOM * n * 3 * RESIZED * RESIZED)
+
+
+CACHE_READ = "cache hit: the record decoded (one copy)"
+COLLATE = "default_collate (per image)"
+
+
+def stage_times(n: int, pipeline: str = "resized-crop") -> dict[str, float]:
     """CPU ms per image of each step of ``__getitem__``, and of ``default_collate`` per image, on one
-    thread of this process, batch by batch as a worker does (64 items live, then collated and dropped)."""
-    ds = JpegImages(n, 0)
-    steps = {"read (page cache)": ds.read, "PIL decode": ds.decode, "RandomResizedCrop(224)": ds.crop,
-             "RandomHorizontalFlip": ds.flip, "ToTensor": ds.to_tensor, "Normalize": ds.normalize}  # fmt: skip
-    totals = dict.fromkeys([*steps, "default_collate (per image)"], 0.0)
+    thread of this process, batch by batch as a worker does (64 items live, then collated and dropped).
+    cached: the dataset's steps, a cache hit's decoding of the record (loaderd's item codec), then the
+    transform's steps."""
+    if pipeline == "cached":
+        from loaderd.server.cache.item_codec import decode_item, encode_item
+
+        ds: JpegFile = JpegResized(n, 0)
+        assert isinstance(ds, JpegResized)
+        steps = {"read (page cache)": ds.read, "PIL decode": ds.decode, f"Resize({RESIZED})": ds.resize,
+                 f"CenterCrop({RESIZED})": ds.center, "PILToTensor (uint8)": ds.to_uint8,
+                 CACHE_READ: decode_item,  # of the record encode_item made (untimed): see below
+                 **augment_steps()}  # fmt: skip
+    else:
+        ds = JpegImages(n, 0)
+        assert isinstance(ds, JpegImages)
+        steps = {"read (page cache)": ds.read, "PIL decode": ds.decode, "RandomResizedCrop(224)": ds.crop,
+                 "RandomHorizontalFlip": ds.flip, "ToTensor": ds.to_tensor, "Normalize": ds.normalize}  # fmt: skip
+    totals = dict.fromkeys([*steps, COLLATE], 0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # torch's and loaderd's workers run with one thread
     try:
@@ -302,13 +406,19 @@ def stage_times(n: int) -> dict[str, float]:
             for i in range(b * BATCH, (b + 1) * BATCH):
                 value: Any = i
                 for name, step in steps.items():
+                    if name == CACHE_READ:  # timed without the encoding (a miss's, once)
+                        record = encode_item(value)
+                        started = time.thread_time()
+                        value = step(memoryview(record))
+                        totals[name] += time.thread_time() - started
+                        continue
                     started = time.thread_time()  # CPU time: comparable with the groups' CPU-s per image
                     value = step(value)
                     totals[name] += time.thread_time() - started
                 items.append((value, 0))
             started = time.thread_time()
             default_collate(items)
-            totals["default_collate (per image)"] += time.thread_time() - started
+            totals[COLLATE] += time.thread_time() - started
     finally:
         torch.set_num_threads(threads)
     return {name: total * 1e3 / (batches * BATCH) for name, total in totals.items()}
@@ -319,7 +429,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     findings: list[str] = []
     log(f"making or reading the {args.images} JPEGs")
     JpegImages(args.images, args.seed)  # builds the /tmp cache once, before any worker needs it
-    stages = stage_times(args.images)
+    stages = stage_times(args.images, args.pipeline)
     scenarios = [Scenario("A", 1, args.workers), Scenario("B", args.trainers, args.total_workers)]
     cells = {(s.key, kind): Cell() for s in scenarios for kind in KINDS}
     for rnd in range(args.rounds):
@@ -337,6 +447,13 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
                 cell.samples.append(sample)
                 log(f"{where}: {sample.images_s:.0f} images/s, {sample.cpu_per_1k:.2f} CPU-s/1k, {sample.memory.total_kb() / 2**20:.2f} GiB PSS, "
                     f"{sample.cores:.2f} cores busy, others {sample.others:.2f}")  # fmt: skip
+                if sample.epoch1:
+                    log(f"  epoch 1: {sample.epoch1_images_s:.0f} images/s, ended {sample.epoch1_s:.1f} s after the start of iteration "
+                        f"({sample.epoch1_steady_s:.0f} images/s from the first batch)")  # fmt: skip
+                if sample.cache:
+                    c = sample.cache
+                    log(f"  cache: {c['window_hits']} hits, {c['window_misses']} misses in the window; {c['items']} items, "
+                        f"{c['shm_kb'] / 1024:.0f} MiB in /dev/shm, {c['not_stored']} not stored")  # fmt: skip
     print_report(args, scenarios, cells, stages, findings, load_before, time.perf_counter() - started)
     return 1 if findings else 0
 
@@ -356,18 +473,31 @@ def _ratio(a: float, b: float) -> str:
 def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dict[tuple[str, str], Cell],
                  stages: dict[str, float], findings: list[str], load_before: tuple[float, ...], wall_s: float) -> None:  # fmt: skip
     p = print
+    cached = args.pipeline == "cached"
     ds = JpegImages(args.images, args.seed)
     sizes = [JpegImages.decode(ds.read(i)).size for i in range(min(64, len(ds)))]
     kb = median([length / 1e3 for _, length, _ in ds.index])
-    p("## Real image pipeline: torch DataLoaders vs one loaderd daemon\n")
+    if cached:
+        p("## Real image pipeline, cached (--pipeline cached): torch DataLoaders vs one loaderd daemon with an item cache\n")
+    else:
+        p("## Real image pipeline: torch DataLoaders vs one loaderd daemon\n")
     p(f"- machine: {machine_line()}, torchvision {sys.modules['torchvision'].__version__}, "
       f"Pillow {sys.modules['PIL'].__version__}")  # fmt: skip
     p(f"- data: {len(ds.index)} JPEGs (quality 90) from scikit-image's photographs, median {kb:.0f} kB, "
       f"median {median([w for w, _ in sizes]):.0f}x{median([h for _, h in sizes]):.0f} px; read from the page cache per item; "
-      f"epochs of {args.epoch} items")  # fmt: skip
-    p("- item: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize; batch 64, shuffle; "
-      f"torch prefetch_factor=2, persistent_workers; RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
-    p(f"- rounds={args.rounds}, {args.seconds:g} s measured per group after {args.warmup} warm-up batches per trainer "
+      f"epochs of {args.images if cached else args.epoch} items{' (the data set)' if cached else ''}")  # fmt: skip
+    if cached:
+        p(f"- item: dataset (image_datasets:JpegResized) PIL decode, Resize({RESIZED}), CenterCrop({RESIZED}), uint8 tensor; "
+          f"transform (image_datasets:augment_resized) RandomCrop({CROP}), RandomHorizontalFlip, float32 / 255, Normalize. "
+          "torch: both in one __getitem__, every epoch; loaderd: `transform:` and `cache: {memory: "
+          f"{cache_bytes(args.images) / 2**20:.0f} MiB}}` (every item fits), a new daemon (empty cache) per group")  # fmt: skip
+        p("- batch 64, shuffle; torch prefetch_factor=2, persistent_workers; "
+          f"RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
+    else:
+        p("- item: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize; batch 64, shuffle; "
+          f"torch prefetch_factor=2, persistent_workers; RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
+    warm = f" ({args.warmup / (args.images // BATCH):.2f} epochs: the windows measure epochs >= 2)" if cached else ""
+    p(f"- rounds={args.rounds}, {args.seconds:g} s measured per group after {args.warmup} warm-up batches per trainer{warm} "
       f"(the quietest of up to {args.tries} windows: measured again while other processes kept > {args.quiet:g} cores busy); "
       f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
       f"wall time {wall_s:.0f} s\n")  # fmt: skip
@@ -375,10 +505,20 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     p("### Where an item's time goes (one thread of this process, before the groups run)\n")
     p("| step | CPU ms per image | share |")
     p("| --- | ---: | ---: |")
-    total = sum(stages.values())
-    for name, ms in stages.items():
-        p(f"| {name} | {ms:.3f} | {ms / total:.0%} |")
-    p(f"| all | {total:.2f} | = {1e3 / total:.0f} images/s per core |\n")
+    if cached:  # shares of torch's item (everything but the cache hit)
+        total = sum(ms for name, ms in stages.items() if name != CACHE_READ)
+        after = [CACHE_READ, *augment_steps(), COLLATE]  # loaderd's from epoch 2
+        hit = sum(stages[name] for name in after)
+        for name, ms in stages.items():
+            p(f"| {name} | {ms:.3f} | {'' if name == CACHE_READ else f'{ms / total:.0%}'} |")
+        p(f"| torch, every epoch: all but the cache hit | {total:.2f} | = {1e3 / total:.0f} images/s per core |")
+        p(f"| loaderd, epochs >= 2: cache hit, transform, collate | {hit:.2f} | = {1e3 / hit:.0f} images/s per core "
+          f"({total / hit:.1f}x torch's; without the transport to the trainer) |\n")  # fmt: skip
+    else:
+        total = sum(stages.values())
+        for name, ms in stages.items():
+            p(f"| {name} | {ms:.3f} | {ms / total:.0%} |")
+        p(f"| all | {total:.2f} | = {1e3 / total:.0f} images/s per core |\n")
     p("This host's speed drifts by up to ~30% within minutes: compare these with the groups' CPU-s per "
       "1,000 images as proportions, not to the decimal.\n")  # fmt: skip
 
@@ -404,6 +544,8 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
       "machine meanwhile (noise from outside the benchmark). Ratio rows: ratio of the medians; last column, the "
       "ratio within each round (the two groups measured back to back, so the host's drift in speed mostly "
       "cancels) and its median.\n")  # fmt: skip
+    if cached:
+        print_cached(p, scenarios, cells)
 
     p("### PSS by role (median round of each group, MiB)\n")
     p("| scenario | loaders | role: processes x MiB | unmapped /dev/shm |")
@@ -419,8 +561,48 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     print_findings(p, findings)
 
 
+def print_cached(p: Any, scenarios: list[Scenario], cells: dict[tuple[str, str], Cell]) -> None:
+    """cached: the first epoch (a new daemon's, every item computed) and the cache over the windows."""
+    p("### First epoch (loaderd: a new daemon, every item computed and stored; torch: as every epoch)\n")
+    p("| scenario | loaders | epoch 1 images/s (all trainers) | end of epoch 1 after the start of iteration | "
+      "from the first batch's arrival | per-round images/s |")  # fmt: skip
+    p("| --- | --- | ---: | ---: | ---: | --- |")
+    for s in scenarios:
+        title = f"{s.key}: {s.trainers} trainer{'s' if s.trainers > 1 else ''}, {s.workers} workers in all"
+        for kind in KINDS:
+            c = cells[(s.key, kind)]
+            if c.samples:
+                rounds = ", ".join(f"{x.epoch1_images_s:.0f}" for x in c.samples)
+                p(f"| {title} | {s.describe(kind)} | {fmt(c.med('epoch1_images_s'), 0)} | {fmt(c.med('epoch1_s'), 1)} s | "
+                  f"{fmt(c.med('epoch1_steady_s'), 0)} | {rounds} |")  # fmt: skip
+        t, d = cells[(s.key, "torch")], cells[(s.key, "loaderd")]
+        if t.samples and len(t.samples) == len(d.samples):
+            ratios = [x.epoch1_images_s / y.epoch1_images_s for x, y in zip(d.samples, t.samples)]
+            p(f"| {title} | loaderd / torch | {_ratio(d.med('epoch1_images_s'), t.med('epoch1_images_s'))} | | "
+              f"{_ratio(d.med('epoch1_steady_s'), t.med('epoch1_steady_s'))} | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} (median {median(ratios):.2f}x) |")  # fmt: skip
+    p("\nEpoch 1 images/s: every trainer's first epoch over the time from the start of iteration (all trainers at "
+      "once; torch forks its workers then, the daemon's are up) to the last trainer's end of epoch 1. "
+      "From the first batch's arrival: per trainer, its epoch's images after the first batch over the time from "
+      "its arrival to the epoch's last, summed over trainers (start-up left out; prefetched batches flatter both kinds).\n")  # fmt: skip
+    p("### The item cache in the measured windows (loaderd)\n")
+    p("| scenario | hits | misses | hit rate | items stored | not stored | file in /dev/shm |")
+    p("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for s in scenarios:
+        for x in cells[(s.key, "loaderd")].samples:
+            c = x.cache
+            rate = c["window_hits"] / max(1, c["window_hits"] + c["window_misses"])
+            p(f"| {s.key} | {c['window_hits']:.0f} | {c['window_misses']:.0f} | {rate:.1%} | {c['items']:.0f} | "
+              f"{c['not_stored']:.0f} | {c['shm_kb'] / 1024:.0f} MiB |")  # fmt: skip
+    p("\nOne row per round. The cache's file is in the daemon's /dev/shm segments: its pages the workers "
+      "touched are in their PSS (Pss_Shmem), the rest in the unmapped /dev/shm column.\n")  # fmt: skip
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pipeline", choices=PIPELINES, default="resized-crop", help="resized-crop: the whole item in the "
+                        "dataset; cached: decode + resize in the dataset (cached by the daemon), the random crop, flip and "
+                        "normalize in a transform (see the module's docstring)")  # fmt: skip
     parser.add_argument("--images", type=int, default=512, help="distinct JPEGs in the data set")
     parser.add_argument("--seed", type=int, default=0, help="seed of the JPEGs' crops")
     parser.add_argument("--epoch", type=int, default=65536, help="items per epoch, wrapping over the JPEGs: long, as on "
@@ -442,6 +624,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
     if args.total_workers < args.trainers or args.total_workers % args.trainers:
         parser.error("--total-workers must be a multiple of --trainers (torch's workers are split evenly)")
+    if args.pipeline == "cached":
+        if args.images % BATCH:
+            parser.error(f"--pipeline cached: --images must be a multiple of {BATCH} (an epoch is the data set, in full batches)")
+        args.warmup = max(args.warmup, args.images // BATCH + 2)  # the windows measure epochs >= 2
     return args
 
 

@@ -137,14 +137,12 @@ def jpeg_cache(n: int, seed: int = 0, quality: int = 90) -> Path:
     return path
 
 
-class JpegImages(Dataset):
-    """``n`` JPEG photographs; item ``i`` is ``(float32 3x224x224 tensor, int label)`` of JPEG
-    ``i % n`` after PIL decoding (as ImageFolder's loader) and RandomResizedCrop, flip, ToTensor,
-    Normalize. ``length`` (default ``n``) items per epoch: a long epoch over few distinct files.
+class JpegFile(Dataset):
+    """``n`` JPEG photographs in the cache file; ``length`` (default ``n``) items per epoch, item
+    ``i`` from JPEG ``i % n``. The constructor only opens the file and reads its index (cheap in
+    every worker); subclasses say what an item is."""
 
-    The constructor only opens the cache file and reads its index (cheap in every worker)."""
-
-    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, size: int = 224, length: int | None = None) -> None:
+    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, length: int | None = None) -> None:
         self.length = n if length is None else length
         self.path = jpeg_cache(n, seed, quality)
         with open(self.path, "rb") as f:
@@ -153,10 +151,6 @@ class JpegImages(Dataset):
             count = int(np.frombuffer(f.read(8), dtype=np.uint64)[0])
             self.index = np.frombuffer(f.read(24 * count), dtype=np.int64).reshape(count, 3).tolist()
         self.fd = os.open(self.path, os.O_RDONLY)  # pread is positionless: safe across fork
-        T = import_transforms()
-        self.crop, self.flip = T.RandomResizedCrop(size), T.RandomHorizontalFlip()
-        self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(MEAN, STD)
-        self.transform = T.Compose([self.crop, self.flip, self.to_tensor, self.normalize])
 
     def __len__(self) -> int:
         return self.length
@@ -165,13 +159,13 @@ class JpegImages(Dataset):
         offset, length, _ = self.index[i % len(self.index)]
         return os.pread(self.fd, length, offset)
 
+    def label(self, i: int) -> int:
+        return self.index[i % len(self.index)][2]
+
     @staticmethod
     def decode(data: bytes) -> Image.Image:
         with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.transform(self.decode(self.read(i))), self.index[i % len(self.index)][2]
 
     def __getstate__(self) -> dict[str, Any]:  # for spawned workers: the descriptor is per process
         return {k: v for k, v in self.__dict__.items() if k != "fd"}
@@ -184,3 +178,77 @@ class JpegImages(Dataset):
         fd = getattr(self, "fd", None)
         if fd is not None:
             os.close(fd)
+
+
+class JpegImages(JpegFile):
+    """``n`` JPEG photographs; item ``i`` is ``(float32 3x224x224 tensor, int label)`` of JPEG
+    ``i % n`` after PIL decoding (as ImageFolder's loader) and RandomResizedCrop, flip, ToTensor,
+    Normalize. ``length`` (default ``n``) items per epoch: a long epoch over few distinct files."""
+
+    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, size: int = 224, length: int | None = None) -> None:
+        super().__init__(n, seed, quality, length)
+        T = import_transforms()
+        self.crop, self.flip = T.RandomResizedCrop(size), T.RandomHorizontalFlip()
+        self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(MEAN, STD)
+        self.transform = T.Compose([self.crop, self.flip, self.to_tensor, self.normalize])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.decode(self.read(i))), self.label(i)
+
+
+# ---------------------------------------------------------------- the pipeline split for an item cache
+# The same photographs, the work split in two: the dataset's deterministic part (decode, resize the
+# shorter side to 256, centre crop 256x256, a uint8 CHW tensor: draws no random number, so an item
+# cache may keep it) and ``augment_resized``, the random part (RandomCrop(224), RandomHorizontalFlip
+# on the uint8 tensor, with torch's RNG, then float32 / 255 and Normalize), which runs on every item
+# every epoch. torch's side composes the two in one ``__getitem__`` (JpegResizedAugmented).
+
+RESIZED = 256  # the cached item's side: 3 x 256 x 256 uint8 = 192 KiB
+CROP = 224
+
+
+class JpegResized(JpegFile):
+    """Item ``i``: ``(uint8 tensor 3x256x256, int label)``: JPEG ``i % n`` decoded with PIL, its shorter
+    side resized to 256 (bilinear, antialiased) and centre-cropped to 256x256. Deterministic."""
+
+    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, length: int | None = None) -> None:
+        super().__init__(n, seed, quality, length)
+        T = import_transforms()
+        self.resize, self.center, self.to_uint8 = T.Resize(RESIZED), T.CenterCrop(RESIZED), T.PILToTensor()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.to_uint8(self.center(self.resize(self.decode(self.read(i))))), self.label(i)
+
+
+_AUGMENT: dict[str, Any] = {}
+
+
+def augment_steps() -> dict[str, Any]:
+    """``augment_resized``'s steps by name (built once per process)."""
+    if not _AUGMENT:
+        T = import_transforms()
+        _AUGMENT.update({
+            "RandomCrop(224)": T.RandomCrop(CROP),
+            "RandomHorizontalFlip": T.RandomHorizontalFlip(),
+            "to float32 / 255": lambda image: image.to(torch.float32).div_(255),
+            "Normalize": T.Normalize(MEAN, STD, inplace=True),  # on the float copy just made
+        })  # fmt: skip
+    return _AUGMENT
+
+
+def augment_resized(item: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    """The random part of an item: ``(uint8 3x256x256, label)`` -> ``(float32 3x224x224 normalized, label)``.
+
+    A daemon's ``transform:`` (``image_datasets:augment_resized``); never changes its input in place
+    (a cached item may be read again)."""
+    image, label = item
+    for step in augment_steps().values():
+        image = step(image)
+    return image, label
+
+
+class JpegResizedAugmented(JpegResized):
+    """torch's side of the split pipeline: ``augment_resized(JpegResized[i])``, every item, every epoch."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return augment_resized(super().__getitem__(i))
