@@ -15,6 +15,7 @@ fetched); the stream then opens at that position, so per-batch seeds follow.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,16 +45,23 @@ class EpochProgress:
 
     def state(self, dataset: str, fingerprint: str) -> LoaderState:
         """The resume state of this epoch, at its current position."""
+        rng, sampler_rngs = self._encoded_rngs
         return LoaderState(
             dataset=dataset,
             fingerprint=fingerprint,
             epoch=self.epoch,
             yielded=self.yielded,
             base_seed=self.base_seed,
-            rng=None if self.rng is None else encode_rng(self.rng),
-            sampler_rngs=[encode_rng(r) for r in self.sampler_rngs],
+            rng=rng,
+            sampler_rngs=list(sampler_rngs),
             sampler_epochs=list(self.sampler_epochs),
         )
+
+    @functools.cached_property
+    def _encoded_rngs(self) -> tuple[str | None, tuple[str, ...]]:
+        """The RNG states, compressed once: they are the epoch start's and never change, and ``state`` may
+        run once per batch (accelerate snapshots a prepared loader's state as it yields each batch)."""
+        return (None if self.rng is None else encode_rng(self.rng)), tuple(encode_rng(r) for r in self.sampler_rngs)
 
 
 def next_epoch_state(

@@ -14,7 +14,6 @@ the worker lives on. Used by the worker's task loop (server/worker/worker.py) on
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 
 from loaderd.errors import TransportError, capture_exception, clip
+from loaderd.server.cache.usage import CacheDelta
 from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
 from loaderd.server.worker.entry import WorkerSpec
 from loaderd.server.worker.seeding import derive_seed, seed_everything
@@ -94,7 +94,7 @@ class BatchMaker:
             raise
 
     def _encode(
-        self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None, inline: bool
+        self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None, inline: bool, cache: CacheDelta | None = None
     ) -> tuple[BatchDone, list[Any]]:
         """The batch's ``BatchDone`` and the raw buffers to send after it (none if it went to a slot).
 
@@ -136,6 +136,7 @@ class BatchMaker:
             slot=slot,
             buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
             retired=self._take_retired(),
+            cache=cache,
         )
         return done, [] if slot else [buf for _, buf in encoded.buffers]
 
@@ -183,15 +184,14 @@ class BatchMaker:
     def _send_encoded(
         self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""
     ) -> None:
+        ds = self.datasets.get(dataset)
+        # The cache's counts since its last batch go with this one (the daemon sums them per dataset).
+        cache = ds.store.stats.take() if ds is not None and ds.store is not None else None
         try:
-            done, buffers = self._encode(stream_id, seq, batch, placed, inline)
+            done, buffers = self._encode(stream_id, seq, batch, placed, inline, cache)
         except TransportError as exc:
             self.fail(stream_id, seq, exc, where)
             return
-        ds = self.datasets.get(dataset)
-        if ds is not None and ds.store is not None:
-            # The cache's counts since its last batch go with this one (the daemon sums them per dataset).
-            done = dataclasses.replace(done, cache=ds.store.stats.take())
         conn = self.spec.results
         send_result(conn, done)
         for buf in buffers:
