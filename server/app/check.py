@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from loaderd.errors import TransportError
+from loaderd.server.cache.auto import TRIAL_ITEMS
 from loaderd.server.cache.item_codec import encode_item, unfaithful
 from loaderd.server.cache.location import locate
 from loaderd.server.cache.usage import store_usage
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
-from loaderd.server.ops.status import human_bytes
+from loaderd.server.config.sizes import human_bytes
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.worker.datasets import WorkerDataset, build_for_worker
 from loaderd.server.worker.user_code import apply_python_path, user_error
@@ -230,6 +231,8 @@ def cache_line(spec: DatasetSpec, items: list[Any], length: int | None) -> str:
     cache = spec.cache
     assert cache is not None
     where = f"{cache.tier}, up to {human_bytes(cache.max_bytes)}" + (f" in {cache.path}" if cache.path is not None else "")
+    if cache.auto:
+        where = f"auto ({where}; on only if the first {TRIAL_ITEMS} items served show that it pays)"
     reasons = [why for why in (unfaithful(item) for item in items) if why is not None]
     if reasons or not items:
         return f"{where}: items not cached: {reasons[0] if reasons else 'none sampled'} (return tensors, arrays and scalars)"

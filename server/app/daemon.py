@@ -32,6 +32,7 @@ their parent gone, and the next daemon to start sweeps its segments.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -39,6 +40,7 @@ import resource
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,7 +48,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from loaderd.server.cache.auto import AutoCache, AutoCaches
 from loaderd.server.cache.location import locate
+from loaderd.server.cache.usage import CacheLocation
 from loaderd.server.config.schema import ConfigError, LoaderConfig
 from loaderd.server.ops.status import StatusBoard
 from loaderd.server.pool.fork_server import PoolStartError
@@ -107,6 +111,27 @@ def raise_fd_limit() -> int:
 
 def _metrics_unavailable(host: str, port: int, reason: str) -> ListenError:
     return ListenError(f"cannot serve metrics on {host}:{port}: {reason}")
+
+
+def _auto_caches(config: LoaderConfig, catalog: Catalog, locations: Mapping[str, CacheLocation]) -> AutoCaches:
+    """The ``cache: auto`` datasets' policies (server/cache/auto.py); one that decides off takes its memory tier's file with it
+    (the items stored while measuring; a worker started later makes an empty one, swept with the daemon's others)."""
+
+    def drop(dataset: str) -> None:
+        where = locations[dataset]
+        if where.tier == "memory":
+            for path in (where.path, f"{where.path}-lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    return AutoCaches(
+        {
+            name: AutoCache(name, spec.cache.max_bytes, catalog.datasets[name].length)
+            for name, spec in config.datasets.items()
+            if spec.cache is not None and spec.cache.auto and name in locations and name in catalog.datasets
+        },
+        drop,
+    )
 
 
 @dataclass
@@ -183,6 +208,7 @@ class Daemon:
             from loaderd.server.ops.metrics import BatchLatency
 
             latency = BatchLatency(catalog.datasets)
+        caches = {spec.name: where for spec in config.datasets.values() if (where := locate(spec, self._cache_prefix)) is not None}
         self.scheduler = scheduler = Scheduler(
             pool,
             ledger,
@@ -190,13 +216,13 @@ class Daemon:
             SchedulerPolicy.from_config(config, start_timeout=self.startup_timeout),
             on_batch=latency.observe if latency is not None else None,
             on_fatal=self._on_fatal,
+            caches=_auto_caches(config, catalog, caches),
         )
         scheduler.start()
         self.watchdog.start()
         self.watchdog.arm(MEMORY_TRIM_S, self._trim_memory)
         limits = config.limits
         self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
-        caches = {spec.name: where for spec in config.datasets.values() if (where := locate(spec, self._cache_prefix)) is not None}
         status = StatusBoard(pool.states, catalog, scheduler, sessions, caches)
         if config.metrics is not None and latency is not None:
             from loaderd.server.ops.metrics import MetricsEndpoint
@@ -210,11 +236,12 @@ class Daemon:
                 raise _metrics_unavailable(host, port, exc.strerror or str(exc)) from None
             log.info("metrics on %s", url)
             if not is_loopback(f"{host}:{port}") and not config.metrics.require_token:
-                log.warning("metrics on %s answer anyone who can reach them (client and dataset names); "
-                            "set metrics.require_token (with auth:) or keep metrics.host on loopback", url)
-        servicer = LoaderServicer(
-            config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal, authenticator
-        )
+                log.warning(
+                    "metrics on %s answer anyone who can reach them (client and dataset names); "
+                    "set metrics.require_token (with auth:) or keep metrics.host on loopback",
+                    url,
+                )
+        servicer = LoaderServicer(config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal, authenticator)
         threads = handler_threads(limits)
         log.info("open-file limit %d; up to %d handler threads", fd_limit, threads)
         # Threads idle for 30 s exit: a burst of streams leaves none behind.

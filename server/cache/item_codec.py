@@ -70,17 +70,57 @@ def unfaithful(item: Any, path: str = "the item") -> str | None:
     return f"{path} is a {kind.__module__}.{kind.__qualname__}"
 
 
-def encode_item(item: Any) -> bytearray:
-    """``item``'s record; TransportError if the codec cannot lay it out (check ``unfaithful`` first)."""
-    encoded = encode_batch(item)
-    value = encoded.value.SerializeToString()
-    start = align(_HEAD.size + len(value))
-    record = bytearray(start + encoded.payload_bytes)
-    _HEAD.pack_into(record, 0, MAGIC, len(value), encoded.payload_bytes)
-    record[_HEAD.size : _HEAD.size + len(value)] = value
-    for offset, buf in encoded.buffers:
-        record[start + offset : start + offset + buf.nbytes] = buf
-    return record
+def as_read_back(item: Any) -> Any:
+    """``item`` as the cache gives it back: the same values, each tensor and array contiguous (copied only where
+    it is not: PILToTensor's channels-first view of an HWC image is one). A cache that stores an item hands its
+    transform this, so the transform sees one layout in every epoch, hit or miss (and a channels-first
+    layout runs the usual crops, flips and normalisation faster than the view). For an item ``unfaithful``
+    accepts; anything else comes back as it is."""
+    kind = type(item)
+    if kind is torch.Tensor:
+        return item if item.is_contiguous() else item.contiguous()
+    if kind is np.ndarray:
+        return item if item.flags.c_contiguous else np.ascontiguousarray(item)
+    if kind in (list, tuple):
+        return kind(as_read_back(v) for v in item)
+    if isinstance(item, tuple) and getattr(kind, "_fields", None) is not None:
+        return kind(*(as_read_back(v) for v in item))
+    if kind in _MAPPINGS:
+        return kind((key, as_read_back(value)) for key, value in item.items())
+    return item
+
+
+class RecordWriter:
+    """Lays items out as records in one buffer it reuses: a fresh buffer per item would cost the
+    item's pages faulted in (and given back) each time, more than the copy itself."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def record(self, item: Any) -> memoryview:
+        """``item``'s record, valid until the next call; TransportError if the codec cannot lay it out
+        (check ``unfaithful`` first)."""
+        encoded = encode_batch(item)
+        value = encoded.value.SerializeToString()
+        start = align(_HEAD.size + len(value))
+        size = start + encoded.payload_bytes
+        if len(self._buffer) < size:
+            self._buffer = bytearray(max(size, 2 * len(self._buffer)))
+        record = memoryview(self._buffer)[:size]
+        _HEAD.pack_into(record, 0, MAGIC, len(value), encoded.payload_bytes)
+        record[_HEAD.size : _HEAD.size + len(value)] = value
+        end = _HEAD.size + len(value)
+        for offset, buf in encoded.buffers:
+            record[end : start + offset] = bytes(start + offset - end)  # the alignment gaps are zeros, not an older item's bytes
+            record[start + offset : start + offset + buf.nbytes] = buf
+            end = start + offset + buf.nbytes
+        record[end:] = bytes(size - end)
+        return record
+
+
+def encode_item(item: Any) -> bytes:
+    """``item``'s record, as bytes of its own (``RecordWriter`` writes them without a new buffer per item)."""
+    return bytes(RecordWriter().record(item))
 
 
 def decode_item(record: memoryview) -> Any:

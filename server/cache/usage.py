@@ -17,7 +17,13 @@ class CacheDelta:
     misses: int
     stored_bytes: int
     not_stored: int
-    miss_cpu_s: float
+    miss_cpu_s: float  # CPU time computing the misses (dataset[i] / __getitems__)
+    stored: int = 0  # items added to the store
+    # What ``cache: auto`` decides by (server/cache/auto.py), counted while it measures: the CPU time
+    # laying out and writing the stored items, and reading items back (hits, and each stored item once).
+    store_cpu_s: float = 0.0
+    read_items: int = 0
+    read_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

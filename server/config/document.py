@@ -28,7 +28,8 @@ from loaderd.server.config.schema import (
     TlsSpec,
     check_listen,
 )
-from loaderd.wire.limits import MAX_CHUNK_BYTES
+from loaderd.server.process.host_memory import available_bytes, free_bytes
+from loaderd.wire.limits import MAX_CHUNK_BYTES, SHM_DIR
 
 SCHEMA_FILE = "loaderd-config.schema.json"  # in deploy/
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -200,6 +201,9 @@ class CacheSection(Section):
     version: Annotated[str | int | None, says("a string")] = Field(
         None, description="Part of the items' key with the dataset's import path and arguments: change it when its code changes."
     )
+    auto: bool = Field(
+        False, description="Cache only if the first items show that it pays (reading one back costs at most half of computing it) and fits."
+    )
 
     @model_validator(mode="after")
     def _one_tier(self) -> CacheSection:
@@ -212,16 +216,28 @@ class CacheSection(Section):
         return self
 
 
-def _not_yet_auto(value: Any) -> Any:
-    if value == "auto":
-        fail("'auto' is not supported yet: give {memory: BYTES} or {disk: PATH, max: BYTES}", value=value)
-    return value
+# ``cache: auto``'s memory tier: this share of the memory available when the config is read (host or cgroup),
+# and at most this share of /dev/shm's free room (a container's may be 64 MiB): the batches travel there too.
+AUTO_MEMORY_SHARE = 0.25
+AUTO_SHM_SHARE = 0.5
+AUTO_MEMORY_FLOOR = 16 << 20  # where neither is known, or less would not be worth measuring
+
+
+def auto_memory_bytes() -> int:
+    """The bound ``cache: auto`` gives its memory tier on this host, now."""
+    bounds = [int(room * AUTO_MEMORY_SHARE) for room in (available_bytes(),) if room is not None]
+    bounds += [int(room * AUTO_SHM_SHARE) for room in (free_bytes(SHM_DIR),) if room is not None]
+    return max(AUTO_MEMORY_FLOOR, min(bounds, default=AUTO_MEMORY_FLOOR))
+
+
+def _auto_is_a_memory_tier(value: Any) -> Any:
+    return {"memory": auto_memory_bytes(), "auto": True} if value == "auto" else value
 
 
 Cache = Annotated[
     CacheSection | None,
-    BeforeValidator(_not_yet_auto, json_schema_input_type=CacheSection | Literal["auto"] | None),
-    says("a mapping with 'memory', or 'disk' and 'max'"),
+    BeforeValidator(_auto_is_a_memory_tier, json_schema_input_type=CacheSection | Literal["auto"] | None),
+    says("'auto', or a mapping with 'memory', or 'disk' and 'max'"),
 ]
 
 
@@ -239,7 +255,9 @@ class DatasetEntry(Section):
         None, description="Called on each item after it is fetched (or read from the cache), before collation, under the batch's seeds."
     )
     cache: Cache = Field(
-        None, description="Map-style datasets: keep items once computed, in memory or on disk (auto: reserved, not yet supported)."
+        None,
+        description="Map-style datasets: keep items once computed, in memory or on disk; auto: in memory (a quarter of what is "
+        "available, half of /dev/shm's room at most) where the first items show that it pays.",
     )
 
 
@@ -352,9 +370,9 @@ def _cache(section: CacheSection | None, file: Any) -> CacheSpec | None:
         return None
     version = "" if section.version is None else str(section.version)
     if section.memory is not None:
-        return CacheSpec(tier="memory", max_bytes=section.memory, version=version)
+        return CacheSpec(tier="memory", max_bytes=section.memory, version=version, auto=section.auto)
     assert section.disk is not None and section.max is not None  # _one_tier
-    return CacheSpec(tier="disk", max_bytes=section.max, path=file(section.disk), version=version)
+    return CacheSpec(tier="disk", max_bytes=section.max, path=file(section.disk), version=version, auto=section.auto)
 
 
 def _config(doc: ConfigFile, path: Path) -> LoaderConfig:

@@ -29,6 +29,8 @@ class CacheSpec:
     max_bytes: int  # the most the items (and the store's own pages) take; then nothing more is added
     path: Path | None = None  # the disk tier's directory
     version: str = ""  # the user's own part of the items' fingerprint: change it when the dataset's code changes
+    # Decide from the first items whether caching pays and fits (server/cache/auto.py); False: always cache.
+    auto: bool = False
 
 
 @dataclass(frozen=True)

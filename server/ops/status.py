@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
+from loaderd.server.cache.auto import ON, CacheDecision
 from loaderd.server.cache.usage import CacheLocation, store_usage
+from loaderd.server.config.sizes import human_bytes
 from loaderd.server.scheduling.catalog import Catalog, dataset_info
 from loaderd.server.scheduling.snapshot import DatasetCounters
 from loaderd.v1 import loaderd_pb2 as pb
@@ -80,7 +82,7 @@ class StatusBoard:
                 entry.batches_delivered = counters.delivered_closed
             location = self._caches.get(name)
             if location is not None:
-                entry.cache.CopyFrom(cache_status(location, counters))
+                entry.cache.CopyFrom(cache_status(location, counters, taken.caches.get(name)))
         for stream in sorted(taken.streams, key=lambda s: s.stream_id):
             spec = stream.spec
             entry = datasets.get(spec.dataset)
@@ -189,16 +191,6 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def human_bytes(count: int) -> str:
-    """``count`` bytes as people read them: 512 B, 1.5 KiB, 38.5 MiB, 4.0 GiB."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -213,10 +205,12 @@ def status_json(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate]) -
     return out
 
 
-def cache_status(location: CacheLocation, counters: DatasetCounters | None) -> pb.CacheStatus:
-    """A dataset's cache as status shows it: the store's size now, and this daemon's counts."""
+def cache_status(location: CacheLocation, counters: DatasetCounters | None, decision: CacheDecision | None = None) -> pb.CacheStatus:
+    """A dataset's cache as status shows it: the store's size now, this daemon's counts, and (``cache: auto``) its decision."""
     usage = store_usage(location.path)
-    status = pb.CacheStatus(tier=location.tier, capacity_bytes=location.capacity_bytes)
+    status = pb.CacheStatus(tier=location.tier, capacity_bytes=location.capacity_bytes, mode=decision.mode if decision else ON)
+    if decision is not None:
+        status.decision = decision.reason
     if usage is not None:
         status.used_bytes, status.items = usage.used_bytes, usage.items
     if counters is not None:
@@ -263,12 +257,14 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
             c = d.cache
             lookups = c.hits + c.misses
             rows.append([
-                d.info.name, c.tier, c.items, f"{human_bytes(c.used_bytes)} of {human_bytes(c.capacity_bytes)}",
+                d.info.name, c.tier, c.mode or ON, c.items, f"{human_bytes(c.used_bytes)} of {human_bytes(c.capacity_bytes)}",
                 f"{c.hits / lookups:.0%}" if lookups else "-", c.hits, c.misses, _duration(c.saved_cpu_s), c.not_stored,
             ])
+        decided = "".join(f"\ncache: auto for {d.info.name!r}: {d.cache.decision}" for d in cached if d.cache.decision)
         parts.append(
-            _table(["CACHE", "TIER", "ITEMS", "SIZE", "HIT RATE", "HITS", "MISSES", "CPU SAVED", "NOT STORED"], rows)
+            _table(["CACHE", "TIER", "MODE", "ITEMS", "SIZE", "HIT RATE", "HITS", "MISSES", "CPU SAVED", "NOT STORED"], rows)
             + "\nCPU SAVED: hits times the mean CPU time of a miss (the dataset's __getitem__)"
+            + decided
         )
     if status.clients:
         rows = []

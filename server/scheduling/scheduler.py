@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from loaderd.errors import TransportError, capture_exception, clip
+from loaderd.server.cache.auto import MEASURING, ON, AutoCaches
 from loaderd.server.pool.pool import WorkerDied, WorkerMessage
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
@@ -45,6 +46,7 @@ from loaderd.server.worker.tasks import (
     ReleaseStream,
     ReplicaExhausted,
     Result,
+    SettleCache,
     SlotsRetired,
     Task,
     WorkerReady,
@@ -83,14 +85,17 @@ class Scheduler:
         on_batch: BatchObserver | None = None,
         on_fatal: FatalHandler | None = None,
         dispatcher: Dispatcher | None = None,
+        caches: AutoCaches | None = None,
     ) -> None:
-        """``dispatcher`` is a fresh ``Dispatcher(pool.size)`` unless given (tests read its table)."""
+        """``dispatcher`` is a fresh ``Dispatcher(pool.size)`` unless given (tests read its table);
+        ``caches``: the datasets with ``cache: auto``, told each batch's cache figures until they decide."""
         self._pool = pool
         self._ledger = ledger
         self._catalog = catalog
         self._policy = policy
         self._on_batch = on_batch
         self._on_fatal = on_fatal
+        self._caches = caches
         self._lock = threading.Lock()
         self._streams: dict[int, BatchStream] = {}  # every open client stream
         self._dispatcher = dispatcher or Dispatcher(pool.size)  # draws from producers: streams and shared jobs
@@ -188,6 +193,7 @@ class Scheduler:
                 clients=tuple(self.clients.rows((s.use(now) for s in streams), now)),
                 jobs=tuple(JobRow.of(j) for j in self._jobs.values()),
                 slots={worker_id: self._supervisor.view(worker_id) for worker_id in range(self._pool.size)},
+                caches=self._caches.decisions() if self._caches is not None else {},
             )
 
     def open_streams(self) -> int:
@@ -317,6 +323,10 @@ class Scheduler:
     def _on_result(self, message: WorkerMessage) -> None:
         result = message.result
         if isinstance(result, WorkerReady):
+            with self._lock:  # a worker started after a cache: auto decided starts out measuring: tell it first
+                settled = self._caches.settled() if self._caches is not None else {}
+            for dataset, on in settled.items():
+                self._submit(message.worker_id, SettleCache(dataset, on))
             self._supervisor.ready(message.worker_id, message.generation)
             return
         if isinstance(result, SlotsRetired):
@@ -370,6 +380,10 @@ class Scheduler:
                 counters.cache_misses += result.cache.misses
                 counters.cache_not_stored += result.cache.not_stored
                 counters.cache_miss_cpu_s += result.cache.miss_cpu_s
+                decision = self._caches.add(task.dataset, result.cache) if self._caches is not None else None
+                if decision is not None and decision.mode != MEASURING:
+                    for each in range(self._pool.size):  # a dead worker's replacement is told when it is ready
+                        self._submit(each, SettleCache(task.dataset, decision.mode == ON))
             self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
             if isinstance(task, FetchTask):
                 counters.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1

@@ -8,8 +8,9 @@ build their replies from the copy.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from loaderd.server.cache.auto import CacheDecision
 from loaderd.server.scheduling.lifecycle import SlotView
 from loaderd.server.scheduling.share import SharedJob
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
@@ -103,3 +104,5 @@ class SchedulerSnapshot:
     jobs: tuple[JobRow, ...]
     # Each pool slot's state (server/scheduling/lifecycle.py), as the scheduler's thread last left it.
     slots: Mapping[int, SlotView]
+    # Each ``cache: auto`` dataset's decision (server/cache/auto.py).
+    caches: Mapping[str, CacheDecision] = field(default_factory=dict)

@@ -60,8 +60,8 @@ class WorkerDataset:
             started = time.process_time()
             computed = getitems(keys) if getitems else [self.dataset[i] for i in keys]
             store.stats.miss_cpu_s += time.process_time() - started
-            found.update(zip(missing, computed))
-            store.put_many({indices[n]: found[n] for n in missing})  # encoded now: a transform may change them in place
+            # Stored before the transform runs (it may change them in place), and handed to it as a hit would be.
+            found.update(zip(missing, store.put_many(keys, list(computed))))
         return self._transformed([found[n] for n in range(len(indices))])
 
     def item(self, index: Any) -> Any:
@@ -77,8 +77,20 @@ class WorkerDataset:
                 started = time.process_time()
                 sample = self.dataset[index]
                 store.stats.miss_cpu_s += time.process_time() - started
-                store.put_many({index: sample})
+                sample = store.put_many([index], [sample])[0]
         return sample if self.transform is None else self.transform(sample)
+
+    def settle_cache(self, on: bool) -> None:
+        """``cache: auto`` decided (server/cache/auto.py): on, the cache goes on without measuring; off, it is closed
+        and every item is computed from now on."""
+        store = self.store
+        if store is None:
+            return
+        if on:
+            store.measuring = False
+        else:
+            self.store = None
+            store.close()
 
     def _transformed(self, samples: Any) -> list[Any]:
         transform = self.transform

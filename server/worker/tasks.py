@@ -76,9 +76,17 @@ class ReleaseSlot:
     name: str
 
 
+@dataclass(frozen=True)
+class SettleCache:
+    """``cache: auto`` decided for ``dataset`` (server/cache/auto.py): keep caching (and stop measuring), or stop using the cache."""
+
+    dataset: str
+    on: bool
+
+
 # Work for a batch position (what producers hand out), and everything a worker's task pipe carries.
 BatchTask = FetchTask | IterTask
-Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot
+Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot | SettleCache
 
 
 # ------------------------------------------------------------- worker -> daemon

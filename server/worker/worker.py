@@ -31,6 +31,7 @@ from loaderd.server.worker.tasks import (
     IterTask,
     ReleaseSlot,
     ReleaseStream,
+    SettleCache,
     Task,
     WorkerReady,
     WorkerStartFailed,
@@ -60,6 +61,8 @@ def _handle(batches: BatchMaker, task: Task, worker_id: int) -> None:
             batches.release_stream(task.stream_id)
         elif isinstance(task, ReleaseSlot):
             batches.release_slot(task.name)
+        elif isinstance(task, SettleCache):
+            batches.datasets[task.dataset].settle_cache(task.on)
     except (BrokenPipeError, ConnectionResetError, EOFError):
         raise  # the daemon is gone: the worker exits
     except Exception as exc:

@@ -283,7 +283,7 @@ def cache_status(daemon: Daemon) -> dict[str, float]:
 
 def measure_window(args: argparse.Namespace, agents: list[Agent], roots: dict[int, str], daemon: Daemon | None) -> Sample:
     """One measured interval of a warm group: images/s, CPU of ``roots``' trees, PSS mid-way."""
-    cached = daemon is not None and args.pipeline == "cached"
+    cached = daemon is not None and args.pipeline == "cached" and not args.no_cache
     cache0 = cache_status(daemon) if cached else {}  # type: ignore[arg-type]  # cached: a daemon
     busy0, cpu0 = machine_busy_s(), sum(cpu_seconds(pid) for pid in roots)
     marks0 = call_all(agents, "count")
@@ -329,8 +329,9 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                 datasets = {DATASET: {"dataset": "image_datasets:JpegImages", "kwargs": kwargs}}
                 if cached:
                     datasets = {DATASET: {"dataset": "image_datasets:JpegResized", "kwargs": kwargs,
-                                          "transform": "image_datasets:augment_resized",
-                                          "cache": {"memory": cache_bytes(args.images)}}}  # fmt: skip
+                                          "transform": "image_datasets:augment_resized"}}  # fmt: skip
+                    if not args.no_cache:
+                        datasets[DATASET]["cache"] = {"memory": cache_bytes(args.images)}
                 daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.workers, findings))
                 roots[daemon.process.pid] = "daemon"
             agents: list[Agent] = [ImageAgent(f"{kind}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
@@ -477,7 +478,9 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     ds = JpegImages(args.images, args.seed)
     sizes = [JpegImages.decode(ds.read(i)).size for i in range(min(64, len(ds)))]
     kb = median([length / 1e3 for _, length, _ in ds.index])
-    if cached:
+    if cached and args.no_cache:
+        p("## Real image pipeline, split but not cached (--pipeline cached --no-cache): torch DataLoaders vs one loaderd daemon\n")
+    elif cached:
         p("## Real image pipeline, cached (--pipeline cached): torch DataLoaders vs one loaderd daemon with an item cache\n")
     else:
         p("## Real image pipeline: torch DataLoaders vs one loaderd daemon\n")
@@ -489,8 +492,9 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     if cached:
         p(f"- item: dataset (image_datasets:JpegResized) PIL decode, Resize({RESIZED}), CenterCrop({RESIZED}), uint8 tensor; "
           f"transform (image_datasets:augment_resized) RandomCrop({CROP}), RandomHorizontalFlip, float32 / 255, Normalize. "
-          "torch: both in one __getitem__, every epoch; loaderd: `transform:` and `cache: {memory: "
-          f"{cache_bytes(args.images) / 2**20:.0f} MiB}}` (every item fits), a new daemon (empty cache) per group")  # fmt: skip
+          "torch: both in one __getitem__, every epoch; loaderd: `transform:` and "
+          + ("no cache (--no-cache: every item computed every epoch)" if args.no_cache else
+             f"`cache: {{memory: {cache_bytes(args.images) / 2**20:.0f} MiB}}` (every item fits), a new daemon (empty cache) per group"))  # fmt: skip
         p("- batch 64, shuffle; torch prefetch_factor=2, persistent_workers; "
           f"RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
     else:
@@ -585,6 +589,8 @@ def print_cached(p: Any, scenarios: list[Scenario], cells: dict[tuple[str, str],
       "once; torch forks its workers then, the daemon's are up) to the last trainer's end of epoch 1. "
       "From the first batch's arrival: per trainer, its epoch's images after the first batch over the time from "
       "its arrival to the epoch's last, summed over trainers (start-up left out; prefetched batches flatter both kinds).\n")  # fmt: skip
+    if not any(x.cache for s in scenarios for x in cells[(s.key, "loaderd")].samples):
+        return  # --no-cache
     p("### The item cache in the measured windows (loaderd)\n")
     p("| scenario | hits | misses | hit rate | items stored | not stored | file in /dev/shm |")
     p("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -616,6 +622,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quiet", type=float, default=0.25, help="cores other processes may keep busy in a kept window")
     parser.add_argument("--tries", type=int, default=3, help="measured windows per group at most (the quietest is kept)")
     parser.add_argument("--warmup", type=int, default=4, help="warm-up batches per trainer")
+    parser.add_argument("--no-cache", action="store_true", help="--pipeline cached without the daemon's cache: (its transform: "
+                        "alone), the first epoch's baseline")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:

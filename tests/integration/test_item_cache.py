@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.cached_datasets import Counted, Transformed, computed
+from support.cached_datasets import Cheap, Counted, Transformed, computed
 from support.compare import assert_same_batches
 from support.daemons import RunningDaemon, daemon_status, loaderd_cli, metrics_url, running_daemon, scrape
 from torch.utils.data import DataLoader, DistributedSampler
@@ -32,7 +32,7 @@ N = 40
 DETERMINISTIC = ("clean", "label", "index")
 
 
-def _spec(log: Path, cache: dict[str, Any] | None, factory: str = "Counted", **kwargs: Any) -> dict[str, Any]:
+def _spec(log: Path, cache: dict[str, Any] | str | None, factory: str = "Counted", **kwargs: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "dataset": f"support.cached_datasets:{factory}",
         "kwargs": {"n": N, "log": str(log), **kwargs},
@@ -79,11 +79,18 @@ def _our_shm() -> list[str]:
 def cached(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, Path]]:
     """A daemon with the same dataset plain and with a memory cache; the dataset's call log."""
     logs = tmp_path_factory.mktemp("logs")
-    datasets = {"plain": _spec(logs / "plain", None), "mem": _spec(logs / "mem", {"memory": "8MiB"})}
+    datasets = {
+        "plain": _spec(logs / "plain", None),
+        "mem": _spec(logs / "mem", {"memory": "8MiB"}),
+        # cache: auto over items that cost 2 ms of CPU each (it pays), and over slices of a tensor (it does not).
+        "auto-on": _spec(logs / "auto-on", "auto", cpu_ms=2.0),
+        "auto-off": _spec(logs / "auto-off", {"memory": "8MiB", "auto": True}, factory="Cheap"),
+    }
     before = set(_our_shm())
     with running_daemon(datasets, prefix="ld-ic-", workers=request.param, metrics={"port": 0}) as daemon:
         yield daemon, logs
-        assert len(set(_our_shm()) - before) == 2, "the memory tier is one LMDB file and its lock file"
+        # Each memory tier is one LMDB file and its lock file; auto-off's went when it decided.
+        assert len(set(_our_shm()) - before) == 4
     assert set(_our_shm()) <= before, "the memory tier outlived its daemon"
 
 
@@ -142,6 +149,33 @@ def test_cache_with_ranks_shares_and_resume(cached: tuple[RunningDaemon, Path]) 
     resumed = RemoteDataLoader("mem", batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(9), address=daemon.address)
     resumed.load_state_dict(first.state_dict())
     assert_same_batches(list(resumed), expected[3:], "resumed")
+
+
+@pytest.mark.timeout(60)
+def test_cache_auto_decides_in_the_first_epoch_and_says_why(cached: tuple[RunningDaemon, Path]) -> None:
+    daemon, logs = cached
+    kw: dict[str, Any] = dict(batch_size=6, shuffle=True, address=daemon.address)
+    plain = _epochs(RemoteDataLoader("plain", generator=torch.Generator().manual_seed(0), **kw))
+    images = Cheap(N, os.devnull).images
+    for name in ("auto-on", "auto-off"):
+        got = _epochs(RemoteDataLoader(name, generator=torch.Generator().manual_seed(0), **kw))
+        for epoch in range(3):  # whatever auto decides, every epoch is the uncached one (auto-off's images are larger)
+            assert_same_batches(_part(got[epoch], ("label", "index")), _part(plain[epoch], ("label", "index")), name)
+            if name == "auto-on":
+                assert_same_batches(got[epoch], plain[epoch], name)
+            else:
+                assert all(torch.equal(b["clean"], images[b["index"]]) for b in got[epoch])
+    # Decided within the first epoch (the dataset is smaller than the trial): costly items are computed once,
+    # cheap ones every epoch once the cache is off.
+    assert computed(logs / "auto-on") == {i: 1 for i in range(N)}
+    assert computed(logs / "auto-off") == {i: 3 for i in range(N)}
+    by_name = {d.info.name: d.cache for d in daemon_status(daemon.address).datasets}
+    assert (by_name["auto-on"].mode, by_name["auto-off"].mode, by_name["mem"].mode) == ("on", "off", "on")
+    assert "caching pays" in by_name["auto-on"].decision and "does not pay" in by_name["auto-off"].decision
+    assert not by_name["mem"].decision
+    table = loaderd_cli("status", "--address", daemon.address).stdout
+    assert "cache: auto for 'auto-off': caching does not pay" in table, table
+    assert "cache: auto is off" in daemon.log() and "cache: auto is on" in daemon.log()
 
 
 # ------------------------------------------------------------------ the disk tier

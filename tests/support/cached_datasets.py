@@ -10,6 +10,7 @@ inside ``__getitem__``, as a torch user would, for torch's DataLoader as the ora
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,16 @@ import torch
 from torch.utils.data import Dataset
 
 
+def _image(i: int, salt: int, side: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i * 7919 + salt)
+    return torch.randint(0, 256, (3, side, side), generator=g, dtype=torch.uint8)
+
+
 class Counted(Dataset):
     """Item i: a uint8 3x8x8 'image' made from (i, salt), its label and index; every call logged."""
 
-    def __init__(self, n: int, log: str, salt: int = 0, image_bytes: int = 192) -> None:
-        self.n, self.log, self.salt = n, log, salt
+    def __init__(self, n: int, log: str, salt: int = 0, image_bytes: int = 192, cpu_ms: float = 0.0) -> None:
+        self.n, self.log, self.salt, self.cpu_ms = n, log, salt, cpu_ms
         self.side = max(1, int((image_bytes / 3) ** 0.5))
 
     def __len__(self) -> int:
@@ -34,9 +40,28 @@ class Counted(Dataset):
             os.write(fd, f"{i}\n".encode())
         finally:
             os.close(fd)
-        g = torch.Generator().manual_seed(i * 7919 + self.salt)
-        image = torch.randint(0, 256, (3, self.side, self.side), generator=g, dtype=torch.uint8)
+        image = _image(i, self.salt, self.side)
+        spin_until = time.process_time() + self.cpu_ms / 1000  # a costly decode, as CPU time (what cache: auto weighs)
+        while time.process_time() < spin_until:
+            pass
         return {"image": image, "label": (i + self.salt) % 10, "index": i}
+
+
+class Cheap(Counted):
+    """``Counted``'s items (large ones, by default), each a slice of images made once: far cheaper to compute
+    than to read back from a cache (what ``cache: auto`` must decline)."""
+
+    def __init__(self, n: int, log: str, image_bytes: int = 1 << 16) -> None:
+        super().__init__(n, log, image_bytes=image_bytes)
+        self.images = torch.stack([_image(i, 0, self.side) for i in range(n)])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{i}\n".encode())
+        finally:
+            os.close(fd)
+        return {"image": self.images[i], "label": i % 10, "index": i}
 
 
 class CountedBatched(Counted):

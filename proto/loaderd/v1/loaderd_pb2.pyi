@@ -396,7 +396,7 @@ class DatasetStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[DatasetInfo, _Mapping]] = ..., batches_computed: _Optional[int] = ..., samples_fetched: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., errors: _Optional[int] = ..., open_streams: _Optional[int] = ..., queued: _Optional[int] = ..., cache: _Optional[_Union[CacheStatus, _Mapping]] = ...) -> None: ...
 
 class CacheStatus(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "items", "hits", "misses", "saved_cpu_s", "not_stored")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "items", "hits", "misses", "saved_cpu_s", "not_stored", "mode", "decision")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,8 @@ class CacheStatus(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     SAVED_CPU_S_FIELD_NUMBER: _ClassVar[int]
     NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     tier: str
     capacity_bytes: int
     used_bytes: int
@@ -413,7 +415,9 @@ class CacheStatus(_message.Message):
     misses: int
     saved_cpu_s: float
     not_stored: int
-    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., saved_cpu_s: _Optional[float] = ..., not_stored: _Optional[int] = ...) -> None: ...
+    mode: str
+    decision: str
+    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., saved_cpu_s: _Optional[float] = ..., not_stored: _Optional[int] = ..., mode: _Optional[str] = ..., decision: _Optional[str] = ...) -> None: ...
 
 class StreamStatus(_message.Message):
     __slots__ = ("stream_id", "peer", "client", "dataset", "window", "delivered", "consumed", "in_flight", "stalled_s", "open_s", "share", "shm", "identity")
