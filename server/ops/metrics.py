@@ -67,15 +67,16 @@ class _StatusCollector(Collector):
                 if dataset.HasField("cache"):
                     family.add_metric([dataset.info.name, dataset.cache.tier], getattr(dataset.cache, field))
             yield family
+        on = GaugeMetricFamily("loaderd_cache_on", "1 while the item cache is used (fixed, or cache: auto decided on)", labels=["dataset", "tier"])
+        for dataset in status.datasets:
+            if dataset.HasField("cache"):
+                on.add_metric([dataset.info.name, dataset.cache.tier], float(dataset.cache.mode in ("on", "")))
+        yield on
 
         labels = ["client", "identity", "stream", "dataset"]
         delivered = CounterMetricFamily("loaderd_client_batches_delivered", "Batches sent on a stream", labels=labels)
-        stalled = CounterMetricFamily(
-            "loaderd_client_stall_seconds", "Time the client reported waiting for batches", labels=labels
-        )
-        in_flight = GaugeMetricFamily(
-            "loaderd_client_in_flight", "Batches computing or ready to send on a stream", labels=labels
-        )
+        stalled = CounterMetricFamily("loaderd_client_stall_seconds", "Time the client reported waiting for batches", labels=labels)
+        in_flight = GaugeMetricFamily("loaderd_client_in_flight", "Batches computing or ready to send on a stream", labels=labels)
         for stream in status.streams:
             key = [stream.client, stream.identity, str(stream.stream_id), stream.dataset]
             delivered.add_metric(key, stream.delivered)
@@ -89,9 +90,7 @@ class _StatusCollector(Collector):
         waited = CounterMetricFamily(
             "loaderd_client_waited_seconds", "Seconds a client reported waiting for batches, over all its streams", labels=labels
         )
-        active = CounterMetricFamily(
-            "loaderd_client_active_seconds", "Seconds a client's streams were open, summed", labels=labels
-        )
+        active = CounterMetricFamily("loaderd_client_active_seconds", "Seconds a client's streams were open, summed", labels=labels)
         for client in status.clients:
             key = [client.client, client.identity, client.dataset]
             taken.add_metric(key, client.batches)
@@ -100,14 +99,10 @@ class _StatusCollector(Collector):
         yield from (taken, waited, active)
 
         workers = status.workers
-        yield CounterMetricFamily(
-            "loaderd_worker_restarts", "Pool workers replaced after dying", value=sum(w.restarts for w in workers)
-        )
+        yield CounterMetricFamily("loaderd_worker_restarts", "Pool workers replaced after dying", value=sum(w.restarts for w in workers))
         yield GaugeMetricFamily("loaderd_workers", "Pool size", value=len(workers))
         yield GaugeMetricFamily("loaderd_workers_alive", "Pool workers alive", value=sum(w.alive for w in workers))
-        yield GaugeMetricFamily(
-            "loaderd_workers_busy", "Pool workers with a task queued or running", value=sum(w.busy > 0 for w in workers)
-        )
+        yield GaugeMetricFamily("loaderd_workers_busy", "Pool workers with a task queued or running", value=sum(w.busy > 0 for w in workers))
         yield GaugeMetricFamily("loaderd_sessions", "Open shared-memory sessions", value=status.sessions)
         yield GaugeMetricFamily("loaderd_uptime_seconds", "Seconds since the daemon started", value=status.uptime_s)
 
@@ -166,9 +161,7 @@ class MetricsEndpoint:
     With an ``authenticator``, every scrape needs a bearer token of its token file (``metrics.require_token``).
     """
 
-    def __init__(
-        self, registry: CollectorRegistry, snapshot: Callable[[], pb.StatusResponse], authenticator: Authenticator | None = None
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], pb.StatusResponse], authenticator: Authenticator | None = None) -> None:
         self.registry = registry
         self.registry.register(_StatusCollector(snapshot))
         self._auth = authenticator

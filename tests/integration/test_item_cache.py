@@ -176,6 +176,9 @@ def test_cache_auto_decides_in_the_first_epoch_and_says_why(cached: tuple[Runnin
     table = loaderd_cli("status", "--address", daemon.address).stdout
     assert "cache: auto for 'auto-off': caching does not pay" in table, table
     assert "cache: auto is off" in daemon.log() and "cache: auto is on" in daemon.log()
+    samples = scrape(metrics_url(daemon.log()))
+    on = {name: samples[("loaderd_cache_on", frozenset({"dataset": name, "tier": "memory"}.items()))] for name in ("auto-on", "auto-off", "mem")}
+    assert on == {"auto-on": 1, "auto-off": 0, "mem": 1}
 
 
 # ------------------------------------------------------------------ the disk tier
