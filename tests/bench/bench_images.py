@@ -3,7 +3,7 @@
     pip install -e '.[bench]'
     python tests/bench/bench_images.py [--pipeline resized-crop|cached] [--images 512] [--epoch 65536] [--workers 2]
         [--trainers 4] [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4]
-        [--prefetch N] [--quick]
+        [--prefetch N] [--no-cache] [--only A|B] [--quick]
 
 Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
 ``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
@@ -431,7 +431,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     log(f"making or reading the {args.images} JPEGs")
     JpegImages(args.images, args.seed)  # builds the /tmp cache once, before any worker needs it
     stages = stage_times(args.images, args.pipeline)
-    scenarios = [Scenario("A", 1, args.workers), Scenario("B", args.trainers, args.total_workers)]
+    scenarios = [s for s in (Scenario("A", 1, args.workers), Scenario("B", args.trainers, args.total_workers)) if s.key in args.only]
     cells = {(s.key, kind): Cell() for s in scenarios for kind in KINDS}
     for rnd in range(args.rounds):
         for scenario in scenarios:
@@ -624,6 +624,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="warm-up batches per trainer")
     parser.add_argument("--no-cache", action="store_true", help="--pipeline cached without the daemon's cache: (its transform: "
                         "alone), the first epoch's baseline")  # fmt: skip
+    parser.add_argument("--only", choices=("A", "B", "AB"), default="AB", help="run scenario A, B or both")
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:
