@@ -32,7 +32,6 @@ their parent gone, and the next daemon to start sweeps its segments.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -121,8 +120,12 @@ def _auto_caches(config: LoaderConfig, catalog: Catalog, locations: Mapping[str,
         where = locations[dataset]
         if where.tier == "memory":
             for path in (where.path, f"{where.path}-lock"):
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # logged; the daemon's stop sweeps its segment prefix anyway
+                    log.warning("dataset %r: cannot remove %s: %s", dataset, path, exc)
 
     return AutoCaches(
         {

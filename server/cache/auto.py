@@ -14,8 +14,8 @@ decides once:
 
 On: the cache carries on as a fixed one (the items stored while measuring are kept). Off: the
 workers stop reading and writing it, and a memory tier's file goes (the daemon's ``on_off``).
-A store that already holds the items (a disk tier filled by an earlier daemon) is on as soon as
-its hits show they read back at all. The decision and its reason are logged once and shown by
+A store that already holds the items (a disk tier filled by an earlier daemon: this daemon's
+first ``TRIAL_ITEMS`` lookups are hits and it stored nothing) is on once those hits are read. The decision and its reason are logged once and shown by
 ``loaderd status``; nothing re-decides later in the daemon's life.
 """
 
@@ -90,14 +90,16 @@ class AutoCache:
             return None
         t = self._totals
         t.add(delta)
-        if t.hits >= self.need and t.misses < self.need:
+        looked_up = t.hits + t.misses
+        if t.stored == 0 and t.hits >= self.need and t.misses < self.need:  # stored nothing: an earlier daemon's store
             per = _ms(t.read_cpu_s / t.read_items) if t.read_items else "?"
-            return self._decide(ON, f"the store already holds the items (found {t.hits} of the first {t.hits + t.misses}, read back at {per} each)")
+            return self._decide(ON, f"the store already holds the items (found {t.hits} of the first {looked_up}, read back at {per} each)")
         if t.misses >= self.need and t.read_items == 0 and t.not_stored >= self.need:
             return self._decide(OFF, "none of the first items could be stored (the log says why)")
-        enough = t.misses >= self.need and t.read_items >= self.need
-        if not enough and not (t.misses >= 4 * self.need and t.read_items):  # a store that filled up early: what it read
-            self.decision = CacheDecision(MEASURING, f"measuring: {min(t.misses, t.read_items)} of the first {self.need} items")
+        # Enough of both: items computed, and items read back (stored ones once each, and hits). A daemon that sees
+        # only part of the dataset (one node's ranks) computes fewer than ``need``: its hits count toward the trial.
+        if not (looked_up >= self.need and t.misses and t.read_items >= min(self.need, looked_up)):
+            self.decision = CacheDecision(MEASURING, f"measuring: {min(looked_up, t.read_items)} of the first {self.need} items")
             return None
         compute, read = t.miss_cpu_s / t.misses, t.read_cpu_s / t.read_items
         size = t.stored_bytes / t.stored if t.stored else 0.0
@@ -106,7 +108,7 @@ class AutoCache:
             cost += f" ({_ms(t.store_cpu_s / t.stored)} to store once, {human_bytes(int(size))})"
         if read > PAYS_RATIO * compute:
             return self._decide(OFF, f"caching does not pay: {cost}; it pays where reading back costs at most half of computing")
-        if self.length is None or size == 0:
+        if not self.length or size == 0:
             return self._decide(ON, f"caching pays: {cost}")
         share = min(1.0, self.capacity_bytes / (size * self.length))
         held = "all" if share >= 1 else f"{share:.0%} of the"
@@ -134,7 +136,10 @@ class AutoCaches:
         cache = self._caches.get(dataset)
         decision = cache.add(delta) if cache is not None else None
         if decision is not None and decision.mode == OFF:
-            self._on_off(dataset)
+            try:
+                self._on_off(dataset)
+            except Exception:  # the decision stands (the workers are told it); only the tidying failed
+                log.exception("dataset %r: cache: auto is off, but dropping its store failed", dataset)
         return decision
 
     def settled(self) -> dict[str, bool]:

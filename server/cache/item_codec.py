@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from loaderd.errors import TransportError
 from loaderd.server.cache.location import RECORD_FORMAT
@@ -77,10 +78,11 @@ def as_read_back(item: Any) -> Any:
     layout runs the usual crops, flips and normalisation faster than the view). For an item ``unfaithful``
     accepts; anything else comes back as it is."""
     kind = type(item)
-    if kind is torch.Tensor:
+    if kind is torch.Tensor:  # as decoded: dense, no lazy conjugate or negative bit
+        item = item.resolve_conj().resolve_neg()
         return item if item.is_contiguous() else item.contiguous()
-    if kind is np.ndarray:
-        return item if item.flags.c_contiguous else np.ascontiguousarray(item)
+    if kind is np.ndarray:  # as decoded: contiguous and writable (np.asarray(pil_image) is read-only)
+        return item if item.flags.c_contiguous and item.flags.writeable else item.copy(order="C")
     if kind in (list, tuple):
         return kind(as_read_back(v) for v in item)
     if isinstance(item, tuple) and getattr(kind, "_fields", None) is not None:
@@ -139,5 +141,5 @@ def decode_item(record: memoryview) -> Any:
         # One copy: the item's tensors are views of this bytearray (writable, so a transform may work in place).
         payload = bytearray(record[start:])
         return view_batch(pb.BatchHeader(seq=0, value=value, payload_bytes=payload_bytes), memoryview(payload))
-    except (TransportError, ValueError) as exc:  # ValueError covers protobuf's DecodeError
+    except (TransportError, ValueError, DecodeError) as exc:
         raise CorruptRecord(str(exc)) from None

@@ -18,11 +18,10 @@ a fork.
 
 An item is laid out in one buffer the store reuses (``RecordWriter``), then copied in. A hit is
 copied out of the map into memory of its own, so a transform may work in place. Views of the
-file mapped copy-on-write instead were measured (2-core Xeon, the cached image pipeline: hit +
-transform + collation per item): 1.24-1.27 ms with a mapping per batch (its pages fault in
-again each batch), 1.14-1.17 ms with one per process (which would let an in-place transform
-change what later batches read), 1.18-1.29 ms with the copy. A store that cannot write (its
-file system full) is full: it keeps what it has, and no batch fails for it.
+file mapped copy-on-write instead measured no faster (a mapping per batch, so that a transform
+working in place cannot change later batches' items, faults every page in again each batch:
+tests/bench/HISTORY.md "The item cache"). A store that cannot write (its file system full) or
+an item the encoder refuses is not stored; no batch fails for it.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any
 
 import lmdb
 
-from loaderd.errors import TransportError, clip
+from loaderd.errors import clip
 from loaderd.server.cache.item_codec import CorruptRecord, RecordWriter, as_read_back, decode_item, unfaithful
 from loaderd.server.cache.location import store_path
 from loaderd.server.cache.usage import CacheDelta
@@ -173,8 +172,9 @@ class ItemStore:
             self.stats.not_stored += len(faithful)
         elif faithful:
             self._write(list(faithful.items()))
-        if self.measuring and faithful and not self.full:
+        if self.measuring and faithful:
             self.stats.store_cpu_s += time.process_time() - started
+        if self.measuring and faithful and not self.full:
             # Each item read back once, as a hit would: what reading one costs.
             started = time.process_time()
             again = self._read(list(faithful))
@@ -214,6 +214,7 @@ class ItemStore:
 
     def _stop_writing(self, unstored: int, why: str) -> None:
         self.full = True
+        self._writer = RecordWriter()  # its buffer (the largest record so far) is not needed any more
         self.stats.not_stored += unstored
         level = logging.INFO if why == "is full" else logging.WARNING  # full is how a bounded cache ends; an error is news
         log.log(level, "dataset %r: the cache %s %s; it keeps the items it has, and adds no more", self.dataset, self.path, why)
@@ -225,8 +226,8 @@ class ItemStore:
                 for index, item in items:
                     try:
                         record = self._writer.record(item)
-                    except TransportError as exc:
-                        failed.append(clip(str(exc), 300))
+                    except Exception as exc:  # noqa: BLE001 - what the encoder refuses (TransportError, a str it cannot encode...) is not stored
+                        failed.append(clip(f"{type(exc).__name__}: {exc}", 300))
                         continue
                     if txn.put(_key(index), record, overwrite=False):
                         added += 1

@@ -218,25 +218,31 @@ class CacheSection(Section):
 
 # ``cache: auto``'s memory tier: this share of the memory available when the config is read (host or cgroup),
 # and at most this share of /dev/shm's free room (a container's may be 64 MiB): the batches travel there too.
+# Several ``cache: auto`` datasets split both.
 AUTO_MEMORY_SHARE = 0.25
 AUTO_SHM_SHARE = 0.5
-AUTO_MEMORY_FLOOR = 16 << 20  # where neither is known, or less would not be worth measuring
+AUTO_MEMORY_FLOOR = 16 << 20  # where the memory available is unknown, or less would not be worth measuring
 
 
-def auto_memory_bytes() -> int:
-    """The bound ``cache: auto`` gives its memory tier on this host, now."""
-    bounds = [int(room * AUTO_MEMORY_SHARE) for room in (available_bytes(),) if room is not None]
-    bounds += [int(room * AUTO_SHM_SHARE) for room in (free_bytes(SHM_DIR),) if room is not None]
-    return max(AUTO_MEMORY_FLOOR, min(bounds, default=AUTO_MEMORY_FLOOR))
+def auto_memory_bytes(datasets: int = 1) -> int:
+    """The bound each of ``datasets`` datasets with ``cache: auto`` gives its memory tier on this host, now."""
+    room = available_bytes()
+    size = max(AUTO_MEMORY_FLOOR, int(room * AUTO_MEMORY_SHARE)) if room is not None else AUTO_MEMORY_FLOOR
+    shm = free_bytes(SHM_DIR)
+    if shm is not None:
+        size = min(size, int(shm * AUTO_SHM_SHARE))
+    return max(1 << 20, size // max(1, datasets))  # the memory tier's least size (1 MiB): auto then finds it too small
 
 
-def _auto_is_a_memory_tier(value: Any) -> Any:
-    return {"memory": auto_memory_bytes(), "auto": True} if value == "auto" else value
+def _auto_or_a_mapping(value: Any) -> Any:
+    if value is not None and value != "auto" and not isinstance(value, dict | CacheSection):
+        fail("expected 'auto', or a mapping with 'memory', or 'disk' and 'max'", value=value)
+    return value
 
 
 Cache = Annotated[
-    CacheSection | None,
-    BeforeValidator(_auto_is_a_memory_tier, json_schema_input_type=CacheSection | Literal["auto"] | None),
+    CacheSection | Literal["auto"] | None,
+    BeforeValidator(_auto_or_a_mapping, json_schema_input_type=CacheSection | Literal["auto"] | None),
     says("'auto', or a mapping with 'memory', or 'disk' and 'max'"),
 ]
 
@@ -365,9 +371,11 @@ class ConfigFile(Section):
 # ------------------------------------------------------------------ to the daemon's config
 
 
-def _cache(section: CacheSection | None, file: Any) -> CacheSpec | None:
+def _cache(section: CacheSection | Literal["auto"] | None, file: Any, auto_bytes: int) -> CacheSpec | None:
     if section is None:
         return None
+    if section == "auto":
+        return CacheSpec(tier="memory", max_bytes=auto_bytes, auto=True)
     version = "" if section.version is None else str(section.version)
     if section.memory is not None:
         return CacheSpec(tier="memory", max_bytes=section.memory, version=version, auto=section.auto)
@@ -386,6 +394,8 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
 
     listen = tuple(ListenSpec(e.address, tls(e.tls) if e.tls else None, e.insecure, e.socket_mode, e.socket_group) for e in doc.listen)
     check_listen(listen)  # a policy on the runtime specs, which `serve --listen` overrides get too
+    autos = sum(entry.cache == "auto" for entry in doc.datasets.values())
+    auto_bytes = auto_memory_bytes(autos) if autos else 0
     datasets = {
         name: DatasetSpec(
             name=name,
@@ -397,7 +407,7 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
             task_timeout=entry.task_timeout,
             build=entry.build,
             transform=entry.transform,
-            cache=_cache(entry.cache, file),
+            cache=_cache(entry.cache, file, auto_bytes),
         )
         for name, entry in doc.datasets.items()
     }

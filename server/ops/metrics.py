@@ -67,10 +67,12 @@ class _StatusCollector(Collector):
                 if dataset.HasField("cache"):
                     family.add_metric([dataset.info.name, dataset.cache.tier], getattr(dataset.cache, field))
             yield family
-        on = GaugeMetricFamily("loaderd_cache_on", "1 while the item cache is used (fixed, or cache: auto decided on)", labels=["dataset", "tier"])
+        on = GaugeMetricFamily(
+            "loaderd_cache_on", "1 while the item cache is used (fixed; cache: auto measuring or decided on)", labels=["dataset", "tier"]
+        )
         for dataset in status.datasets:
             if dataset.HasField("cache"):
-                on.add_metric([dataset.info.name, dataset.cache.tier], float(dataset.cache.mode in ("on", "")))
+                on.add_metric([dataset.info.name, dataset.cache.tier], float(dataset.cache.mode != "off"))
         yield on
 
         labels = ["client", "identity", "stream", "dataset"]

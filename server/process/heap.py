@@ -1,5 +1,9 @@
 """The daemon's C heap (glibc malloc): how it is tuned at start, and how it gives memory back.
 
+The pool workers tune theirs the same way at their start (server/worker/worker.py: an item's
+decode buffers and transform tensors, up to MiBs each, would otherwise be fresh mappings
+faulted in every item) and give free pages back when idle.
+
 The daemon's steady work over gRPC is allocating a multi-MiB ``bytes`` per
 message (the payload joined for gRPC), which gRPC's core copies and frees a
 moment later. Left to itself, glibc hands such blocks straight back to the

@@ -101,13 +101,13 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
     torch.set_num_threads(1)
-    # Keep freed blocks for reuse (server/process/heap.py), as the daemon does: an item's decode buffers, its
-    # transform's tensors and a cache hit's copy are each a fresh mapping otherwise, faulted in and zeroed
-    # every item (on the cached image pipeline: 5-8% of a miss's CPU, 15-25% of a hit's; 2-core Xeon).
-    # An idle worker gives the free pages back (below).
-    tune_heap()
     # The daemon's level and format (a dataset's own log lines included): workers share its stderr.
     configure_logging(spec.config.log_level, spec.config.log_format)
+    # Keep freed blocks for reuse (server/process/heap.py), as the daemon does: an item's decode buffers, its
+    # transform's tensors and a cache hit's copy are each a fresh mapping otherwise, faulted in and zeroed
+    # every item (the cached image pipeline, one thread: ~5% of a miss's CPU, 5-25% of a hit's; HISTORY.md).
+    # An idle worker gives the free pages back (below).
+    tune_heap()
     apply_python_path(spec.config.python_path)
     parent = os.getppid()
     batches: BatchMaker | None = None

@@ -51,7 +51,9 @@ def test_writer_killed_inside_its_transaction_leaves_the_last_commit(tmp_path: P
     path = tmp_path / "items.mdb"
     marker = tmp_path / "in-transaction"
     # Batch one commits; batch two is killed while its transaction is open, after two of its items were put.
-    child = _child(path, f"""
+    child = _child(
+        path,
+        f"""
         store.put_many(list(range(10)), [item(k) for k in range(10)])
         lay_out = store._writer.record
         calls = []
@@ -64,8 +66,14 @@ def test_writer_killed_inside_its_transaction_leaves_the_last_commit(tmp_path: P
         store._writer.record = record
         store.put_many(list(range(10, 20)), [item(k) for k in range(10, 20)])
         sys.exit(3)  # not reached
-    """)
-    _, err = child.communicate(timeout=50)
+    """,
+    )
+    try:
+        _, err = child.communicate(timeout=50)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
     assert child.returncode == -signal.SIGKILL, err.decode()
     assert marker.exists(), "the child died before its second transaction"
     store = ItemStore("ds", str(path), MAX, durable=True)
@@ -87,22 +95,39 @@ def test_two_writers_of_the_same_items_at_once_store_each_once(tmp_path: Path) -
     go = tmp_path / "go"
     keys = 300
     # One item per transaction, one writer upwards and one downwards: they meet in the middle, item by item.
+    # Each says it is ready (store open), then waits for go (60 s at most: a parent that died leaves no poller).
     body = f"""
+        Path({str(tmp_path)!r}, "ready-{{name}}").touch()
+        deadline = time.monotonic() + 60
         while not Path({str(go)!r}).exists():
+            if time.monotonic() > deadline:
+                sys.exit(4)
             time.sleep(0.001)
         for key in {{order}}:
             store.put_many([key], [item(key)])
         print(store.stats.stored, file=sys.stderr)
     """
-    up = _child(path, body.format(order=f"range({keys})"))
-    down = _child(path, body.format(order=f"range({keys} - 1, -1, -1)"))
-    time.sleep(1.0)  # both started and opened the store (a late one only makes the race shorter)
-    go.touch()
-    stored = []
-    for child in (up, down):
-        _, err = child.communicate(timeout=80)
-        assert child.returncode == 0, err.decode()
-        stored.append(int(err.decode().split()[-1]))
+    children = [
+        _child(path, body.format(name="up", order=f"range({keys})")),
+        _child(path, body.format(name="down", order=f"range({keys} - 1, -1, -1)")),
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{name}").exists() for name in ("up", "down")):
+            assert time.monotonic() < deadline, "the writers did not start"
+            assert all(c.poll() is None for c in children), "a writer exited before it was ready"
+            time.sleep(0.01)
+        go.touch()
+        stored = []
+        for child in children:
+            _, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err.decode()
+            stored.append(int(err.decode().split()[-1]))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
     assert sum(stored) == keys, f"stored {stored}: an item twice, or one lost"
     assert min(stored) > 0, f"stored {stored}: the writers did not overlap"
     store = ItemStore("ds", str(path), MAX, durable=True)

@@ -19,6 +19,15 @@ import torch
 from torch.utils.data import Dataset
 
 
+def _record(log: str, i: int) -> None:
+    """Append ``i`` to the call log (one short O_APPEND write: whole lines from any number of processes)."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{i}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def _image(i: int, salt: int, side: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(i * 7919 + salt)
     return torch.randint(0, 256, (3, side, side), generator=g, dtype=torch.uint8)
@@ -35,11 +44,7 @@ class Counted(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, f"{i}\n".encode())
-        finally:
-            os.close(fd)
+        _record(self.log, i)
         image = _image(i, self.salt, self.side)
         spin_until = time.process_time() + self.cpu_ms / 1000  # a costly decode, as CPU time (what cache: auto weighs)
         while time.process_time() < spin_until:
@@ -56,11 +61,7 @@ class Cheap(Counted):
         self.images = torch.stack([_image(i, 0, self.side) for i in range(n)])
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, f"{i}\n".encode())
-        finally:
-            os.close(fd)
+        _record(self.log, i)
         return {"image": self.images[i], "label": i % 10, "index": i}
 
 

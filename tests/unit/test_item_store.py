@@ -16,6 +16,7 @@ from loaderd.server.cache.item_codec import CorruptRecord, decode_item, encode_i
 from loaderd.server.cache.item_store import ItemStore
 from loaderd.server.cache.location import fingerprint
 from loaderd.server.cache.usage import CacheDelta
+from loaderd.server.config.document import auto_memory_bytes
 from loaderd.server.config.schema import CacheSpec, ConfigError, DatasetSpec, parse_config
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -118,7 +119,10 @@ def test_config_cache_and_transform_keys(tmp_path: Path) -> None:
     disk = parse({"cache": {"disk": "c", "max": "1.5GB", "version": 3}}).cache
     assert disk == CacheSpec(tier="disk", max_bytes=1_500_000_000, path=tmp_path / "c", version="3")
     auto = parse({"cache": "auto"}).cache
-    assert auto is not None and auto.auto and auto.tier == "memory" and auto.max_bytes >= 16 << 20
+    assert auto is not None and auto.auto and auto.tier == "memory" and auto.max_bytes == auto_memory_bytes(1)
+    two = parse_config({"datasets": {n: {"dataset": "m:f", "cache": "auto"} for n in "ab"}}, tmp_path / "ds.yaml").datasets
+    assert two["a"].cache == two["b"].cache and two["a"].cache is not None  # two auto caches split the bound
+    assert two["a"].cache.max_bytes == auto_memory_bytes(2) <= auto_memory_bytes(1) // 2 + (1 << 20)
     assert parse({"cache": {"disk": "c", "max": "1GiB", "auto": True}}).cache == CacheSpec(
         tier="disk", max_bytes=1 << 30, path=tmp_path / "c", auto=True
     )
@@ -205,6 +209,13 @@ def test_auto_cache_decides_once_from_the_first_items() -> None:
     held = AutoCache("d", 1 << 30, 1000)
     held.add(_delta(hits=128, read_items=128, read_cpu_s=0.01))
     assert held.decision.mode == ON and "already holds" in held.decision.reason
+    # A daemon that sees part of the dataset (one node's ranks) computes fewer than the trial: its hits count,
+    # and it still decides by the costs (not "already holds", which is for a store it never wrote to).
+    part = AutoCache("p", 1 << 30, 1000)
+    part.add(_delta(misses=40, miss_cpu_s=40 * 1e-4, stored=40, stored_bytes=40_000, read_items=40, read_cpu_s=40 * 1e-4))
+    assert part.decision.mode == MEASURING
+    part.add(_delta(hits=100, read_items=100, read_cpu_s=100 * 1e-4))
+    assert part.decision.mode == OFF and "does not pay" in part.decision.reason
     # A dataset smaller than the trial decides after all of its items.
     tiny = AutoCache("e", 1 << 30, 40)
     tiny.add(_delta(misses=40, miss_cpu_s=0.4, stored=40, stored_bytes=40_000, read_items=40, read_cpu_s=0.001))
