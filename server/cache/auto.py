@@ -45,30 +45,6 @@ class CacheDecision:
     reason: str
 
 
-@dataclass
-class _Totals:
-    misses: int = 0
-    miss_cpu_s: float = 0.0
-    stored: int = 0
-    stored_bytes: int = 0
-    store_cpu_s: float = 0.0
-    read_items: int = 0
-    read_cpu_s: float = 0.0
-    hits: int = 0
-    not_stored: int = 0
-
-    def add(self, delta: CacheDelta) -> None:
-        self.misses += delta.misses
-        self.miss_cpu_s += delta.miss_cpu_s
-        self.stored += delta.stored
-        self.stored_bytes += delta.stored_bytes
-        self.store_cpu_s += delta.store_cpu_s
-        self.read_items += delta.read_items
-        self.read_cpu_s += delta.read_cpu_s
-        self.hits += delta.hits
-        self.not_stored += delta.not_stored
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
@@ -81,15 +57,14 @@ class AutoCache:
         self.capacity_bytes = capacity_bytes
         self.length = length
         self.need = TRIAL_ITEMS if length is None else max(1, min(TRIAL_ITEMS, length))
-        self._totals = _Totals()
+        self._totals = CacheDelta(hits=0, misses=0, stored_bytes=0, not_stored=0, miss_cpu_s=0.0)  # the trial's, summed
         self.decision = CacheDecision(MEASURING, f"measuring the first {self.need} items (computed, stored, read back)")
 
     def add(self, delta: CacheDelta) -> CacheDecision | None:
         """Count one batch's cache figures; the decision if this batch made it (else None)."""
         if self.decision.mode != MEASURING:
             return None
-        t = self._totals
-        t.add(delta)
+        t = self._totals = self._totals + delta
         looked_up = t.hits + t.misses
         if t.stored == 0 and t.hits >= self.need and t.misses < self.need:  # stored nothing: an earlier daemon's store
             per = _ms(t.read_cpu_s / t.read_items) if t.read_items else "?"

@@ -4,7 +4,7 @@ store's size, read by the daemon (``store_usage``) for ``loaderd status`` and th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import lmdb
 
@@ -24,6 +24,10 @@ class CacheDelta:
     store_cpu_s: float = 0.0
     read_items: int = 0
     read_cpu_s: float = 0.0
+
+    def __add__(self, other: CacheDelta) -> CacheDelta:
+        """Both deltas' counts summed (``cache: auto`` totals its trial's batches)."""
+        return CacheDelta(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
