@@ -21,6 +21,7 @@ REFERENCE = REPO / "docs" / "pages" / "reference" / "config.md"
 
 # Each section of the schema ($defs), as a config spells where it goes, and its anchor on the page.
 SECTIONS = {
+    "WorkersSection": ("workers: an elastic pool", "workers"),
     "DatasetEntry": ("datasets.NAME", "dataset"),
     "CacheSection": ("datasets.NAME.cache", "cache"),
     "ListenEntry": ("listen: an entry as a mapping", "listen-entry"),
@@ -29,7 +30,7 @@ SECTIONS = {
     "MetricsSection": ("metrics", "metrics"),
     "LimitsSection": ("limits", "limits"),
 }
-LINK_TEXT = {"ListenEntry": "listen entry", "TlsSection": "tls", "CacheSection": "cache"}
+LINK_TEXT = {"WorkersSection": "{min, max}", "ListenEntry": "listen entry", "TlsSection": "tls", "CacheSection": "cache"}
 _PATTERNS = {"^[^:]+:[\\s\\S]": "`module:name`", "\\S": "not blank"}
 
 
@@ -46,6 +47,8 @@ def _type(schema: dict[str, Any]) -> str:
     if "anyOf" in schema:
         kinds = [_type(s) for s in schema["anyOf"] if s.get("type") != "null"]
         return " or ".join(kinds)
+    if "const" in schema:
+        return f"`{json.dumps(schema['const'])}`"
     if "enum" in schema:
         return " or ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
     kind = schema.get("type", "any")

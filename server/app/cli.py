@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.workers is not None:
             if args.workers < 1:
                 raise ConfigError(f"--workers: must be at least 1, got {args.workers}")
-            overrides["workers"] = args.workers
+            overrides.update(workers=args.workers, min_workers=None)  # a fixed pool, whatever the config said
         if args.metrics_port is not None:
             port = check_port(args.metrics_port, "--metrics-port")
             overrides["metrics"] = dataclasses.replace(config.metrics or MetricsConfig(), port=port)
@@ -137,7 +137,7 @@ def _check(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if not args.json:
         listen = ", ".join(config.addresses)
-        print(f"{args.config}: valid; {len(config.datasets)} dataset(s), workers: {config.workers}, listen: {listen}\n", flush=True)
+        print(f"{args.config}: valid; {len(config.datasets)} dataset(s), workers: {config.workers_words}, listen: {listen}\n", flush=True)
     reports = []
     for report in check_config(config, args.batch_size, args.timeout, every_item=args.all):
         reports.append(report)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", required=True, help="path to the YAML config")
     serve.add_argument("--listen", action="append", help="address to serve (repeatable); replaces the config's listen")
-    serve.add_argument("--workers", type=int, help="pool size; replaces the config's workers")
+    serve.add_argument("--workers", type=int, help="a fixed pool of this many workers; replaces the config's workers")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("--log-format", choices=list(LOG_FORMATS), help="replaces the config's log_format (text or json)")
     serve.add_argument(

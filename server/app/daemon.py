@@ -201,8 +201,8 @@ class Daemon:
         finally:
             check.close()
         log.info(
-            "pool of %d workers ready with datasets: %s",
-            pool.size,
+            "pool of %s workers ready with datasets: %s",
+            config.workers if config.min_workers is None else f"{config.min_workers} (elastic, up to {config.workers})",
             ", ".join(f"{n} ({'iterable' if m.iterable else f'{m.length} items'})" for n, m in catalog.datasets.items()),
         )
         latency: BatchLatency | None = None

@@ -28,6 +28,7 @@ from loaderd.server.config.schema import (
     TlsSpec,
     check_listen,
 )
+from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.process.host_memory import available_bytes, free_bytes
 from loaderd.wire.limits import MAX_CHUNK_BYTES, SHM_DIR
 
@@ -267,6 +268,56 @@ class DatasetEntry(Section):
     )
 
 
+class WorkersSection(Section):
+    """An elastic pool: it grows while trainers wait for data and shrinks while workers idle (server/scheduling/sizing.py)."""
+
+    min: AtLeast1 = Field(1, description="The fewest workers, kept warm while no trainer asks (default 1).")
+    max: AtLeast1 | None = Field(
+        None,
+        description="The most workers (default: 4 per CPU this process may use, from its affinity and cgroup quota; "
+        "past the CPUs only while CPU sits idle).",
+    )
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> WorkersSection:
+        if self.max is not None and self.min > self.max:
+            fail(f"{self.min} is more than max ({self.max})", "min", value=self.min)
+        return self
+
+
+def _a_count_auto_or_a_mapping(value: Any) -> Any:
+    """``workers: N`` is ``{min: N, max: N}`` (a fixed pool), ``auto`` is ``{}`` (1 to the CPUs this process may use)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            fail(f"must be at least 1, got {value}")
+        return {"min": value, "max": value}
+    if value == "auto":
+        return {}
+    if not isinstance(value, dict | WorkersSection):
+        fail(expected("an integer, 'auto', or a mapping with 'min' and/or 'max'", value))
+    return value
+
+
+Workers = Annotated[
+    WorkersSection,
+    BeforeValidator(
+        _a_count_auto_or_a_mapping, json_schema_input_type=Annotated[int, Field(ge=1)] | Literal["auto"] | WorkersSection
+    ),
+]
+
+
+# ``workers: auto``'s most workers, per CPU this process may use: an I/O-bound dataset (network storage, object
+# stores) wants several times more workers than cores; a CPU-bound one stops growing at its cores all the same,
+# since the pool grows past them only while CPU sits idle (server/scheduling/sizing.py).
+AUTO_WORKERS_PER_CPU = 4
+
+
+def worker_bounds(workers: WorkersSection) -> tuple[int, int | None]:
+    """(most workers, fewest or None for a fixed pool) for the config's ``workers``, on this host now."""
+    most = workers.max if workers.max is not None else max(workers.min, AUTO_WORKERS_PER_CPU * usable_cpus())
+    return most, workers.min if workers.min < most else None
+
+
 def _some_dataset(value: Any) -> Any:
     if not value:  # absent, `datasets:`, {} or []: before its type, the real problem
         fail("the config defines no dataset")
@@ -342,7 +393,12 @@ class ConfigFile(Section):
     log_format: LogFormatName = Field("text", description="text, or json: one object per line (daemon and workers).")
     auth: Annotated[AuthSection | None, says("a mapping with 'token_file'")] = Field(None, description="Absent: no token asked for.")
     metrics: Metrics = Field(None, description="Absent: no endpoint; empty: on, with the defaults.")
-    workers: AtLeast1 = Field(2, description="Size of the shared worker pool.")
+    workers: Workers = Field(
+        2,
+        validate_default=True,  # the default's 2 becomes {min: 2, max: 2} too
+        description="The shared worker pool: a fixed size; auto (from 1 to 4 per CPU this process may use: the same as {}); "
+        "or {min, max}, grown while tasks wait for a busy pool and CPU (or I/O) has room, shrunk while workers idle.",
+    )
     chunk_bytes: ChunkBytes = Field(LoaderConfig.chunk_bytes, description="Payload bytes per gRPC message (gRPC Python is fastest at 1-8 MiB).")
     max_window: AtLeast1 = Field(LoaderConfig.max_window, description="Cap on any stream's prefetch window, in batches.")
     share_buffer: AtLeast0 = Field(LoaderConfig.share_buffer, description="Batches a shared job keeps for late joiners and slower readers.")
@@ -411,7 +467,8 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
         )
         for name, entry in doc.datasets.items()
     }
-    scalars = {"workers", "chunk_bytes", "max_window", "share_buffer", "shm_bytes_per_worker", "log_level", "log_format"}
+    most, fewest = worker_bounds(doc.workers)
+    scalars = {"chunk_bytes", "max_window", "share_buffer", "shm_bytes_per_worker", "log_level", "log_format"}
     scalars |= {"max_tasks_per_worker", "worker_max_rss_mb", "drain_timeout"}
     return LoaderConfig(
         path=path,
@@ -421,6 +478,8 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
         metrics=MetricsConfig(**doc.metrics.model_dump()) if doc.metrics is not None else None,
         limits=Limits(**doc.limits.model_dump()),
         auth=AuthConfig(file(doc.auth.token_file)) if doc.auth is not None else None,
+        workers=most,
+        min_workers=fewest,
         **doc.model_dump(include=scalars),
     )
 

@@ -9,6 +9,7 @@ print. Imported only while a config is parsed: never by the pool's processes.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NoReturn
@@ -84,11 +85,17 @@ def refuse_unknown_keys(got: dict[Any, Any], allowed: Collection[str]) -> None:
         raise _worded(f"unknown key {key!r} ({hint}allowed: {', '.join(sorted(allowed))})")
 
 
+# pydantic names a union's member in an error's location: a validated model reads "function-after[_check(), Section]".
+_UNION_MEMBER = re.compile(r"^function-(after|before|wrap|plain)\[.*\]$")
+
+
 def _where(loc: tuple[str | int, ...], root: str) -> str:
     """``loc`` as the config writes it (``listen[0].tls``, ``datasets.train``); ``root`` for the document itself."""
     parts = []
     for i, key in enumerate(loc):
         if key == "[key]":  # pydantic's mark for a mapping's key (a dataset's name), after the key itself
+            continue
+        if isinstance(key, str) and _UNION_MEMBER.match(key):  # which member of a union refused: not a key of the file
             continue
         mapping_key = i + 1 < len(loc) and loc[i + 1] == "[key]"
         parts.append(f"[{key}]" if isinstance(key, int) and not mapping_key else f".{key}")

@@ -129,7 +129,7 @@ class LoaderConfig:
 
     path: Path
     listen: tuple[ListenSpec, ...]
-    workers: int
+    workers: int  # the pool's slots: its fixed size, or an elastic pool's most workers
     python_path: tuple[str, ...]
     datasets: dict[str, DatasetSpec]
     # Largest payload slice per gRPC message: gRPC Python is fastest with 1-8 MiB messages.
@@ -151,6 +151,18 @@ class LoaderConfig:
     # SIGTERM drains: at most this many seconds for clients to move their streams elsewhere (0: stop at once).
     drain_timeout: float = 30.0
     auth: AuthConfig | None = None  # None: no tokens asked for
+    # An elastic pool's fewest workers (it starts with these); None: a fixed pool of ``workers``.
+    min_workers: int | None = None
+
+    @property
+    def first_workers(self) -> int:
+        """The workers the pool starts with: all of a fixed pool's, an elastic pool's fewest."""
+        return self.workers if self.min_workers is None else self.min_workers
+
+    @property
+    def workers_words(self) -> str:
+        """The pool's size in words: "4", or "1 to 8 (elastic)"."""
+        return str(self.workers) if self.min_workers is None else f"{self.min_workers} to {self.workers} (elastic)"
 
     @property
     def addresses(self) -> tuple[str, ...]:

@@ -102,7 +102,17 @@ class _StatusCollector(Collector):
 
         workers = status.workers
         yield CounterMetricFamily("loaderd_worker_restarts", "Pool workers replaced after dying", value=sum(w.restarts for w in workers))
-        yield GaugeMetricFamily("loaderd_workers", "Pool size", value=len(workers))
+        pool = status.pool
+        yield GaugeMetricFamily("loaderd_workers", "Pool size: workers in the pool now (an elastic pool's current size)", value=pool.workers)
+        yield GaugeMetricFamily("loaderd_workers_target", "The size an elastic pool is heading to (a fixed pool's size)", value=pool.target)
+        yield GaugeMetricFamily("loaderd_workers_min", "The pool's fewest workers (a fixed pool's size)", value=pool.min_workers)
+        yield GaugeMetricFamily("loaderd_workers_max", "The pool's most workers (a fixed pool's size)", value=pool.max_workers)
+        yield CounterMetricFamily(
+            "loaderd_pool_starved_seconds",
+            "Seconds tasks waited for a worker with every worker busy (its rate: the share of time the pool held trainers back)",
+            value=pool.starved_s,
+        )
+        yield CounterMetricFamily("loaderd_pool_busy_seconds", "Worker-seconds spent on tasks", value=pool.busy_s)
         yield GaugeMetricFamily("loaderd_workers_alive", "Pool workers alive", value=sum(w.alive for w in workers))
         yield GaugeMetricFamily("loaderd_workers_busy", "Pool workers with a task queued or running", value=sum(w.busy > 0 for w in workers))
         yield GaugeMetricFamily("loaderd_sessions", "Open shared-memory sessions", value=status.sessions)

@@ -59,6 +59,20 @@ class StatusBoard:
         known = self._catalog.datasets
         taken = self._scheduler.snapshot()
         reply.uptime_s = taken.taken_at - taken.started_at
+        size, view = self._catalog.pool_size, taken.pool
+        reply.pool.CopyFrom(
+            pb.PoolStatus(
+                workers=taken.members,
+                min_workers=view.least if view is not None else size,
+                max_workers=size,
+                elastic=view is not None,
+                target=view.target if view is not None else size,
+                reason=view.reason if view is not None else "",
+                held=view.held if view is not None else "",
+                starved_s=taken.starved_s,
+                busy_s=taken.busy_s,
+            )
+        )
         for state in self._workers():
             reply.workers.add(
                 worker_id=state.worker_id,
@@ -225,6 +239,10 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
     rates = client_rates(None, status, 0.0) if rates is None else rates
     sessions = f"{status.sessions} shared-memory session{'s' * (status.sessions != 1)}"
     parts = [f"loaderd {status.version}, up {_duration(status.uptime_s)}, {sessions}"]
+    pool = status.pool
+    if pool.elastic:
+        line = f"pool: {pool.workers} workers (elastic, {pool.min_workers} to {pool.max_workers}; target {pool.target}): {pool.reason}"
+        parts[0] += "\n" + line + (f"\nnot growing: {pool.held}" if pool.held else "")
     parts.append(
         _table(
             ["WORKER", "PID", "ALIVE", "READY", "BUSY", "RESTARTS", "BATCHES"],

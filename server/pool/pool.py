@@ -26,6 +26,7 @@ from loaderd.server.pool.fork_server import START_POLL_S, ForkServer, PoolStartE
 from loaderd.server.pool.selector import RESULTS, ROOM, PoolSelector
 from loaderd.server.pool.task_pipe import TaskPipe
 from loaderd.server.pool.worker_handle import WorkerHandle
+from loaderd.server.process.host_cpu import process_cpu_seconds, process_private_bytes
 from loaderd.server.process.multiprocessing_private import start_child
 from loaderd.server.shm.arena import worker_prefix
 from loaderd.server.worker.entry import WorkerSpec, worker_main
@@ -81,7 +82,8 @@ PoolEvent = WorkerMessage | WorkerDied
 
 
 class WorkerPool:
-    """A fixed number of worker processes, each replaceable when it dies."""
+    """``config.workers`` worker slots, each with a process replaceable when it dies; an elastic pool
+    (``config.min_workers``) starts only its fewest, and its scheduler starts (``respawn``) and ends the others."""
 
     def __init__(self, config: LoaderConfig, shm_prefix: str | None, cache_prefix: str | None = None) -> None:
         """``shm_prefix``: the daemon's shared-memory name prefix (None: payloads go over pipes); ``cache_prefix``:
@@ -159,7 +161,7 @@ class WorkerPool:
         saying it. The daemon passes its import check's verdict, which runs meanwhile.
         """
         deadline = time.monotonic() + timeout
-        self._fork_server.start_workers(self._spawn, self.size, deadline, timeout, give_up, self.shutdown)
+        self._fork_server.start_workers(self._spawn, self.config.first_workers, deadline, timeout, give_up, self.shutdown)
         while not all(w.ready for w in self._workers.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -194,11 +196,19 @@ class WorkerPool:
         lost = self._fork_server.lost()
         if lost is not None:
             raise PoolLostError(lost)
-        old = self._workers[worker_id]
-        self._close(old)
+        old = self._workers.get(worker_id)  # None: a parked slot joining the pool
+        if old is not None:
+            self._close(old)
         self._spawn(worker_id)
-        self.restarts += 1
-        self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
+        if old is not None:
+            self.restarts += 1
+            self._restarts_by_slot[worker_id] = self._restarts_by_slot.get(worker_id, 0) + 1
+
+    def remove(self, worker_id: int) -> None:
+        """Forget the slot's dead worker: it left an elastic pool (``states`` no longer lists it)."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._close(worker)
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
         """End a live worker: SIGKILL now, or (``kill=False``) once it has read everything queued to it.
@@ -219,9 +229,25 @@ class WorkerPool:
                     pass
         return worker.generation
 
+    def _pid(self, worker_id: int) -> int | None:
+        worker = self._workers.get(worker_id)
+        return worker.process.pid if worker is not None and worker.alive else None
+
+    def cpu_seconds(self, worker_id: int) -> float | None:
+        """CPU seconds the slot's worker has used (None: none there, or unknown)."""
+        pid = self._pid(worker_id)
+        return process_cpu_seconds(pid) if pid is not None else None
+
+    def private_bytes(self, worker_id: int) -> int | None:
+        """Memory only the slot's worker maps (None: none there, or unknown)."""
+        pid = self._pid(worker_id)
+        return process_private_bytes(pid) if pid is not None else None
+
     def rss_bytes(self, worker_id: int) -> int:
         """The worker's resident memory, from /proc (0 if it cannot be read)."""
-        pid = self._workers[worker_id].process.pid
+        pid = self._pid(worker_id)
+        if pid is None:
+            return 0
         try:
             with open(f"/proc/{pid}/statm", "rb") as statm:
                 return int(statm.read().split()[1]) * _PAGE
@@ -281,10 +307,14 @@ class WorkerPool:
     # ------------------------------------------------------------ messaging
 
     def is_ready(self, worker_id: int) -> bool:
-        return self._workers[worker_id].ready
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.ready
 
     def submit(self, worker_id: int, task: Task) -> None:
-        self._workers[worker_id].tasks.send(task)
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise ValueError(f"worker slot {worker_id} has no worker")  # parked: as a dead worker's closed pipe does
+        worker.tasks.send(task)
 
     def _receive(self, worker: WorkerHandle) -> WorkerMessage:
         result: Result = worker.results.recv()

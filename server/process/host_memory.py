@@ -16,18 +16,19 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _V1_UNLIMITED = 1 << 60  # v1 says "no limit" with a huge page-rounded number
 
 
-def _meminfo_available() -> int | None:
+def _meminfo(key: str = "MemAvailable:") -> int | None:
     try:
         for line in _MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
 
 
-def _cgroup_available() -> int | None:
-    """``memory.max - memory.current`` of this process's cgroup v2 (the tightest of it and its parents); None if unlimited."""
+def _cgroup_available(limit_only: bool = False) -> int | None:
+    """``memory.max - memory.current`` of this process's cgroup v2 (the tightest of it and its parents; with
+    ``limit_only``, ``memory.max``); None if unlimited."""
     try:
         lines = _CGROUP.read_text().splitlines()
     except OSError:
@@ -41,7 +42,7 @@ def _cgroup_available() -> int | None:
         try:
             limit = (group / "memory.max").read_text().strip()
             if limit != "max":
-                room = max(0, int(limit) - int((group / "memory.current").read_text()))
+                room = int(limit) if limit_only else max(0, int(limit) - int((group / "memory.current").read_text()))
                 tightest = room if tightest is None else min(tightest, room)
         except (OSError, ValueError):
             pass
@@ -50,8 +51,9 @@ def _cgroup_available() -> int | None:
         group = group.parent
 
 
-def _cgroup_v1_available() -> int | None:
-    """v1's memory controller: this process's group as mounted (a container sees its own at the root); None if unlimited."""
+def _cgroup_v1_available(limit_only: bool = False) -> int | None:
+    """v1's memory controller: this process's group as mounted (a container sees its own at the root), its limit less
+    its usage (with ``limit_only``, its limit); None if unlimited."""
     try:
         lines = _CGROUP.read_text().splitlines()
     except OSError:
@@ -65,13 +67,21 @@ def _cgroup_v1_available() -> int | None:
             usage = int((group / "memory.usage_in_bytes").read_text())
         except (OSError, ValueError):
             continue
-        return None if limit >= _V1_UNLIMITED else max(0, limit - usage)
+        if limit >= _V1_UNLIMITED:
+            return None
+        return limit if limit_only else max(0, limit - usage)
     return None
 
 
 def available_bytes() -> int | None:
     """The memory this process could still use: the host's MemAvailable, or its cgroup's room if smaller; None if unknown."""
-    known = [n for n in (_meminfo_available(), _cgroup_available(), _cgroup_v1_available()) if n is not None]
+    known = [n for n in (_meminfo(), _cgroup_available(), _cgroup_v1_available()) if n is not None]
+    return min(known) if known else None
+
+
+def limit_bytes() -> int | None:
+    """The most memory this process's host, or its cgroup if smaller, holds (MemTotal, ``memory.max``); None if unknown."""
+    known = [n for n in (_meminfo("MemTotal:"), _cgroup_available(True), _cgroup_v1_available(True)) if n is not None]
     return min(known) if known else None
 
 

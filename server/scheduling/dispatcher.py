@@ -9,6 +9,8 @@ Its rules:
   worker; any other goes to the worker with the most room.
 - Per worker, the tasks sent and not answered, in the order the worker runs them: the first
   is running (``started_at``), the others queue behind it.
+- It keeps two clocks for the pool's sizing (server/scheduling/sizing.py): worker-seconds busy (holding
+  a task), and seconds starved (a producer had a task ready while every ready worker was full).
 - A task whose worker died under it runs again, unless its workers died ``MAX_ATTEMPTS`` times
   running it: then it is handed back to be failed. Only the running task is blamed, and none
   when the daemon ended the worker itself (a timeout, recycling).
@@ -57,11 +59,16 @@ class Spent:
 class Dispatcher:
     """The producers to draw from and the tasks each of ``workers`` worker slots holds."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._producers: dict[int, Producer] = {}
         self._turn = 0
         self._held: dict[int, dict[TaskKey, InFlight]] = {w: {} for w in range(workers)}
         self._attempts: dict[TaskKey, int] = {}  # tasks given back to their producer after a death
+        self._clock = clock
+        self._busy_since: dict[int, float] = {}  # worker -> when it last went from idle to holding a task
+        self._busy_s = 0.0  # worker-seconds spent holding tasks, up to each worker's last change
+        self._starved_s = 0.0
+        self._starved_at: float | None = None  # the last dispatch left work waiting with every worker full (since when)
 
     # ------------------------------------------------------------ producers
 
@@ -84,7 +91,7 @@ class Dispatcher:
             progress = False
             producers = list(self._producers.values())
             if not producers:
-                return
+                break
             self._turn = (self._turn + 1) % len(producers)
             for producer in producers[self._turn :] + producers[: self._turn]:
                 if not producer.wants_dispatch():
@@ -101,10 +108,37 @@ class Dispatcher:
                 record = InFlight(task, self._attempts.get(key, 0))
                 if not self._held[worker]:
                     record.started_at = record.sent_at  # an idle worker starts on it now
-                self._held[worker][key] = record
                 capacity[worker] -= 1
+                self._hold(worker, key, record)
                 submit(worker, task)
                 progress = True
+        self._note_starved(capacity)
+
+    def _note_starved(self, capacity: dict[int, int]) -> None:
+        """After a dispatch: starved from now if every ready worker is full and a producer still has a task ready."""
+        now = self._clock()
+        if self._starved_at is not None:
+            self._starved_s += now - self._starved_at
+        full = all(c <= 0 for c in capacity.values())
+        self._starved_at = now if full and any(p.wants_dispatch() for p in self._producers.values()) else None
+
+    def _hold(self, worker: int, key: TaskKey, record: InFlight) -> None:
+        if not self._held[worker]:
+            self._busy_since[worker] = self._clock()
+        self._held[worker][key] = record
+
+    def _release(self, worker: int) -> None:
+        """The worker holds nothing any more: its busy time ends."""
+        since = self._busy_since.pop(worker, None)
+        if since is not None:
+            self._busy_s += self._clock() - since
+
+    def clocks(self) -> tuple[float, float]:
+        """(worker-seconds busy, seconds starved) since the dispatcher began, up to now."""
+        now = self._clock()
+        busy = self._busy_s + sum(now - since for since in self._busy_since.values())
+        starved = self._starved_s + (now - self._starved_at if self._starved_at is not None else 0.0)
+        return busy, starved
 
     # ------------------------------------------------------------ what workers hold
 
@@ -117,12 +151,16 @@ class Dispatcher:
             head = next(iter(held.values()))
             if head.started_at is None:
                 head.started_at = time.monotonic()  # the worker moved on to the next task
+        else:
+            self._release(worker_id)
         return record
 
     def dropped(self, worker_id: int, key: TaskKey) -> None:
         """The task ``key`` will not be answered (its worker was killed for it) and is not to run again."""
         self._held[worker_id].pop(key, None)
         self._attempts.pop(key, None)
+        if not self._held[worker_id]:
+            self._release(worker_id)
 
     def worker_lost(self, worker_id: int, blame_running: bool) -> list[Spent]:
         """The worker died: what it held goes back to its producers to run again (before new work),
@@ -133,6 +171,7 @@ class Dispatcher:
         """
         lost = self._held[worker_id]
         self._held[worker_id] = {}
+        self._release(worker_id)
         spent = []
         for position, (key, record) in enumerate(lost.items()):
             producer = self._producers.get(key[0])

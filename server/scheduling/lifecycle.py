@@ -11,6 +11,9 @@ A slot is in one state at a time (``SlotState``):
 - STARTING: a replacement was started (``started``) and has not said it is ready; past the
   start timeout it is killed (``overdue_starts``), and its death counts as a failed start.
 - GIVEN_UP: ``MAX_RESPAWN_FAILURES`` starts failed in a row: the slot stays empty.
+- PARKED: an elastic pool's slot with no worker, by choice: it has not joined the pool yet, or its
+  worker left it (``leave``: DRAINING, then EXITING, then PARKED on its death, not replaced).
+  ``join`` plans a start at once (WAITING); from there it goes as a replacement does.
 
 Deaths the scheduler caused (a timeout, recycling) are expected: they blame no task. A
 replacement killed for its start timeout may still report ready or failed from its pipe:
@@ -42,6 +45,7 @@ class SlotState(enum.Enum):
     WAITING = "waiting"
     STARTING = "starting"
     GIVEN_UP = "given up"
+    PARKED = "parked"
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,15 @@ class _Slot:
     at: float | None = None
     failed_starts: int = 0
     tasks_done: int = 0
+    leaving: bool = False  # its worker leaves an elastic pool: PARKED once it dies, not replaced
 
 
 class WorkerLifecycle:
-    """The states of a pool's ``size`` slots (all SERVING at first)."""
+    """The states of a pool's ``size`` slots: the first ``serving`` SERVING (all by default), the others PARKED."""
 
-    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._slots = {worker_id: _Slot() for worker_id in range(size)}
+    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic, serving: int | None = None) -> None:
+        first = size if serving is None else serving
+        self._slots = {worker_id: _Slot() if worker_id < first else _Slot(SlotState.PARKED) for worker_id in range(size)}
         self._clock = clock
         self._expected: set[tuple[int, int]] = set()  # (slot, generation) the scheduler ended itself
         self._start_killed: set[tuple[int, int]] = set()  # (slot, generation) killed past its start timeout
@@ -79,6 +85,29 @@ class WorkerLifecycle:
 
     def given_up(self) -> frozenset[int]:
         return frozenset(w for w, slot in self._slots.items() if slot.state is SlotState.GIVEN_UP)
+
+    def parked(self) -> frozenset[int]:
+        return frozenset(w for w, slot in self._slots.items() if slot.state is SlotState.PARKED)
+
+    def leaving(self) -> frozenset[int]:
+        return frozenset(w for w, slot in self._slots.items() if slot.leaving)
+
+    def members(self) -> list[int]:
+        """The slots in the pool: neither parked, given up nor leaving (a member may be starting, or waiting to)."""
+        return [w for w, slot in self._slots.items() if slot.state not in (SlotState.PARKED, SlotState.GIVEN_UP) and not slot.leaving]
+
+    # ------------------------------------------------------------ an elastic pool's size
+
+    def join(self, worker_id: int) -> None:
+        """PARKED -> WAITING, its start due now: the slot joins the pool (its start may fail like a replacement's)."""
+        slot = self._slots[worker_id]
+        assert slot.state is SlotState.PARKED, slot.state
+        slot.state, slot.at, slot.failed_starts = SlotState.WAITING, self._clock(), 0
+
+    def leave(self, worker_id: int) -> None:
+        """SERVING -> DRAINING, leaving: no new work, asked to exit once idle, PARKED when it dies."""
+        self.recycle(worker_id)
+        self._slots[worker_id].leaving = True
 
     def takes_work(self, worker_id: int) -> bool:
         """Whether new tasks may go to the slot's worker (one being recycled only finishes what it has)."""
@@ -132,14 +161,18 @@ class WorkerLifecycle:
         self._start_killed.discard((worker_id, generation))
         slot = self._slots[worker_id]
         slot.tasks_done = 0
-        if slot.state is not SlotState.GIVEN_UP:
+        if slot.leaving:
+            slot.state, slot.at, slot.leaving = SlotState.PARKED, None, False  # left the pool: not replaced
+        elif slot.state is not SlotState.GIVEN_UP:
             slot.state, slot.at = SlotState.WAITING, None  # ``respawn`` plans the start
         return expected
 
     def respawn(self, worker_id: int) -> int | None:
         """Plan the slot's next start: now, or after the backoff of its failed starts. Returns the
-        failed starts that gave the slot up (GIVEN_UP), else None."""
+        failed starts that gave the slot up (GIVEN_UP), else None. A PARKED slot plans nothing."""
         slot = self._slots[worker_id]
+        if slot.state is SlotState.PARKED:
+            return None
         if self.lost:
             slot.state, slot.at = SlotState.WAITING, None  # never started again
             return None

@@ -32,8 +32,21 @@ class Pool(Protocol):
         ...
 
     def respawn(self, worker_id: int) -> None:
-        """Start a replacement for a dead worker; OSError if it cannot now (e.g. out of file descriptors),
-        PoolLostError if it never can (the scheduler then stops the daemon)."""
+        """Start a worker in a slot that has none running: a dead worker's replacement, or a parked slot of an
+        elastic pool joining it; OSError if it cannot now (e.g. out of file descriptors), PoolLostError if it
+        never can (the scheduler then stops the daemon)."""
+        ...
+
+    def remove(self, worker_id: int) -> None:
+        """Forget the slot's dead worker: it left an elastic pool (no longer listed; ``respawn`` may start it again)."""
+        ...
+
+    def cpu_seconds(self, worker_id: int) -> float | None:
+        """CPU seconds the slot's worker process has used (None: no worker there, or unknown)."""
+        ...
+
+    def private_bytes(self, worker_id: int) -> int | None:
+        """Memory only the slot's worker maps (what another worker would add; None: no worker there, or unknown)."""
         ...
 
     def stop_worker(self, worker_id: int, kill: bool) -> int:
@@ -60,6 +73,8 @@ class SchedulerPolicy:
     # Seconds a replacement worker may take to build its datasets before it is killed (a failed
     # start): the daemon's --startup-timeout, which bounds the pool's first start the same way.
     start_timeout: float = 600.0
+    # An elastic pool's fewest workers (it starts with these, and sizes itself up to the pool's slots); None: fixed.
+    min_workers: int | None = None
 
     @classmethod
     def from_config(cls, config: LoaderConfig, start_timeout: float = 600.0) -> SchedulerPolicy:
@@ -69,4 +84,5 @@ class SchedulerPolicy:
             max_tasks_per_worker=config.max_tasks_per_worker,
             worker_max_rss_bytes=config.worker_max_rss_mb << 20,
             start_timeout=start_timeout,
+            min_workers=config.min_workers,
         )

@@ -54,27 +54,39 @@ END = Delivery(seq=-1)
 
 @dataclass(frozen=True)
 class WorkerSlots:
-    """The pool's worker slots as producers see them: how many, and which were given up for good."""
+    """The pool's worker slots as producers see them: how many, which were given up for good, which an
+    elastic pool parked (no worker now; one may come back), and which are leaving it (draining)."""
 
     size: int
     given_up: frozenset[int] = frozenset()
+    parked: frozenset[int] = frozenset()
+    leaving: frozenset[int] = frozenset()
+
+    def absent(self, slot: int) -> bool:
+        """Whether no worker runs in ``slot`` now (given up, or parked): work pinned to it must move."""
+        return slot in self.given_up or slot in self.parked
 
     def owner(self, key: int) -> int:
-        """The slot that runs the work pinned by ``key`` (an iterable replica): ``key % size``, or, if
-        that slot was given up, one of the others (rendezvous hashing: spread over the slots left,
-        and the same whatever else is given up).
+        """The slot new work pinned by ``key`` (an iterable replica) goes to: ``key % size``, or, if that slot
+        is absent or leaving, one of the others (rendezvous hashing: spread over the slots left, and the same
+        whatever else is given up).
 
-        A given-up slot never comes back, so an owner changes only when its own slot is given up,
-        and that slot's worker (with the replica it held) is gone: the new owner builds the replica
-        and replays it to where it was, as a replacement worker does, and ``ReleaseStream`` reaches
-        every worker that holds one. With every slot given up there is none to move to (the
-        daemon is shutting down).
+        Placement is sticky: a producer keeps a replica where it first put it (``place``) and moves it only
+        when that slot's worker is gone for good or parked, with the replica it held: the new owner builds the
+        replica and replays it to where it was, as a replacement worker does, and ``ReleaseStream`` reaches
+        every worker that holds one. A slot coming back (an elastic pool growing) moves nothing. With every
+        slot absent there is none to move to (the daemon is shutting down).
         """
         slot = key % self.size
-        if slot not in self.given_up:
+        if not self.absent(slot) and slot not in self.leaving:
             return slot
-        left = [str(w) for w in range(self.size) if w not in self.given_up]
+        left = [str(w) for w in range(self.size) if not self.absent(w) and w not in self.leaving]
+        left = left or [str(w) for w in range(self.size) if not self.absent(w)]
         return int(rendezvous(str(key), left)) if left else slot
+
+    def place(self, key: int, current: int | None) -> int:
+        """Where work pinned by ``key`` runs: ``current`` (where it ran so far) while a worker is there, else ``owner``."""
+        return current if current is not None and not self.absent(current) else self.owner(key)
 
 
 class FailReason(enum.Enum):

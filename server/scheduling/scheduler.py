@@ -27,10 +27,12 @@ from loaderd.server.pool.pool import WorkerDied, WorkerMessage
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
 from loaderd.server.scheduling.dispatcher import Dispatcher
+from loaderd.server.scheduling.elastic import ElasticPool, SchedulerClocks
 from loaderd.server.scheduling.ledger import SlotLedger
 from loaderd.server.scheduling.pool_protocol import Pool, SchedulerPolicy
 from loaderd.server.scheduling.producer import Delivery, FailReason, StreamFailed
 from loaderd.server.scheduling.share import SharedJob, ShareKey
+from loaderd.server.scheduling.sizing import PoolSizer
 from loaderd.server.scheduling.snapshot import DatasetCounters, JobRow, SchedulerSnapshot, StreamRow
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.scheduling.supervision import WorkerSupervisor
@@ -108,6 +110,10 @@ class Scheduler:
         self.started_at = time.monotonic()
         self._ids = itertools.count(1)
         self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
+        self._elastic: ElasticPool | None = None  # an elastic pool's sizing (server/scheduling/sizing.py)
+        if policy.min_workers is not None:
+            sizer = PoolSizer(policy.min_workers, pool.size)
+            self._elastic = ElasticPool(sizer, self._supervisor, pool, self._clocks, self._dispatcher.idle)
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
         self._stop = threading.Event()
@@ -183,6 +189,7 @@ class Scheduler:
         with self._lock:
             now = time.monotonic()
             streams = list(self._streams.values())
+            busy_s, starved_s = self._dispatcher.clocks()
             return SchedulerSnapshot(
                 taken_at=now,
                 started_at=self.started_at,
@@ -194,7 +201,19 @@ class Scheduler:
                 jobs=tuple(JobRow.of(j) for j in self._jobs.values()),
                 slots={worker_id: self._supervisor.view(worker_id) for worker_id in range(self._pool.size)},
                 caches=self._caches.decisions() if self._caches is not None else {},
+                pool=self._elastic.view() if self._elastic is not None else None,
+                members=len(self._supervisor.members()),
+                busy_s=busy_s,
+                starved_s=starved_s,
             )
+
+    def _clocks(self) -> SchedulerClocks:
+        """The counts an elastic pool's sizing reads (server/scheduling/elastic.py)."""
+        with self._lock:
+            busy_s, starved_s = self._dispatcher.clocks()
+            batches = sum(c.batches_computed for c in self.counters.values())
+            clients = len({s.spec.client or s.spec.peer for s in self._streams.values()})
+            return SchedulerClocks(busy_s=busy_s, starved_s=starved_s, batches=batches, clients=clients)
 
     def open_streams(self) -> int:
         """How many client streams are open now."""
@@ -299,6 +318,8 @@ class Scheduler:
                 if isinstance(event, WorkerMessage):
                     self._fail_producer(_stream_of(event.result), exc)
         self._check_timeouts()
+        if self._elastic is not None:
+            self._elastic.tick()  # before the supervisor's: slots that join start this round
         self._supervisor.tick()
 
     def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:
@@ -382,7 +403,7 @@ class Scheduler:
                 counters.cache_miss_cpu_s += result.cache.miss_cpu_s
                 decision = self._caches.add(task.dataset, result.cache) if self._caches is not None else None
                 if decision is not None and decision.mode != MEASURING:
-                    for each in range(self._pool.size):  # a dead worker's replacement is told when it is ready
+                    for each in range(self._pool.size):  # a dead worker's replacement (or a joining one) is told when it is ready
                         self._submit(each, SettleCache(task.dataset, decision.mode == ON))
             self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
             if isinstance(task, FetchTask):

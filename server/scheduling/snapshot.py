@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from loaderd.server.cache.auto import CacheDecision
 from loaderd.server.scheduling.lifecycle import SlotView
 from loaderd.server.scheduling.share import SharedJob
+from loaderd.server.scheduling.sizing import PoolView
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.v1 import loaderd_pb2 as pb
 
@@ -106,3 +107,7 @@ class SchedulerSnapshot:
     slots: Mapping[int, SlotView]
     # Each ``cache: auto`` dataset's decision (server/cache/auto.py).
     caches: Mapping[str, CacheDecision] = field(default_factory=dict)
+    pool: PoolView | None = None  # an elastic pool's size and reasons (None: a fixed pool)
+    members: int = 0  # workers in the pool (serving, starting or being replaced)
+    busy_s: float = 0.0  # worker-seconds spent holding tasks since the start
+    starved_s: float = 0.0  # seconds tasks waited with every ready worker full

@@ -116,6 +116,7 @@ class BatchStream:
     replicas: list[_ReplicaCursor] = field(default_factory=list)
     replica_turn: int = 0
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
+    replica_slot: dict[int, int] = field(default_factory=dict)  # replica -> the worker slot it lives in (sticky)
 
     def __post_init__(self) -> None:
         if self.spec.iterable:
@@ -193,12 +194,13 @@ class BatchStream:
         return bool(self.pending)
 
     def _replica_owner(self, replica: int, slots: WorkerSlots) -> int:
-        """Iterable replicas live in one worker each, spread over the pool."""
-        return slots.owner(self.stream_id + replica)
+        """Iterable replicas live in one worker each, spread over the pool; one stays in its slot while a worker is there."""
+        slot = self.replica_slot[replica] = slots.place(self.stream_id + replica, self.replica_slot.get(replica))
+        return slot
 
     def replica_workers(self, slots: WorkerSlots) -> set[int]:
-        """The workers that hold this stream's iterable replicas."""
-        return {self._replica_owner(r, slots) for r in range(len(self.replicas))}
+        """The workers that hold this stream's iterable replicas (those placed so far, where a worker still runs)."""
+        return {slot for slot in self.replica_slot.values() if not slots.absent(slot)}
 
     def next_task(self, slots: WorkerSlots) -> tuple[BatchTask, int | None]:
         retry = self.backlog.next_retry()

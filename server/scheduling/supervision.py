@@ -10,6 +10,8 @@ What it does, each from the scheduler's thread:
 - A worker that ran ``max_tasks_per_worker`` batches or grew past ``worker_max_rss_mb`` takes no
   new work, is asked to exit once idle, and is SIGKILLed if it has not ``RECYCLE_GRACE_S`` later.
 - A worker killed for a task past its timeout (``kill``) dies expected: no task is blamed.
+- An elastic pool's size (``resize``): parked slots join (their starts go as replacements' do), or
+  serving workers leave between batches (asked to exit once idle, as recycling does; not replaced).
 
 The pool's ``stop_worker`` is called under the scheduler's lock (``lock``), as are its
 dispatches; ``respawn`` runs outside it (a fork can take a while).
@@ -17,14 +19,13 @@ dispatches; ``respawn`` runs outside it (a fork can take a while).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 
 from loaderd.errors import clip
 from loaderd.server.pool.pool import PoolLostError, WorkerDied
-from loaderd.server.scheduling.lifecycle import RECYCLE_GRACE_S, SlotView, WorkerLifecycle
+from loaderd.server.scheduling.lifecycle import RECYCLE_GRACE_S, SlotState, SlotView, WorkerLifecycle
 from loaderd.server.scheduling.pool_protocol import Pool, SchedulerPolicy
 from loaderd.server.scheduling.producer import WorkerSlots
 
@@ -39,8 +40,9 @@ class WorkerSupervisor:
         self._policy = policy
         self._lock = lock
         self._fatal = fatal
-        self._lifecycle = WorkerLifecycle(pool.size)
-        self.slots = WorkerSlots(pool.size)  # as producers see them: how many, and which were given up
+        self._lifecycle = WorkerLifecycle(pool.size, serving=policy.min_workers)
+        self.slots = WorkerSlots(pool.size)  # as producers see them: how many, and which were given up or parked
+        self._publish()
 
     def accepting(self) -> list[int]:
         """The workers new tasks may go to: ready, and not being recycled."""
@@ -48,6 +50,33 @@ class WorkerSupervisor:
 
     def view(self, worker_id: int) -> SlotView:
         return self._lifecycle.view(worker_id)
+
+    def members(self) -> list[int]:
+        """The slots in the pool now (serving, starting or being replaced; not parked, given up or leaving)."""
+        return self._lifecycle.members()
+
+    def _publish(self) -> None:
+        lifecycle = self._lifecycle
+        self.slots = WorkerSlots(self._pool.size, lifecycle.given_up(), lifecycle.parked(), lifecycle.leaving())
+
+    # ------------------------------------------------------------ an elastic pool's size
+
+    def resize(self, target: int, idle: Callable[[int], bool]) -> None:
+        """Make the pool ``target`` workers (an elastic pool's sizer decided it): parked slots join, the lowest
+        first, or the highest serving ones leave once ``idle`` (the dispatcher's, asked under the scheduler's lock,
+        which this takes). A worker leaves between batches only: what it holds finishes first."""
+        members = self.members()
+        if target > len(members):
+            for worker_id in sorted(self._lifecycle.parked())[: target - len(members)]:
+                self._lifecycle.join(worker_id)  # started by this round's ``tick``
+        elif target < len(members):
+            serving = [w for w in members if self._lifecycle.view(w).state is SlotState.SERVING]
+            with self._lock:
+                for worker_id in sorted(serving, reverse=True)[: len(members) - target]:
+                    self._lifecycle.leave(worker_id)
+                    if self._lifecycle.exit_when_idle(worker_id, idle=idle(worker_id)):
+                        self._lifecycle.asked_to_exit(worker_id, self._pool.stop_worker(worker_id, kill=False))
+        self._publish()
 
     # ------------------------------------------------------------ what workers report
 
@@ -63,7 +92,14 @@ class WorkerSupervisor:
     def died(self, event: WorkerDied) -> bool:
         """The worker died; True if the daemon ended it itself (no task is to blame). ``respawn`` next."""
         expected = self._lifecycle.died(event.worker_id, event.generation)
-        if expected:
+        if self._lifecycle.view(event.worker_id).state is SlotState.PARKED:
+            self._pool.remove(event.worker_id)
+            self._publish()
+            if expected:
+                log.info("worker %d left the pool", event.worker_id)
+            else:
+                log.warning("worker %d died (exit code %s) as it left the pool", event.worker_id, event.exitcode)
+        elif expected:
             log.info("worker %d exited as asked; replacing it", event.worker_id)
         else:
             log.warning("worker %d died (exit code %s); replacing it", event.worker_id, event.exitcode)
@@ -79,8 +115,13 @@ class WorkerSupervisor:
         log.error(
             "giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures
         )
-        self.slots = dataclasses.replace(self.slots, given_up=self._lifecycle.given_up())
-        if len(self.slots.given_up) == self._pool.size:
+        self._publish()
+        if not self.members() and self._lifecycle.parked():
+            spare = min(self._lifecycle.parked())
+            log.warning("every worker of the pool is given up; starting parked slot %d instead", spare)
+            self._lifecycle.join(spare)
+            self._publish()
+        elif not self.members():
             self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
 
     def tick(self) -> None:

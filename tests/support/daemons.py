@@ -170,7 +170,7 @@ def running_daemon(
     datasets: dict[str, Any],
     *,
     prefix: str,
-    workers: int = 2,
+    workers: int | str | dict[str, int] = 2,
     tcp: bool = False,
     socket_path: Path | None = None,
     expect_running: bool = True,

@@ -42,6 +42,7 @@ class FakePool:
         self.respawn_error: Exception | None = None  # set: respawn raises it (e.g. EMFILE, PoolLostError)
         self.respawn_calls = 0
         self.hanging_starts: set[int] = set()  # replacements that never finish building (no WorkerReady)
+        self.removed: list[int] = []  # slots whose worker left an elastic pool
         self._events: list[PoolEvent] = []
 
     # -- the Pool protocol
@@ -84,6 +85,15 @@ class FakePool:
 
     def rss_bytes(self, worker_id: int) -> int:
         return self.rss[worker_id]
+
+    def remove(self, worker_id: int) -> None:
+        self.removed.append(worker_id)
+
+    def cpu_seconds(self, worker_id: int) -> float | None:
+        return None  # unknown: an elastic pool's sizing then skips its CPU check
+
+    def private_bytes(self, worker_id: int) -> int | None:
+        return None
 
     # -- what the workers did
 

@@ -485,8 +485,30 @@ class ClientStatus(_message.Message):
     active_s: float
     def __init__(self, client: _Optional[str] = ..., identity: _Optional[str] = ..., dataset: _Optional[str] = ..., open_streams: _Optional[int] = ..., batches: _Optional[int] = ..., waited_s: _Optional[float] = ..., active_s: _Optional[float] = ...) -> None: ...
 
+class PoolStatus(_message.Message):
+    __slots__ = ("workers", "min_workers", "max_workers", "elastic", "target", "reason", "held", "starved_s", "busy_s")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    STARVED_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    min_workers: int
+    max_workers: int
+    elastic: bool
+    target: int
+    reason: str
+    held: str
+    starved_s: float
+    busy_s: float
+    def __init__(self, workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., elastic: _Optional[bool] = ..., target: _Optional[int] = ..., reason: _Optional[str] = ..., held: _Optional[str] = ..., starved_s: _Optional[float] = ..., busy_s: _Optional[float] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients")
+    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients", "pool")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +517,7 @@ class StatusResponse(_message.Message):
     SHARES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -503,4 +526,5 @@ class StatusResponse(_message.Message):
     shares: _containers.RepeatedCompositeFieldContainer[ShareStatus]
     sessions: int
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...
+    pool: PoolStatus
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., pool: _Optional[_Union[PoolStatus, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,126 @@
+"""ElasticPool: measures an elastic pool once a period, asks its ``PoolSizer`` for a size, and has the supervisor apply it.
+
+The figures come from their owners: the dispatcher's clocks and the scheduler's batch counts
+(``SchedulerClocks``, read under the scheduler's lock), the workers' CPU time and private memory
+from the pool (/proc), the idle CPU from ``CpuRoom`` and the memory left from host_memory. Each
+change is one log line with its reason; ``view`` is what status and the metrics show.
+
+Runs on the scheduler's thread (``tick`` once a round; it acts once per ``PERIOD_S``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loaderd.server.process.host_cpu import CpuRoom
+from loaderd.server.process.host_memory import available_bytes, limit_bytes
+from loaderd.server.scheduling.pool_protocol import Pool
+from loaderd.server.scheduling.sizing import PERIOD_S, PoolLoad, PoolSizer, PoolView
+from loaderd.server.scheduling.supervision import WorkerSupervisor
+
+log = logging.getLogger("loaderd.scheduler")
+
+# The workers' private memory is read (smaps_rollup: ~1 ms a worker) at most this often.
+MEMORY_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class SchedulerClocks:
+    """What the scheduler counted since it started, read under its lock."""
+
+    busy_s: float  # worker-seconds spent holding a task
+    starved_s: float  # seconds tasks waited with every ready worker full
+    batches: int  # batches the pool finished
+    clients: int  # open streams and shared jobs
+
+
+class ElasticPool:
+    """Sizes an elastic pool (see server/scheduling/sizing.py for the rules)."""
+
+    def __init__(
+        self,
+        sizer: PoolSizer,
+        supervisor: WorkerSupervisor,
+        pool: Pool,
+        clocks: Callable[[], SchedulerClocks],
+        idle: Callable[[int], bool],
+        cpu: CpuRoom | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clocks`` reads the scheduler's counts (it takes the lock); ``idle`` says whether a worker holds no task."""
+        self._sizer = sizer
+        self._supervisor = supervisor
+        self._pool = pool
+        self._clocks = clocks
+        self._idle = idle
+        self._cpu = cpu or CpuRoom()
+        self._clock = clock
+        self._then = clock()
+        self._last = clocks()
+        self._worker_cpu: dict[int, float] = {}
+        self._worker_bytes = 0
+        self._memory_at = float("-inf")
+        self._held = ""
+        self._view = sizer.view()  # replaced whole (status reads it from other threads)
+
+    def view(self) -> PoolView:
+        return self._view
+
+    def tick(self) -> None:
+        """Once a round: every ``PERIOD_S``, measure, decide and apply."""
+        now = self._clock()
+        if now - self._then < PERIOD_S:
+            return
+        load = self._measure(now)
+        resize = self._sizer.decide(load)
+        if resize is not None:
+            log.info("pool: %s", resize.reason)
+            self._supervisor.resize(resize.target, self._idle)
+        held = self._sizer.held
+        if held and held.split(" (")[0] != self._held.split(" (")[0]:  # once per cause, not per figure
+            log.info("pool: not growing though tasks wait for a worker: %s", held)
+        self._held = held
+        self._view = self._sizer.view()
+
+    def _measure(self, now: float) -> PoolLoad:
+        clocks, last = self._clocks(), self._last
+        seconds = max(1e-9, now - self._then)
+        self._then, self._last = now, clocks
+        members = self._supervisor.members()
+        serving = set(self._supervisor.accepting()) & set(members)
+        worker_cpu = self._cpu_used(members) / seconds
+        if now - self._memory_at >= MEMORY_EVERY_S:
+            self._memory_at = now
+            self._worker_bytes = max((self._pool.private_bytes(w) or 0 for w in members), default=0)
+        return PoolLoad(
+            at=now,
+            seconds=seconds,
+            members=len(members),
+            serving=len(serving),
+            busy=(clocks.busy_s - last.busy_s) / seconds,
+            starved=min(1.0, (clocks.starved_s - last.starved_s) / seconds),
+            batches=clocks.batches - last.batches,
+            worker_cpu=worker_cpu,
+            idle_cpu=self._cpu.idle(),
+            memory_room=available_bytes(),
+            memory_limit=limit_bytes(),
+            worker_bytes=self._worker_bytes,
+            clients=clocks.clients,
+        )
+
+    def _cpu_used(self, members: list[int]) -> float:
+        """CPU seconds the members' workers used since the last look (a new process counts from its start)."""
+        used = 0.0
+        seen: dict[int, float] = {}
+        for worker_id in members:
+            total = self._pool.cpu_seconds(worker_id)
+            if total is None:
+                continue
+            before = self._worker_cpu.get(worker_id, 0.0)
+            used += total - before if total >= before else total
+            seen[worker_id] = total
+        self._worker_cpu = seen
+        return used
