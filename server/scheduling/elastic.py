@@ -75,6 +75,7 @@ class ElasticPool:
         if now - self._then < PERIOD_S:
             return
         load = self._measure(now)
+        log.debug("pool load: %s", load)
         resize = self._sizer.decide(load)
         if resize is not None:
             log.info("pool: %s", resize.reason)

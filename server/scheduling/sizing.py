@@ -32,7 +32,7 @@ from dataclasses import dataclass
 PERIOD_S = 1.0
 GROW_STARVED = 0.5
 GROW_BUSY = 0.8
-SHRINK_STARVED = 0.1
+SHRINK_STARVED = 0.3
 SHRINK_BUSY = 0.7
 SHRINK_AFTER_S = 3.0
 SETTLE_S = 0.5
