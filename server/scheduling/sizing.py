@@ -188,19 +188,22 @@ class PoolSizer:
             return None
         trial.seconds += load.seconds
         trial.batches += load.batches
-        enough = trial.seconds >= MEASURE_S and trial.batches >= MEASURE_BATCHES
-        if not enough and trial.seconds < MEASURE_MAX_S:
+        rate = trial.batches / trial.seconds
+        gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else 0.0
+        ideal = (self.target - trial.before) / trial.before  # the gain if throughput scaled with the workers
+        counted = trial.batches >= MEASURE_BATCHES
+        # Half the ideal gain or more is no noise: it paid, and the next growth need not wait for the whole window.
+        paid_early = counted and trial.rate_before > 0 and gain >= max(2 * PAYS, ideal / 2)
+        enough = counted and trial.seconds >= MEASURE_S
+        if not (enough or paid_early) and trial.seconds < MEASURE_MAX_S:
             return None
         self._trial = None
         self._recent.clear()
-        if not enough or trial.rate_before <= 0:
+        if not (enough or paid_early) or trial.rate_before <= 0:
             return None  # too few batches to judge either way (slow batches): kept
-        rate = trial.batches / trial.seconds
-        gain = rate / trial.rate_before - 1
-        grown = self.target - trial.before
         if gain >= PAYS:
             # Near-linear gain: the pool is far too small; double the next step.
-            self._step = min(self._step * 2, self.most) if gain >= 0.7 * grown / trial.before else 1
+            self._step = min(self._step * 2, self.most) if gain >= 0.7 * ideal else 1
             return None
         self._ceiling, self._ceiling_until = self.target, load.at + self._hold_s
         self._hold_s = min(self._hold_s * 2, HOLD_S[1])

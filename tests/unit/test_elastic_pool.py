@@ -1,0 +1,169 @@
+"""An elastic pool's mechanics on a fake pool: slots join and leave between batches, nothing is lost or run twice,
+iterable replicas stay where they were placed until their worker leaves, and the dispatcher's clocks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
+
+from loaderd.server.scheduling.dispatcher import Dispatcher
+from loaderd.server.scheduling.lifecycle import SlotState, WorkerLifecycle
+from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
+from loaderd.server.scheduling.producer import WorkerSlots
+from loaderd.server.scheduling.scheduler import Scheduler
+from loaderd.server.scheduling.stream import BatchStream
+from loaderd.server.worker.tasks import FetchTask, IterTask
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def elastic(size: int = 3, least: int = 1) -> tuple[FakePool, Scheduler]:
+    """A scheduler on an elastic pool of ``size`` slots, ``least`` of them started."""
+    pool = FakePool(size)
+    for worker_id in range(least, size):
+        pool.ready[worker_id] = False  # parked: no worker there
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(min_workers=least))
+    return pool, sched
+
+
+def resize(sched: Scheduler, target: int) -> None:
+    """What the sizer's decision does (server/scheduling/elastic.py), then a round to act on it."""
+    sched._supervisor.resize(target, sched._dispatcher.idle)  # noqa: SLF001 - the sizer's own call, without its clock
+    sched.step(0)
+
+
+def finish_all(pool: FakePool, done: set[int]) -> None:
+    for _, task in pool.batch_tasks():
+        if id(task) not in done:
+            done.add(id(task))
+            pool.finish(task)
+
+
+def step_until(sched: Scheduler, done: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        sched.step(0.005)
+    assert done(), "not within the test's deadline"
+
+
+def test_a_pool_grows_and_shrinks_between_batches_and_every_batch_comes_once_in_order() -> None:
+    pool, sched = elastic(3, 1)
+    stream = sched.open_stream(map_spec(window=12))
+    sched.add_plan(stream, [(i, i + 1) for i in range(0, 80, 2)], True)
+    sched.step(0)
+    assert {w for w, _ in pool.batch_tasks()} == {0}, "a parked slot gets no task"
+    assert sched.snapshot().members == 1 and sched.snapshot().slots[2].state is SlotState.PARKED
+    resize(sched, 3)
+    assert sorted(pool.respawned) == [1, 2], "parked slots start as replacements do"
+    sched.step(0)  # their WorkerReady
+    done: set[int] = set()
+    delivered = []
+    shrunk = False
+    while len(delivered) < 41:
+        finish_all(pool, done)
+        sched.step(0)
+        delivered += drain(stream)
+        if not shrunk and len(delivered) >= 10:
+            assert {w for w, _ in pool.batch_tasks()} == {0, 1, 2}
+            resize(sched, 1)  # workers 2 and 1 leave once idle: their queued batches finish first
+            shrunk = True
+    assert [d.seq for d in delivered] == [*range(40), -1]
+    assert all(d.error is None for d in delivered[:-1])
+    assert sorted(pool.removed) == [1, 2] and all(kill is False for _, kill in pool.stopped)
+    seqs = [t.seq for _, t in pool.batch_tasks() if isinstance(t, FetchTask)]
+    assert sorted(seqs) == list(range(40)), "no batch was run twice"
+    assert sched.snapshot().members == 1
+
+
+def test_iterable_replicas_stay_where_placed_when_slots_join_and_move_when_theirs_leaves() -> None:
+    pool, sched = elastic(3, 2)
+    stream: BatchStream = sched.open_stream(iter_spec(replicas=4, window=8))
+    sched.step(0)
+    placed = dict(stream.replica_slot)  # where each replica went (or waits to go) first
+    assert len(placed) == 4 and set(placed.values()) == {0, 1}
+    resize(sched, 3)
+    sched.step(0)
+    done: set[int] = set()
+    for _ in range(6):  # the pool serves on; each replica's batches keep going to the worker that holds it
+        finish_all(pool, done)
+        sched.step(0)
+        drain(stream)
+        sched.add_plan(stream, [], False, consumed=stream.delivered)
+    for worker, task in pool.batch_tasks(stream.stream_id):
+        assert isinstance(task, IterTask) and worker == placed[task.replica], "a joining slot moved no replica"
+    leaving = 1
+    moved_replicas = {r for r, w in placed.items() if w == leaving}
+    before = len(pool.batch_tasks(stream.stream_id))
+    resize(sched, 2)  # the highest serving slot leaves: 2 (it holds no replica)
+    step_until(sched, lambda: sched.snapshot().slots[2].state is SlotState.PARKED)
+    sched._supervisor.resize(1, sched._dispatcher.idle)  # noqa: SLF001 - now slot 1, with its replicas, leaves
+    for _ in range(20):
+        finish_all(pool, done)
+        sched.step(0.002)
+        drain(stream)
+        sched.add_plan(stream, [], False, consumed=stream.delivered)
+    assert sched.snapshot().slots[leaving].state is SlotState.PARKED
+    later = pool.batch_tasks(stream.stream_id)[before:]
+    assert {w for w, _ in later} <= {0}
+    replays = [t for _, t in later if isinstance(t, IterTask) and t.replica in moved_replicas]
+    assert replays, "the replicas of the slot that left run on the other worker"
+    assert stream.failure is None
+
+
+def test_a_parked_slot_takes_no_work_and_plans_no_start() -> None:
+    slots = WorkerLifecycle(3, serving=1)
+    assert slots.parked() == {1, 2} and slots.members() == [0]
+    assert slots.respawn(2) is None and slots.due() == []
+    slots.join(2)
+    assert slots.due() == [2] and slots.members() == [0, 2]
+    slots.started(2)
+    slots.ready(2, 1)
+    slots.leave(2)
+    assert not slots.takes_work(2) and slots.leaving() == {2} and slots.members() == [0]
+    assert slots.exit_when_idle(2, idle=True)
+    slots.asked_to_exit(2, 1)
+    assert slots.died(2, 1) is True, "a worker asked to leave dies expected"
+    assert slots.view(2).state is SlotState.PARKED and slots.leaving() == frozenset()
+    assert slots.respawn(2) is None and slots.due() == []
+
+
+def test_worker_slots_place_new_work_on_present_slots_and_keep_placed_work() -> None:
+    slots = WorkerSlots(4, parked=frozenset({2, 3}))
+    owners = {slots.owner(k) for k in range(40)}
+    assert owners == {0, 1}
+    assert slots.place(6, current=None) in {0, 1}
+    joined = WorkerSlots(4, parked=frozenset({3}))
+    assert joined.place(6, current=1) == 1, "a slot joining moves nothing"
+    left = WorkerSlots(4, parked=frozenset({1, 3}))
+    assert left.place(6, current=1) in {0, 2}, "work on a slot that left moves"
+    assert WorkerSlots(4, leaving=frozenset({0})).owner(4) != 0, "new work avoids a leaving slot"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_dispatcher_clocks_busy_worker_seconds_and_starved_seconds() -> None:
+    clock = Clock()
+    dispatcher = Dispatcher(2, clock)
+    pool = FakePool(2)
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(), dispatcher=dispatcher)
+    stream = sched.open_stream(map_spec(window=12))
+    sched.add_plan(stream, [(i,) for i in range(10)], False)
+    sched.step(0)  # 2 tasks each: both workers full, 6 planned batches wait
+    clock.now += 2.0
+    assert dispatcher.clocks() == (4.0, 2.0)
+    for _, task in pool.batch_tasks():
+        pool.finish(task)
+    sched.step(0)  # the results (the workers idle)
+    sched.step(0)  # the next 4 go out: still full, still waiting
+    clock.now += 1.0
+    busy, starved = dispatcher.clocks()
+    assert (busy, starved) == (6.0, 3.0)
