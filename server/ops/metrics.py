@@ -112,6 +112,11 @@ class _StatusCollector(Collector):
             "Seconds tasks waited for a worker with every worker busy (its rate: the share of time the pool held trainers back)",
             value=pool.starved_s,
         )
+        yield CounterMetricFamily(
+            "loaderd_pool_limited_seconds",
+            "Of those, seconds the pool could not grow (fixed, at its max, or held): the rate more daemons would relieve",
+            value=pool.limited_s,
+        )
         yield CounterMetricFamily("loaderd_pool_busy_seconds", "Worker-seconds spent on tasks", value=pool.busy_s)
         yield GaugeMetricFamily("loaderd_workers_alive", "Pool workers alive", value=sum(w.alive for w in workers))
         yield GaugeMetricFamily("loaderd_workers_busy", "Pool workers with a task queued or running", value=sum(w.busy > 0 for w in workers))

@@ -71,6 +71,7 @@ class StatusBoard:
                 held=view.held if view is not None else "",
                 starved_s=taken.starved_s,
                 busy_s=taken.busy_s,
+                limited_s=view.limited_s if view is not None else taken.starved_s,
             )
         )
         for state in self._workers():

@@ -64,6 +64,7 @@ class ElasticPool:
         self._worker_bytes = 0
         self._memory_at = float("-inf")
         self._held = ""
+        self._limited_s = 0.0
         self._view = sizer.view()  # replaced whole (status reads it from other threads)
 
     def view(self) -> PoolView:
@@ -84,7 +85,9 @@ class ElasticPool:
         if held and held.split(" (")[0] != self._held.split(" (")[0]:  # once per cause, not per figure
             log.info("pool: not growing though tasks wait for a worker: %s", held)
         self._held = held
-        self._view = self._sizer.view()
+        if resize is None and self._sizer.at_limit():
+            self._limited_s += load.starved * load.seconds
+        self._view = self._sizer.view(self._limited_s)
 
     def _measure(self, now: float) -> PoolLoad:
         clocks, last = self._clocks(), self._last

@@ -81,6 +81,9 @@ class PoolView:
     target: int
     reason: str  # why the last change (or the start)
     held: str  # why it does not grow though tasks wait ("" if it is not held)
+    # Seconds tasks waited with every worker busy while the pool could not grow (at its most, or held):
+    # what more daemons would relieve (an autoscaler of daemons scales on its rate).
+    limited_s: float = 0.0
 
 
 @dataclass
@@ -112,8 +115,12 @@ class PoolSizer:
         self._recent: deque[PoolLoad] = deque(maxlen=3)  # the last periods at a settled size (the rate before a growth)
         self._clients: int | None = None
 
-    def view(self) -> PoolView:
-        return PoolView(self.least, self.most, self.target, self.reason, self.held)
+    def view(self, limited_s: float = 0.0) -> PoolView:
+        return PoolView(self.least, self.most, self.target, self.reason, self.held, limited_s)
+
+    def at_limit(self) -> bool:
+        """Whether the pool can grow no more now: at its most workers, or held (no idle CPU, memory, a size that did not pay)."""
+        return self.target >= self.most or bool(self.held)
 
     def decide(self, load: PoolLoad) -> Resize | None:
         """The new size, if it should change after ``load``."""

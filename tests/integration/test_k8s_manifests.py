@@ -383,3 +383,57 @@ def test_headless_service_and_rolling_update() -> None:
     strategy = deployment["spec"]["strategy"]
     assert strategy["type"] == "RollingUpdate"
     assert strategy["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+# ------------------------------------------------------------------ autoscaling the daemons (deploy/k8s/autoscaling)
+
+AUTOSCALING = K8S / "autoscaling"
+
+
+def exported_metrics() -> set[str]:
+    """The names a daemon's metrics endpoint exports, as Prometheus sees them (counters with _total)."""
+    from loaderd.server.ops.metrics import _StatusCollector
+    from loaderd.v1 import loaderd_pb2 as pb
+
+    names = set()
+    for family in _StatusCollector(lambda: pb.StatusResponse()).collect():
+        names |= {sample.name for sample in family.samples} | {f"{family.name}_total" if family.type == "counter" else family.name}
+    return names
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("k8s_version", KUBERNETES_VERSIONS)
+def test_autoscaling_manifests_match_kubernetes_schemas_offline(k8s_version: str, no_network: None) -> None:
+    import kubernetes_validate
+
+    for path in (AUTOSCALING / "hpa.yaml", AUTOSCALING / "prometheus-adapter-rules.yaml"):
+        for doc in load_docs([path]):
+            assert kubernetes_validate.validate(doc, k8s_version, strict=True) == k8s_version.rsplit(".", 1)[0]
+
+
+@pytest.mark.timeout(30)
+def test_the_autoscalers_scale_the_deployment_on_a_metric_the_daemons_export(tmp_path: Path) -> None:
+    (hpa,) = load_docs([AUTOSCALING / "hpa.yaml"])
+    (adapter,) = load_docs([AUTOSCALING / "prometheus-adapter-rules.yaml"])
+    (keda,) = load_docs([AUTOSCALING / "keda-scaledobject.yaml"])
+    deployment = one("Deployment")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"], target["apiVersion"]) == ("Deployment", deployment["metadata"]["name"], deployment["apiVersion"])
+    assert keda["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # The adapter turns the daemons' counter into the per-pod metric the HPA names.
+    (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    counter = rule["seriesQuery"].split("{", 1)[0]
+    assert counter == "loaderd_pool_limited_seconds_total" and counter in exported_metrics()
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert "rate(" in rule["metricsQuery"]
+    # KEDA asks Prometheus for the same rate, with the same target per daemon.
+    (trigger,) = keda["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and f"rate({counter}" in trigger["metadata"]["query"]
+    assert float(trigger["metadata"]["threshold"]) == quantity_bytes(metric["pods"]["target"]["averageValue"].rstrip("m")) / 1000
+    assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["spec"]["behavior"]
+    # A daemon scaled down drains first: scale-downs are spaced wider than its drain.
+    config, _ = loaded_config(tmp_path)
+    down = hpa["spec"]["behavior"]["scaleDown"]
+    assert min(p["periodSeconds"] for p in down["policies"]) > config.drain_timeout
+    assert hpa["spec"]["minReplicas"] >= 2, "the PodDisruptionBudget lets one daemon go while a node drains"

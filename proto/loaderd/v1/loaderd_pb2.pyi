@@ -486,7 +486,7 @@ class ClientStatus(_message.Message):
     def __init__(self, client: _Optional[str] = ..., identity: _Optional[str] = ..., dataset: _Optional[str] = ..., open_streams: _Optional[int] = ..., batches: _Optional[int] = ..., waited_s: _Optional[float] = ..., active_s: _Optional[float] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("workers", "min_workers", "max_workers", "elastic", "target", "reason", "held", "starved_s", "busy_s")
+    __slots__ = ("workers", "min_workers", "max_workers", "elastic", "target", "reason", "held", "starved_s", "busy_s", "limited_s")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +496,7 @@ class PoolStatus(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     STARVED_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_S_FIELD_NUMBER: _ClassVar[int]
     workers: int
     min_workers: int
     max_workers: int
@@ -505,7 +506,8 @@ class PoolStatus(_message.Message):
     held: str
     starved_s: float
     busy_s: float
-    def __init__(self, workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., elastic: _Optional[bool] = ..., target: _Optional[int] = ..., reason: _Optional[str] = ..., held: _Optional[str] = ..., starved_s: _Optional[float] = ..., busy_s: _Optional[float] = ...) -> None: ...
+    limited_s: float
+    def __init__(self, workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., elastic: _Optional[bool] = ..., target: _Optional[int] = ..., reason: _Optional[str] = ..., held: _Optional[str] = ..., starved_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., limited_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients", "pool")
