@@ -23,6 +23,7 @@ from loaderd.server.config.schema import ConfigError, ListenSpec, LoaderConfig, 
 from loaderd.server.ops.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.ops.status import ClientKey, ClientRate, client_rates, format_status, status_json
 from loaderd.server.pool.fork_server import PoolStartError
+from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.process.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.security.listeners import ListenError
 from loaderd.server.worker.user_code import check_imports
@@ -163,7 +164,9 @@ def _bench(args: argparse.Namespace) -> int:
     config = _load_imported(args.config)
     if config is None:
         return EXIT_CONFIG
-    num_workers = config.workers if args.num_workers is None else args.num_workers
+    # An elastic pool's size varies: torch's DataLoader gets what a CPU-bound pool settles at, the CPUs it may use.
+    fixed = config.workers if config.min_workers is None else min(config.workers, usable_cpus())
+    num_workers = fixed if args.num_workers is None else args.num_workers
     if min(args.batch_size, args.epochs) < 1 or num_workers < 0 or args.max_batches < 0:
         print("loaderd: --batch-size and --epochs must be >= 1, --num-workers and --max-batches >= 0", file=sys.stderr)
         return EXIT_CONFIG

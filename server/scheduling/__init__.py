@@ -2,7 +2,8 @@
 
 Owns the scheduler's thread and routing (``Scheduler``), dispatch (``Dispatcher``: round-robin,
 what each worker holds, blame for deaths), keeping the pool's slots filled (``WorkerSupervisor``
-acting on ``WorkerLifecycle``'s states), what it dispatches from (``Producer``: ``BatchStream``,
+acting on ``WorkerLifecycle``'s states), an elastic pool's size (``PoolSizer``: the policy;
+``ElasticPool``: measuring and applying it), what it dispatches from (``Producer``: ``BatchStream``,
 ``SharedJob``), the daemon's slot ledger, the catalog of what it serves, the per-client tally,
 and ``SchedulerSnapshot`` (what status and metrics read, copied under the lock). ``pool_protocol``
 says what it needs of the pool; ``task_errors`` words a batch it gave up on; ``wake_pipe``

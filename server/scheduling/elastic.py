@@ -75,6 +75,7 @@ class ElasticPool:
         now = self._clock()
         if now - self._then < PERIOD_S:
             return
+        self._reconcile()
         load = self._measure(now)
         log.debug("pool load: %s", load)
         resize = self._sizer.decide(load)
@@ -88,6 +89,16 @@ class ElasticPool:
         if resize is None and self._sizer.at_limit():
             self._limited_s += load.starved * load.seconds
         self._view = self._sizer.view(self._limited_s)
+
+    def _reconcile(self) -> None:
+        """A member given up (its starts kept failing) leaves the pool short of its target: a parked slot takes
+        its place, or, with none left, the target comes down to what the pool has."""
+        members = len(self._supervisor.members())
+        if members < self._sizer.target:
+            if self._supervisor.parked():
+                self._supervisor.resize(self._sizer.target, self._idle)
+            else:
+                self._sizer.target = members
 
     def _measure(self, now: float) -> PoolLoad:
         clocks, last = self._clocks(), self._last

@@ -55,6 +55,10 @@ class WorkerSupervisor:
         """The slots in the pool now (serving, starting or being replaced; not parked, given up or leaving)."""
         return self._lifecycle.members()
 
+    def parked(self) -> frozenset[int]:
+        """The slots with no worker by an elastic pool's choice (they may join)."""
+        return self._lifecycle.parked()
+
     def _publish(self) -> None:
         lifecycle = self._lifecycle
         self.slots = WorkerSlots(self._pool.size, lifecycle.given_up(), lifecycle.parked(), lifecycle.leaving())

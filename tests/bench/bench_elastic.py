@@ -14,8 +14,9 @@ batches as fast as they come unless its phase says otherwise:
 
 Each (workload, pool) runs ``--phase-s`` seconds per phase on a new daemon; pools alternate in a
 rotated order each round; medians of rounds. Per phase: batches/s over the phase's last
-``phase-s - adapt-s`` seconds (after the issue's 10 s to adapt) and over all of it; the machine's
-CPU-seconds (every process, /proc/stat) over the phase; for the elastic pool, the seconds from the
+``phase-s - adapt-s`` seconds (after the issue's 10 s to adapt) and over all of it; the
+CPU-seconds of the trainer and the daemon's processes (/proc; a worker that left counts through its fork
+server's reaped-children time), over the same parts; for the elastic pool, the seconds from the
 phase's start until its trailing 2-s rate first reached 90% of its settled rate, and its size over
 time. After the last phase the trainer stops (its loader closed): the elastic pool's seconds until it
 is back to its fewest workers and the daemon's processes' PSS ``--idle-s`` later, beside a fixed pool
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -38,11 +40,13 @@ sys.path.insert(0, str(BENCH_DIR))
 from bench_loaders import (  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
     STARTUP_TIMEOUT_S,
     Daemon,
+    descendants,
     fmt,
     machine_line,
     median,
     note_problem,
     print_findings,
+    proc_stat,
     run_guarded,
     start_daemon,
     wait_serving,
@@ -61,21 +65,27 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def machine_busy_s() -> float:
-    """CPU-seconds the whole machine has been busy (every process; /proc/stat)."""
-    import os
-
-    with open("/proc/stat") as stat:
-        fields = [int(x) for x in stat.readline().split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+def loaders_cpu_s(daemon_pid: int) -> float:
+    """CPU-seconds of the trainer (this process) and the daemon's processes (daemon, fork server, workers; a worker
+    that left counts through its fork server's reaped-children time), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in [daemon_pid, *descendants(daemon_pid)]:
+        fields = proc_stat(pid)
+        if fields is not None:
+            total += sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+    own = os.times()
+    return total + own.user + own.system
 
 
 @dataclass
 class PhaseResult:
     rate: float  # batches/s after the adaptation window
     rate_all: float  # batches/s over the whole phase
-    cpu_s: float  # machine CPU-seconds over the phase
-    batches: int
+    cpu_s: float  # the loaders' CPU-seconds (trainer and daemon's processes) after the adaptation window
+    batches: int  # after the adaptation window
+    cpu_all_s: float = float("nan")  # over the whole phase
+    batches_all: int = 0
     adapt_s: float = float("nan")  # seconds until the trailing 2-s rate reached 90% of the settled rate
 
 
@@ -139,22 +149,29 @@ def run_one(args: argparse.Namespace, workload: str, pool: str, findings: list[s
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         phases = []
+        pid = daemon.process.pid
         for step in steps:
-            start, cpu0 = time.monotonic(), machine_busy_s()
-            end = start + args.phase_s
+            start, cpu0 = time.monotonic(), loaders_cpu_s(pid)
+            settle, end = start + args.adapt_s, start + args.phase_s
+            cpu_settled = float("nan")
             arrivals = []
-            while time.monotonic() < end:
+            while (now := time.monotonic()) < end:
+                if cpu_settled != cpu_settled and now >= settle:
+                    cpu_settled = loaders_cpu_s(pid)
                 next(it)
                 arrivals.append(time.monotonic())
                 if step:
                     time.sleep(step)
-            cpu = machine_busy_s() - cpu0
-            late = [a for a in arrivals if a >= start + args.adapt_s]
-            rate = len(late) / max(1e-9, end - (start + args.adapt_s))
-            phase = PhaseResult(rate, len(arrivals) / args.phase_s, cpu, len(arrivals))
+            cpu_end = loaders_cpu_s(pid)
+            late = [a for a in arrivals if a >= settle]
+            rate = len(late) / max(1e-9, end - settle)
+            phase = PhaseResult(rate, len(arrivals) / args.phase_s, cpu_end - cpu_settled, len(late), cpu_end - cpu0, len(arrivals))
             phase.adapt_s = settled_at(arrivals, start, end, rate)
             phases.append(phase)
-            log(f"{workload} pool={pool} step={step}: {rate:.1f} batches/s settled, {phase.rate_all:.1f} all, cpu {cpu:.1f}s, adapt {phase.adapt_s:.1f}s")
+            log(
+                f"{workload} pool={pool} step={step}: {rate:.1f} batches/s settled, {phase.rate_all:.1f} all, "
+                f"cpu {phase.cpu_s:.1f}s settled, {phase.cpu_all_s:.1f}s all, adapt {phase.adapt_s:.1f}s"
+            )
         del it
         loader.close()
         result = Run(phases, sizes)
@@ -207,19 +224,25 @@ def report(args: argparse.Namespace, pools: list[str], runs: dict[tuple[str, str
     p(
         f"`python tests/bench/bench_elastic.py --phase-s {args.phase_s:g} --adapt-s {args.adapt_s:g} --rounds {args.rounds} "
         f"--gpu-step-s {args.gpu_step_s:g}`; medians of {args.rounds} rounds. Rate: batches/s after the first {args.adapt_s:g} s "
-        "of each phase (all of it in brackets); CPU: the machine's CPU-seconds per 1,000 batches over the phase.\n"
+        "of each phase (all of it in brackets); CPU: the trainer's and the daemon's processes' CPU-seconds per 1,000 "
+        "batches, over the same part (all of it in brackets).\n"
     )
     for workload in args.only:
         names = ["fast"] if workload != "phases" else ["fast", f"GPU-bound ({args.gpu_step_s * 1000:.0f} ms a step)", "fast again"]
         p(f"### {workload}\n")
         p("| pool | " + " | ".join(f"{n}: rate | {n}: CPU s/1k" for n in names) + " |")
         p("| --- |" + " ---: | ---: |" * len(names))
+        # Per phase: the best fixed pool's rate, and the least CPU per batch of the fixed pools within 10% of it.
         best: list[tuple[float, float]] = []
         for index in range(len(names)):
             fixed = [(median([r.phases[index].rate for r in runs[(workload, q)]]), q) for q in args.pools if (workload, q) in runs]
-            top = max(fixed, default=(float("nan"), ""))
-            cpu = median([1000 * r.phases[index].cpu_s / max(1, r.phases[index].batches) for r in runs.get((workload, top[1]), [])])
-            best.append((top[0], cpu))
+            top = max(fixed, default=(float("nan"), ""))[0]
+            cpu = min(
+                (median([1000 * r.phases[index].cpu_s / max(1, r.phases[index].batches) for r in runs[(workload, q)]])
+                 for rate, q in fixed if rate >= 0.9 * top),
+                default=float("nan"),
+            )  # fmt: skip
+            best.append((top, cpu))
         for pool in pools:
             rs = runs.get((workload, pool), [])
             cells = []
@@ -227,8 +250,9 @@ def report(args: argparse.Namespace, pools: list[str], runs: dict[tuple[str, str
                 rate = median([r.phases[index].rate for r in rs])
                 whole = median([r.phases[index].rate_all for r in rs])
                 cpu = median([1000 * r.phases[index].cpu_s / max(1, r.phases[index].batches) for r in rs])
+                cpu_all = median([1000 * r.phases[index].cpu_all_s / max(1, r.phases[index].batches_all) for r in rs])
                 cells.append(f"{fmt(rate)} ({fmt(whole)})")
-                cells.append(fmt(cpu, 2))
+                cells.append(f"{fmt(cpu, 2)} ({fmt(cpu_all, 2)})")
             p(f"| {'auto (elastic)' if pool == ELASTIC else pool} | " + " | ".join(cells) + " |")
         rs = runs.get((workload, ELASTIC), [])
         if rs:
@@ -236,10 +260,17 @@ def report(args: argparse.Namespace, pools: list[str], runs: dict[tuple[str, str
             for index, name in enumerate(names):
                 rate = median([r.phases[index].rate for r in rs])
                 cpu = median([1000 * r.phases[index].cpu_s / max(1, r.phases[index].batches) for r in rs])
+                cpu_all = median([r.phases[index].cpu_all_s for r in rs])
+                least_all = min(
+                    (median([r.phases[index].cpu_all_s for r in runs[(workload, q)]]) for q in args.pools if (workload, q) in runs
+                     and median([r.phases[index].rate for r in runs[(workload, q)]]) >= 0.9 * best[index][0]),
+                    default=float("nan"),
+                )  # fmt: skip
                 adapt = median([r.phases[index].adapt_s for r in rs])
                 line.append(
-                    f"{name}: {fmt(rate / best[index][0], 2)}x the best fixed pool's rate at {fmt(cpu / best[index][1], 2)}x its CPU "
-                    f"per batch, 90% of its settled rate {fmt(adapt)} s into the phase"
+                    f"{name}: {fmt(rate / best[index][0], 2)}x the best fixed pool's rate, at {fmt(cpu / best[index][1], 2)}x the CPU "
+                    f"per batch of the cheapest fixed pool within 10% of that rate ({fmt(cpu_all / least_all, 2)}x its CPU-seconds "
+                    f"over the whole phase); 90% of its settled rate {fmt(adapt)} s into the phase"
                 )
             p("\nElastic: " + "; ".join(line) + ".")
             sizes = rs[-1].sizes

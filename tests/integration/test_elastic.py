@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +33,15 @@ SLOW_PHASE = (2.0, 6.5)  # seconds after the start in which every trainer sleeps
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[RunningDaemon]:
-    with running_daemon(DATASETS, prefix="ld-elastic-", workers={"min": 1, "max": 3}) as running:
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("elastic") / "once.txt"
+
+
+@pytest.fixture(scope="module")
+def daemon(records: Path) -> Iterator[RunningDaemon]:
+    # A build: once dataset beside them: workers that join are forked from the fork server that built it.
+    once = {"dataset": "support.datasets:Recorded", "kwargs": {"n": 8, "record": str(records)}, "build": "once"}
+    with running_daemon({**DATASETS, "once": once}, prefix="ld-elastic-", workers={"min": 1, "max": 3}) as running:
         yield running
 
 
@@ -76,7 +84,7 @@ def pool_changes(daemon: RunningDaemon) -> list[str]:
     return re.findall(r"pool: .*(growing to \d+|shrinking to \d+|back to \d+)", log[:last])
 
 
-def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: RunningDaemon) -> None:
+def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: RunningDaemon, records: Path) -> None:
     address = daemon.address
     assert daemon_status(address).pool.workers == 1, "an elastic pool starts with its fewest workers"
     ds = datasets.Slow(N, 0.0)
@@ -139,3 +147,4 @@ def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: R
     text = loaderd_cli("status", "--address", address).stdout
     assert "pool: 1 workers (elastic, 1 to 3; target 1): " in text, text
     assert [w.worker_id for w in daemon_status(address).workers] == [0], "a worker that left is no longer listed"
+    assert len(records.read_text().split()) == 1, "the build: once dataset was built once, however many workers joined"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from loaderd.server.config.schema import DEFAULT_LISTEN, ConfigError, DatasetSpec, ListenSpec, MetricsConfig, TlsSpec, load_config, parse_config
+from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.worker.user_code import check_imports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +146,7 @@ def test_parse_config_directly() -> None:
 def test_deploy_config_loads() -> None:
     config = load_config(REPO / "deploy" / "ds.yaml")
     assert config.addresses == ("unix:///tmp/loaderd.sock", "127.0.0.1:7070")
-    assert config.workers == 2
+    assert (config.min_workers, config.workers) == (1, 4 * usable_cpus()), "workers: auto"
     assert config.python_path == (str((REPO / "deploy").resolve()),)
     assert set(config.datasets) == {"digits-train", "digits-val", "counting"}
     assert config.datasets["digits-train"].factory == "example_datasets:Digits"
@@ -536,3 +537,29 @@ def test_log_format(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "log_format: json\ndatasets: {a: {dataset: 'm:A'}}\n")).log_format == "json"
     message = config_error(tmp_path, "log_format: xml\ndatasets: {a: {dataset: 'm:A'}}\n")
     assert "log_format" in message and "'xml'" in message and "text, json" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "least", "most"),
+    [("4", None, 4), ("auto", 1, "cpus"), ("{min: 2, max: 6}", 2, 6), ("{max: 3}", 1, 3), ("{min: 2}", 2, "cpus"), ("{min: 3, max: 3}", None, 3)],
+)  # fmt: skip
+def test_workers_fixed_auto_or_bounds(tmp_path: Path, value: str, least: int | None, most: int | str) -> None:
+    path = tmp_path / "ds.yaml"
+    path.write_text(f"workers: {value}\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
+    config = load_config(path)
+    cpus = 4 * usable_cpus()
+    assert (config.min_workers, config.workers) == (least, max(cpus, least or 1) if most == "cpus" else most)
+    assert config.first_workers == (least or config.workers)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [("{min: 3, max: 2}", "workers.min: 3 is more than max (2)"), ("{min: 0}", "workers.min: must be at least 1"),
+     ("{most: 3}", "workers: unknown key 'most' (allowed: max, min)"), ("{max: two}", "workers.max: expected an integer"),
+     ("elastic", "workers: expected an integer, 'auto', or a mapping with 'min' and/or 'max', got str 'elastic'")],
+)  # fmt: skip
+def test_bad_worker_bounds(tmp_path: Path, value: str, expect: str) -> None:
+    message = config_error(tmp_path, f"workers: {value}\ndatasets: {{a: {{dataset: 'm:A'}}}}\n")
+    assert message.startswith(expect), message

@@ -31,7 +31,7 @@ def elastic(size: int = 3, least: int = 1) -> tuple[FakePool, Scheduler]:
 
 def resize(sched: Scheduler, target: int) -> None:
     """What the sizer's decision does (server/scheduling/elastic.py), then a round to act on it."""
-    sched._supervisor.resize(target, sched._dispatcher.idle)  # noqa: SLF001 - the sizer's own call, without its clock
+    sched._supervisor.resize(target, sched._dispatcher.idle)
     sched.step(0)
 
 
@@ -99,7 +99,7 @@ def test_iterable_replicas_stay_where_placed_when_slots_join_and_move_when_their
     before = len(pool.batch_tasks(stream.stream_id))
     resize(sched, 2)  # the highest serving slot leaves: 2 (it holds no replica)
     step_until(sched, lambda: sched.snapshot().slots[2].state is SlotState.PARKED)
-    sched._supervisor.resize(1, sched._dispatcher.idle)  # noqa: SLF001 - now slot 1, with its replicas, leaves
+    sched._supervisor.resize(1, sched._dispatcher.idle)
     for _ in range(20):
         finish_all(pool, done)
         sched.step(0.002)

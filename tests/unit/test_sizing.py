@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -141,6 +142,6 @@ def test_a_steady_load_never_oscillates() -> None:
         settled = max(set(sizes[-100:]), key=sizes[-100:].count)
         probes = [i for i in range(100, 500) if sizes[i] != settled and sizes[i - 1] == settled]
         assert len(probes) <= 2, (demand, sizes)
-        assert all(b - a >= HOLD_S[0] for a, b in zip(probes, probes[1:])), (demand, probes)
+        assert all(b - a >= HOLD_S[0] for a, b in itertools.pairwise(probes)), (demand, probes)
         assert sum(size != settled for size in sizes[100:]) <= 5 * len(probes), (demand, sizes)
         assert settled >= min(demand, 8) * 0.7, (demand, settled)
