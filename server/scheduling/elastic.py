@@ -47,15 +47,18 @@ class ElasticPool:
         pool: Pool,
         clocks: Callable[[], SchedulerClocks],
         idle: Callable[[int], bool],
+        on_resize: Callable[[int], None],
         cpu: CpuRoom | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``clocks`` reads the scheduler's counts (it takes the lock); ``idle`` says whether a worker holds no task."""
+        """``clocks`` reads the scheduler's counts (it takes the lock); ``idle`` says whether a worker holds no task;
+        ``on_resize`` is told each new size (the scheduler fits its streams' windows to it)."""
         self._sizer = sizer
         self._supervisor = supervisor
         self._pool = pool
         self._clocks = clocks
         self._idle = idle
+        self._on_resize = on_resize
         self._cpu = cpu or CpuRoom()
         self._clock = clock
         self._then = clock()
@@ -82,6 +85,7 @@ class ElasticPool:
         if resize is not None:
             log.info("pool: %s", resize.reason)
             self._supervisor.resize(resize.target, self._idle)
+            self._on_resize(resize.target)
         held = self._sizer.held
         if held and held.split(" (")[0] != self._held.split(" (")[0]:  # once per cause, not per figure
             log.info("pool: not growing though tasks wait for a worker: %s", held)
@@ -99,6 +103,7 @@ class ElasticPool:
                 self._supervisor.resize(self._sizer.target, self._idle)
             else:
                 self._sizer.target = members
+                self._on_resize(members)
 
     def _measure(self, now: float) -> PoolLoad:
         clocks, last = self._clocks(), self._last

@@ -111,9 +111,12 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
         self._elastic: ElasticPool | None = None  # an elastic pool's sizing (server/scheduling/sizing.py)
+        # The share of its most workers an elastic pool has now: map-style streams work that share of their window ahead.
+        self._window_share = 1.0
         if policy.min_workers is not None:
             sizer = PoolSizer(policy.min_workers, pool.size)
-            self._elastic = ElasticPool(sizer, self._supervisor, pool, self._clocks, self._dispatcher.idle)
+            self._elastic = ElasticPool(sizer, self._supervisor, pool, self._clocks, self._dispatcher.idle, self._resized)
+            self._window_share = policy.min_workers / pool.size
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
         self._stop = threading.Event()
@@ -156,6 +159,7 @@ class Scheduler:
         with self._lock:
             job = self._join(share) if share is not None else None
             stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, upstream=job)
+            stream.fit_window(self._window_share)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
@@ -206,6 +210,13 @@ class Scheduler:
                 busy_s=busy_s,
                 starved_s=starved_s,
             )
+
+    def _resized(self, target: int) -> None:
+        """An elastic pool heads to ``target`` workers: every map-style stream works that share of its window ahead."""
+        with self._lock:
+            self._window_share = target / self._pool.size
+            for stream in self._streams.values():
+                stream.fit_window(self._window_share)
 
     def _clocks(self) -> SchedulerClocks:
         """The counts an elastic pool's sizing reads (server/scheduling/elastic.py)."""

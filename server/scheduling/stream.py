@@ -17,6 +17,7 @@ All methods are called with the scheduler's lock held unless they say otherwise;
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -113,12 +114,16 @@ class BatchStream:
     # batch out freed a full window, so the scheduler may dispatch again and must be woken.
     window_freed: bool = False
     closed: bool = False
+    # Batches a map-style stream may have computing or ready: its window, or, on an elastic pool, the
+    # window's share for the pool's size now (``fit_window``): a smaller pool holds fewer batches ahead.
+    dispatch_window: int = 0
     replicas: list[_ReplicaCursor] = field(default_factory=list)
     replica_turn: int = 0
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
     replica_slot: dict[int, int] = field(default_factory=dict)  # replica -> the worker slot it lives in (sticky)
 
     def __post_init__(self) -> None:
+        self.dispatch_window = self.spec.window
         if self.spec.iterable:
             self.replicas = [_ReplicaCursor() for _ in range(max(1, self.spec.num_workers))]
         else:
@@ -184,7 +189,7 @@ class BatchStream:
             return False
         if self.backlog.retries:
             return True
-        if len(self.backlog.outstanding) + len(self.ready) >= self.spec.window:
+        if len(self.backlog.outstanding) + len(self.ready) >= self.dispatch_window:
             return False
         if self.spec.iterable:
             # The credit: never more than ``window`` batches beyond what the client took
@@ -192,6 +197,12 @@ class BatchStream:
             in_credit = self.planned < max(self.consumed, self.spec.start) + self.spec.window
             return in_credit and self._active_replica() is not None
         return bool(self.pending)
+
+    def fit_window(self, share: float) -> None:
+        """An elastic pool is ``share`` of its most workers now: a map-style stream works that share of its window
+        ahead (at least one batch; the client sized its window for the pool's most workers). Under the lock."""
+        if not self.spec.iterable:
+            self.dispatch_window = max(1, math.ceil(self.spec.window * share))
 
     def _replica_owner(self, replica: int, slots: WorkerSlots) -> int:
         """Iterable replicas live in one worker each, spread over the pool; one stays in its slot while a worker is there."""
@@ -326,7 +337,7 @@ class BatchStream:
                     # Otherwise the window did not hold dispatch back, and this changes nothing for
                     # the scheduler (a shared job's consumer asks the job for more: always news).
                     self.window_freed = self.window_freed or self.upstream is not None or (
-                        len(self.backlog.outstanding) + len(self.ready) + 1 >= self.spec.window
+                        len(self.backlog.outstanding) + len(self.ready) + 1 >= self.dispatch_window
                     )
                     self.next_seq += 1
                     self._ask_upstream()  # its window moved on
