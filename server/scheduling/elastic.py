@@ -10,6 +10,7 @@ Runs on the scheduler's thread (``tick`` once a round; it acts once per ``PERIOD
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,13 +29,23 @@ MEMORY_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
+class SchedulerHooks:
+    """What the sizing asks of the scheduler that owns it."""
+
+    clocks: Callable[[], SchedulerClocks]  # its counts (takes its lock)
+    idle: Callable[[int], bool]  # whether a worker holds no task (asked under its lock)
+    pinned: Callable[[int], int]  # iterable replicas placed in a worker slot (asked under its lock)
+    resized: Callable[[int], None]  # told each new size (it fits its streams' windows to it; takes its lock)
+
+
+@dataclass(frozen=True)
 class SchedulerClocks:
     """What the scheduler counted since it started, read under its lock."""
 
     busy_s: float  # worker-seconds spent holding a task
     starved_s: float  # seconds tasks waited with every ready worker full
     batches: int  # batches the pool finished
-    clients: int  # open streams and shared jobs
+    clients: int  # training processes with an open stream
 
 
 class ElasticPool:
@@ -45,28 +56,23 @@ class ElasticPool:
         sizer: PoolSizer,
         supervisor: WorkerSupervisor,
         pool: Pool,
-        clocks: Callable[[], SchedulerClocks],
-        idle: Callable[[int], bool],
-        on_resize: Callable[[int], None],
+        scheduler: SchedulerHooks,
         cpu: CpuRoom | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``clocks`` reads the scheduler's counts (it takes the lock); ``idle`` says whether a worker holds no task;
-        ``on_resize`` is told each new size (the scheduler fits its streams' windows to it)."""
         self._sizer = sizer
         self._supervisor = supervisor
         self._pool = pool
-        self._clocks = clocks
-        self._idle = idle
-        self._on_resize = on_resize
+        self._scheduler = scheduler
         self._cpu = cpu or CpuRoom()
         self._clock = clock
         self._then = clock()
-        self._last = clocks()
+        self._last = scheduler.clocks()
         self._worker_cpu: dict[int, float] = {}
         self._worker_bytes = 0
         self._memory_at = float("-inf")
         self._held = ""
+        self._stopped = False
         self._limited_s = 0.0
         self._view = sizer.view()  # replaced whole (status reads it from other threads)
 
@@ -74,7 +80,18 @@ class ElasticPool:
         return self._view
 
     def tick(self) -> None:
-        """Once a round: every ``PERIOD_S``, measure, decide and apply."""
+        """Once a round: every ``PERIOD_S``, measure, decide and apply. Never raises: a failure stops the sizing
+        (logged, and shown in status), the pool keeps its size, and the scheduler's round goes on."""
+        if self._stopped:
+            return
+        try:
+            self._tick()
+        except Exception as exc:  # the scheduler's round (replacements, timeouts) must go on
+            log.exception("pool: sizing failed; the pool keeps its %d workers from now on", len(self._supervisor.members()))
+            self._stopped = True
+            self._view = dataclasses.replace(self._view, held=f"sizing stopped: {type(exc).__name__}: {exc} (see the log)")
+
+    def _tick(self) -> None:
         now = self._clock()
         if now - self._then < PERIOD_S:
             return
@@ -84,8 +101,8 @@ class ElasticPool:
         resize = self._sizer.decide(load)
         if resize is not None:
             log.info("pool: %s", resize.reason)
-            self._supervisor.resize(resize.target, self._idle)
-            self._on_resize(resize.target)
+            self._supervisor.resize(resize.target, self._scheduler.idle, self._scheduler.pinned)
+            self._scheduler.resized(resize.target)
         held = self._sizer.held
         if held and held.split(" (")[0] != self._held.split(" (")[0]:  # once per cause, not per figure
             log.info("pool: not growing though tasks wait for a worker: %s", held)
@@ -95,22 +112,22 @@ class ElasticPool:
         self._view = self._sizer.view(self._limited_s)
 
     def _reconcile(self) -> None:
-        """A member given up (its starts kept failing) leaves the pool short of its target: a parked slot takes
-        its place, or, with none left, the target comes down to what the pool has."""
+        """A member given up (its starts kept failing) leaves the pool short of its target: the target comes down to
+        what the pool has, and its most to what it may still have (a slot given up never comes back)."""
         members = len(self._supervisor.members())
-        if members < self._sizer.target:
-            if self._supervisor.parked():
-                self._supervisor.resize(self._sizer.target, self._idle)
-            else:
-                self._sizer.target = members
-                self._on_resize(members)
+        most = members + len(self._supervisor.parked()) + len(self._supervisor.slots.leaving)
+        if members < self._sizer.target or most < self._sizer.most:
+            self._sizer.lost_workers(members, most)
+            self._scheduler.resized(self._sizer.target)
 
     def _measure(self, now: float) -> PoolLoad:
-        clocks, last = self._clocks(), self._last
+        clocks, last = self._scheduler.clocks(), self._last
         seconds = max(1e-9, now - self._then)
         self._then, self._last = now, clocks
         members = self._supervisor.members()
         serving = set(self._supervisor.accepting()) & set(members)
+        # Workers still leaving count: the last change is done once they are gone (their slots parked again).
+        settling = len(self._supervisor.slots.leaving)
         worker_cpu = self._cpu_used(members) / seconds
         if now - self._memory_at >= MEMORY_EVERY_S:
             self._memory_at = now
@@ -118,7 +135,7 @@ class ElasticPool:
         return PoolLoad(
             at=now,
             seconds=seconds,
-            members=len(members),
+            members=len(members) + settling,
             serving=len(serving),
             busy=(clocks.busy_s - last.busy_s) / seconds,
             starved=min(1.0, (clocks.starved_s - last.starved_s) / seconds),

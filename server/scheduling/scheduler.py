@@ -26,8 +26,8 @@ from loaderd.server.cache.auto import MEASURING, ON, AutoCaches
 from loaderd.server.pool.pool import WorkerDied, WorkerMessage
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
-from loaderd.server.scheduling.dispatcher import Dispatcher
-from loaderd.server.scheduling.elastic import ElasticPool, SchedulerClocks
+from loaderd.server.scheduling.dispatcher import PER_WORKER, Dispatcher
+from loaderd.server.scheduling.elastic import ElasticPool, SchedulerClocks, SchedulerHooks
 from loaderd.server.scheduling.ledger import SlotLedger
 from loaderd.server.scheduling.pool_protocol import Pool, SchedulerPolicy
 from loaderd.server.scheduling.producer import Delivery, FailReason, StreamFailed
@@ -88,9 +88,11 @@ class Scheduler:
         on_fatal: FatalHandler | None = None,
         dispatcher: Dispatcher | None = None,
         caches: AutoCaches | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``dispatcher`` is a fresh ``Dispatcher(pool.size)`` unless given (tests read its table);
-        ``caches``: the datasets with ``cache: auto``, told each batch's cache figures until they decide."""
+        ``caches``: the datasets with ``cache: auto``, told each batch's cache figures until they decide; ``clock``: an
+        elastic pool's sizing's (tests stop it)."""
         self._pool = pool
         self._ledger = ledger
         self._catalog = catalog
@@ -111,12 +113,14 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
         self._elastic: ElasticPool | None = None  # an elastic pool's sizing (server/scheduling/sizing.py)
-        # The share of its most workers an elastic pool has now: map-style streams work that share of their window ahead.
-        self._window_share = 1.0
+        # The share of its most workers an elastic pool has now: map-style streams work that share of their window
+        # ahead, and at least one more task than its workers hold (so that a stream the pool cannot keep up with shows).
+        self._window_share, self._least_window = 1.0, 1
         if policy.min_workers is not None:
             sizer = PoolSizer(policy.min_workers, pool.size)
-            self._elastic = ElasticPool(sizer, self._supervisor, pool, self._clocks, self._dispatcher.idle, self._resized)
-            self._window_share = policy.min_workers / pool.size
+            hooks = SchedulerHooks(clocks=self._clocks, idle=self._dispatcher.idle, pinned=self._pinned, resized=self._resized)
+            self._elastic = ElasticPool(sizer, self._supervisor, pool, hooks, clock=clock)
+            self._fit_windows(policy.min_workers)
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
         self._stop = threading.Event()
@@ -159,7 +163,7 @@ class Scheduler:
         with self._lock:
             job = self._join(share) if share is not None else None
             stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, upstream=job)
-            stream.fit_window(self._window_share)
+            stream.fit_window(self._window_share, self._least_window)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
@@ -206,24 +210,32 @@ class Scheduler:
                 slots={worker_id: self._supervisor.view(worker_id) for worker_id in range(self._pool.size)},
                 caches=self._caches.decisions() if self._caches is not None else {},
                 pool=self._elastic.view() if self._elastic is not None else None,
-                members=len(self._supervisor.members()),
+                members=len(self._supervisor.published_members),
                 busy_s=busy_s,
                 starved_s=starved_s,
             )
 
+    def _fit_windows(self, target: int) -> None:
+        """Under the lock (or before the thread starts): map-style streams' windows for a pool of ``target`` workers."""
+        self._window_share, self._least_window = target / self._pool.size, PER_WORKER * (target + 1) + 1
+        for stream in self._streams.values():
+            stream.fit_window(self._window_share, self._least_window)
+
+    def _pinned(self, worker_id: int) -> int:
+        """Iterable replicas placed in slot ``worker_id`` (under the lock): a worker that leaves has them replayed elsewhere."""
+        return sum(slot == worker_id for stream in self._streams.values() for slot in stream.replica_slot.values())
+
     def _resized(self, target: int) -> None:
         """An elastic pool heads to ``target`` workers: every map-style stream works that share of its window ahead."""
         with self._lock:
-            self._window_share = target / self._pool.size
-            for stream in self._streams.values():
-                stream.fit_window(self._window_share)
+            self._fit_windows(target)
 
     def _clocks(self) -> SchedulerClocks:
         """The counts an elastic pool's sizing reads (server/scheduling/elastic.py)."""
         with self._lock:
             busy_s, starved_s = self._dispatcher.clocks()
             batches = sum(c.batches_computed for c in self.counters.values())
-            clients = len({s.spec.client or s.spec.peer for s in self._streams.values()})
+            clients = len({s.spec.client or s.spec.peer for s in self._streams.values()})  # training processes
             return SchedulerClocks(busy_s=busy_s, starved_s=starved_s, batches=batches, clients=clients)
 
     def open_streams(self) -> int:
@@ -330,7 +342,7 @@ class Scheduler:
                     self._fail_producer(_stream_of(event.result), exc)
         self._check_timeouts()
         if self._elastic is not None:
-            self._elastic.tick()  # before the supervisor's: slots that join start this round
+            self._elastic.tick()  # before the supervisor's: slots that join start this round (it never raises)
         self._supervisor.tick()
 
     def _fail_producer(self, producer_id: int | None, exc: Exception) -> None:

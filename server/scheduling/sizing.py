@@ -51,7 +51,7 @@ class PoolLoad:
 
     at: float  # when the period ended (monotonic seconds)
     seconds: float
-    members: int  # workers in the pool: serving, or starting
+    members: int  # workers in the pool: serving, starting, or still leaving it
     serving: int  # of them, ready and taking work
     busy: float  # workers holding a task, on average
     starved: float  # share of the period tasks waited with every ready worker full
@@ -61,7 +61,7 @@ class PoolLoad:
     memory_room: int | None = None  # bytes the host or cgroup has available now (None: unknown)
     memory_limit: int | None = None  # bytes it holds in all
     worker_bytes: int = 0  # the private memory of the biggest worker: what another one would add
-    clients: int = 0  # open streams and shared jobs: a change means the load changed
+    clients: int = 0  # training processes with an open stream: a change means the load changed
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,16 @@ class PoolSizer:
         self._quiet: list[PoolLoad] = []  # the periods running in which the pool could have been smaller
         self._recent: deque[PoolLoad] = deque(maxlen=3)  # the last periods at a settled size (the rate before a growth)
         self._clients: int | None = None
+
+    def lost_workers(self, members: int, most: int) -> None:
+        """Slots were given up (their starts kept failing): the pool has ``members`` and may have ``most`` at most.
+        A growth being judged is dropped (kept as it is: what it measured no longer holds)."""
+        self.most = max(self.least, min(self.most, most))
+        if members < self.target:
+            self.target = members
+            self.reason = f"workers could not start: the pool has {members}"
+        self._trial = None
+        self._recent.clear()
 
     def view(self, limited_s: float = 0.0) -> PoolView:
         return PoolView(self.least, self.most, self.target, self.reason, self.held, limited_s)
@@ -197,7 +207,7 @@ class PoolSizer:
         trial.batches += load.batches
         rate = trial.batches / trial.seconds
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else 0.0
-        ideal = (self.target - trial.before) / trial.before  # the gain if throughput scaled with the workers
+        ideal = (self.target - trial.before) / max(1, trial.before)  # the gain if throughput scaled with the workers
         counted = trial.batches >= MEASURE_BATCHES
         # Half the ideal gain or more is no noise: it paid, and the next growth need not wait for the whole window.
         paid_early = counted and trial.rate_before > 0 and gain >= max(2 * PAYS, ideal / 2)

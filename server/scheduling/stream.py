@@ -198,11 +198,12 @@ class BatchStream:
             return in_credit and self._active_replica() is not None
         return bool(self.pending)
 
-    def fit_window(self, share: float) -> None:
+    def fit_window(self, share: float, least: int) -> None:
         """An elastic pool is ``share`` of its most workers now: a map-style stream works that share of its window
-        ahead (at least one batch; the client sized its window for the pool's most workers). Under the lock."""
+        ahead (the client sized it for the pool's most workers), but at least ``least`` batches (enough to show the
+        pool it waits: more than the pool's workers hold), never more than its window. Under the lock."""
         if not self.spec.iterable:
-            self.dispatch_window = max(1, math.ceil(self.spec.window * share))
+            self.dispatch_window = min(self.spec.window, max(least, math.ceil(self.spec.window * share)))
 
     def _replica_owner(self, replica: int, slots: WorkerSlots) -> int:
         """Iterable replicas live in one worker each, spread over the pool; one stays in its slot while a worker is there."""

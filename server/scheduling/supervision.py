@@ -42,6 +42,8 @@ class WorkerSupervisor:
         self._fatal = fatal
         self._lifecycle = WorkerLifecycle(pool.size, serving=policy.min_workers)
         self.slots = WorkerSlots(pool.size)  # as producers see them: how many, and which were given up or parked
+        # The members as of the last change, for other threads (status): the lifecycle is the scheduler thread's.
+        self.published_members: tuple[int, ...] = ()
         self._publish()
 
     def accepting(self) -> list[int]:
@@ -60,15 +62,18 @@ class WorkerSupervisor:
         return self._lifecycle.parked()
 
     def _publish(self) -> None:
+        """After a change of who is in the pool: what producers and other threads read (each replaced whole)."""
         lifecycle = self._lifecycle
         self.slots = WorkerSlots(self._pool.size, lifecycle.given_up(), lifecycle.parked(), lifecycle.leaving())
+        self.published_members = tuple(lifecycle.members())
 
     # ------------------------------------------------------------ an elastic pool's size
 
-    def resize(self, target: int, idle: Callable[[int], bool]) -> None:
+    def resize(self, target: int, idle: Callable[[int], bool], pinned: Callable[[int], int] = lambda w: 0) -> None:
         """Make the pool ``target`` workers (an elastic pool's sizer decided it): parked slots join, the lowest
-        first, or the highest serving ones leave once ``idle`` (the dispatcher's, asked under the scheduler's lock,
-        which this takes). A worker leaves between batches only: what it holds finishes first."""
+        first, or serving workers leave once ``idle`` (the dispatcher's): those holding the fewest iterable
+        replicas (``pinned``: a replica moved is replayed), the highest first. ``idle`` and ``pinned`` are asked
+        under the scheduler's lock, which this takes. A worker leaves between batches only."""
         members = self.members()
         if target > len(members):
             for worker_id in sorted(self._lifecycle.parked())[: target - len(members)]:
@@ -76,7 +81,7 @@ class WorkerSupervisor:
         elif target < len(members):
             serving = [w for w in members if self._lifecycle.view(w).state is SlotState.SERVING]
             with self._lock:
-                for worker_id in sorted(serving, reverse=True)[: len(members) - target]:
+                for worker_id in sorted(serving, key=lambda w: (pinned(w), -w))[: len(members) - target]:
                     self._lifecycle.leave(worker_id)
                     if self._lifecycle.exit_when_idle(worker_id, idle=idle(worker_id)):
                         self._lifecycle.asked_to_exit(worker_id, self._pool.stop_worker(worker_id, kill=False))
@@ -120,13 +125,9 @@ class WorkerSupervisor:
             "giving up on worker slot %d after %d failed starts (iterable replicas pinned to it move to the other slots)", worker_id, failures
         )
         self._publish()
-        if not self.members() and self._lifecycle.parked():
-            spare = min(self._lifecycle.parked())
-            log.warning("every worker of the pool is given up; starting parked slot %d instead", spare)
-            self._lifecycle.join(spare)
-            self._publish()
-        elif not self.members():
-            self._fatal(f"no pool worker can start ({failures} failed starts in each of the {self._pool.size} slots)")
+        if not self.members():  # an elastic pool's parked slots would fail alike: no worst-case wait through each
+            slots = len(self._lifecycle.given_up())
+            self._fatal(f"no pool worker can start ({failures} failed starts in a row in each of the pool's {slots} slots)")
 
     def tick(self) -> None:
         """Once a round: kill what overstayed (exits, starts), then start the replacements that are due."""

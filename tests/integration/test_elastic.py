@@ -29,7 +29,7 @@ DATASETS = {
     "slow": {"dataset": "support.datasets:Slow", "kwargs": {"n": N, "delay": DELAY}},
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 200}},
 }
-SLOW_PHASE = (2.0, 6.5)  # seconds after the start in which every trainer sleeps 0.2 s a batch (a GPU-bound step)
+SLOW_PHASE = (2.0, 7.5)  # seconds after the start in which every trainer sleeps 0.2 s a batch (a GPU-bound step)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,8 @@ def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: R
     assert any(c.startswith("growing") for c in changes), daemon.log()
     grown = changes.index(next(c for c in changes if c.startswith("growing")))
     assert any(c.startswith("shrinking") for c in changes[grown:]), f"no shrink in the slow phase: {changes}\n{daemon.log()}"
-    assert changes[-1].startswith("growing"), f"no growth after the slow phase: {changes}"
+    shrunk = max(i for i, c in enumerate(changes) if c.startswith("shrinking"))
+    assert any(c.startswith("growing") for c in changes[shrunk:]), f"no growth after the slow phase: {changes}"
     # Once every trainer is gone, the pool goes back to its fewest workers, and says why.
     wait_for(lambda: daemon_status(address).pool.workers == 1, 20, "the pool back to 1 worker")
     pool = daemon_status(address).pool

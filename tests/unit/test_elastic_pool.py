@@ -25,13 +25,14 @@ def elastic(size: int = 3, least: int = 1) -> tuple[FakePool, Scheduler]:
     pool = FakePool(size)
     for worker_id in range(least, size):
         pool.ready[worker_id] = False  # parked: no worker there
-    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(min_workers=least))
+    # A clock that stands still: the sizing never acts on its own; the test resizes.
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(min_workers=least), clock=lambda: 0.0)
     return pool, sched
 
 
 def resize(sched: Scheduler, target: int) -> None:
     """What the sizer's decision does (server/scheduling/elastic.py), then a round to act on it."""
-    sched._supervisor.resize(target, sched._dispatcher.idle)
+    sched._supervisor.resize(target, sched._dispatcher.idle, sched._pinned)
     sched.step(0)
 
 
@@ -79,7 +80,9 @@ def test_a_pool_grows_and_shrinks_between_batches_and_every_batch_comes_once_in_
 
 
 def test_iterable_replicas_stay_where_placed_when_slots_join_and_move_when_theirs_leaves() -> None:
-    pool, sched = elastic(3, 2)
+    pool, sched = elastic(3, 1)
+    resize(sched, 2)
+    sched.step(0)  # slot 1's WorkerReady
     stream: BatchStream = sched.open_stream(iter_spec(replicas=4, window=8))
     sched.step(0)
     placed = dict(stream.replica_slot)  # where each replica went (or waits to go) first
@@ -94,12 +97,14 @@ def test_iterable_replicas_stay_where_placed_when_slots_join_and_move_when_their
         sched.add_plan(stream, [], False, consumed=stream.delivered)
     for worker, task in pool.batch_tasks(stream.stream_id):
         assert isinstance(task, IterTask) and worker == placed[task.replica], "a joining slot moved no replica"
-    leaving = 1
+    # The slot holding fewer replicas leaves first (the higher of two alike): fewer replicas to replay.
+    leaving = min((0, 1), key=lambda w: (sum(s == w for s in placed.values()), -w))
+    staying = 1 - leaving
     moved_replicas = {r for r, w in placed.items() if w == leaving}
     before = len(pool.batch_tasks(stream.stream_id))
-    resize(sched, 2)  # the highest serving slot leaves: 2 (it holds no replica)
+    resize(sched, 2)  # slot 2 holds no replica: it leaves
     step_until(sched, lambda: sched.snapshot().slots[2].state is SlotState.PARKED)
-    sched._supervisor.resize(1, sched._dispatcher.idle)
+    resize(sched, 1)  # now the one of 0 and 1 with fewer replicas
     for _ in range(20):
         finish_all(pool, done)
         sched.step(0.002)
@@ -107,7 +112,7 @@ def test_iterable_replicas_stay_where_placed_when_slots_join_and_move_when_their
         sched.add_plan(stream, [], False, consumed=stream.delivered)
     assert sched.snapshot().slots[leaving].state is SlotState.PARKED
     later = pool.batch_tasks(stream.stream_id)[before:]
-    assert {w for w, _ in later} <= {0}
+    assert {w for w, _ in later} <= {staying}
     replays = [t for _, t in later if isinstance(t, IterTask) and t.replica in moved_replicas]
     assert replays, "the replicas of the slot that left run on the other worker"
     assert stream.failure is None
@@ -167,3 +172,16 @@ def test_the_dispatcher_clocks_busy_worker_seconds_and_starved_seconds() -> None
     clock.now += 1.0
     busy, starved = dispatcher.clocks()
     assert (busy, starved) == (6.0, 3.0)
+
+
+def test_a_small_pool_still_sees_a_stream_it_cannot_keep_up_with() -> None:
+    """A window sized for 8 workers (prefetch 2: 16 batches) on a pool of 1: the stream works a share of it ahead,
+    but always more than the pool's workers hold, so that the pool sees it waits (and grows)."""
+    pool, sched = elastic(8, 1)
+    stream = sched.open_stream(map_spec(window=16))
+    assert stream.dispatch_window == 2 * (1 + 1) + 1
+    sched.add_plan(stream, [(i,) for i in range(40)], False)
+    sched.step(0)
+    assert len(pool.batch_tasks()) == 2 and stream.wants_dispatch(), "one worker full, and the stream wants more"
+    sched._resized(8)
+    assert stream.dispatch_window == 16, "the whole window once the pool is at its most"
