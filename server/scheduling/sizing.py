@@ -13,12 +13,13 @@ batches made, the CPU the workers used and what was left idle, and the memory le
 - **Check that a growth paid** (Cachew's hill-climbing, ATC'22): once the new workers are ready and have
   settled (``SETTLE_S``), the batches per second over ``MEASURE_S`` (and ``MEASURE_BATCHES`` at least) must
   beat the rate before by ``PAYS`` (7%); otherwise the pool goes back, and that size is not tried again for
-  ``HOLD_S`` (doubling while it keeps not paying), unless the load changes (clients come or go).
-- **Shrink** when no task waited (under ``SHRINK_STARVED``) and the smaller pool would have been at most
+  ``HOLD_S`` (doubling while it keeps not paying), unless the load changes (clients come or go). A gain of
+  half the ideal (throughput in proportion to the workers) or more is taken at once, without the whole window.
+- **Shrink** when tasks hardly waited (under ``SHRINK_STARVED``) and the smaller pool would have been at most
   ``SHRINK_BUSY`` busy, for ``SHRINK_AFTER_S`` running: to the fewest workers that would (idle trainers: to
   ``min`` in one step, so memory comes back within seconds).
 - The gaps are the hysteresis: growth needs the pool full and tasks waiting; shrinking needs no task waiting
-  and 30% headroom after. A change waits for the last one's workers (``settled``), so it never oscillates.
+  and 30% headroom after. A change waits until the last one's workers are ready or gone.
 
 Pure: no clock or process of its own; unit tests drive it with made-up loads (tests/unit/test_sizing.py).
 """
@@ -143,7 +144,9 @@ class PoolSizer:
             self._quiet.clear()
             return None  # the last change is not done: workers still starting or leaving
         if self._trial is not None:
-            return self._judge(self._trial, load)
+            verdict = self._judge(self._trial, load)
+            if verdict is not None or self._trial is not None:
+                return verdict
         self._recent.append(load)
         grow = self._grow(load)
         if grow is not None:
@@ -202,6 +205,12 @@ class PoolSizer:
         if trial.ready_at is None:
             trial.ready_at = load.at
         if load.at - trial.ready_at < SETTLE_S:
+            return None
+        if load.starved <= SHRINK_STARVED:
+            # Tasks no longer wait: the growth relieved them (or the trainers slowed or left): kept, and an idle
+            # pool may shrink at once rather than wait for batches to judge by.
+            self._trial = None
+            self._recent.clear()
             return None
         trial.seconds += load.seconds
         trial.batches += load.batches

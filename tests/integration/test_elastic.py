@@ -141,7 +141,10 @@ def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: R
     shrunk = max(i for i, c in enumerate(changes) if c.startswith("shrinking"))
     assert any(c.startswith("growing") for c in changes[shrunk:]), f"no growth after the slow phase: {changes}"
     # Once every trainer is gone, the pool goes back to its fewest workers, and says why.
-    wait_for(lambda: daemon_status(address).pool.workers == 1, 20, "the pool back to 1 worker")
+    try:
+        wait_for(lambda: daemon_status(address).pool.workers == 1, 20, "the pool back to 1 worker")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{daemon.log()}") from None
     pool = daemon_status(address).pool
     assert (pool.elastic, pool.min_workers, pool.max_workers, pool.target) == (True, 1, 3, 1)
     assert "shrinking to 1" in pool.reason and pool.busy_s > 0 and pool.starved_s > 0

@@ -422,21 +422,3 @@ class Records(Dataset):
         if not 0 <= i < self.n:
             raise IndexError(f"Records index {i} out of range for {self.n} items")
         return {"x": torch.tensor([i, i * i], dtype=torch.float32), "labels": torch.tensor(float(i % 3)), "index": i}
-
-
-class Busy(Dataset):
-    """Burns ``cpu_s`` seconds of CPU per item (a CPU-bound dataset: an elastic pool must not grow past the cores)."""
-
-    def __init__(self, n: int = 100_000, cpu_s: float = 0.005) -> None:
-        self.n = n
-        self.cpu_s = cpu_s
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        end = time.thread_time() + self.cpu_s
-        x = i
-        while time.thread_time() < end:
-            x = (x * 1103515245 + 12345) % 2147483648
-        return i

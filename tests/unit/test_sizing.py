@@ -123,6 +123,15 @@ def test_idle_trainers_bring_the_pool_back_to_min_in_one_step() -> None:
     assert "shrinking to 2" in changes[0].reason
 
 
+def test_trainers_that_leave_while_a_growth_is_checked_let_the_pool_shrink_at_once() -> None:
+    sizer = PoolSizer(1, 8)
+    machine = Machine(demand=20, cpu_per_worker=0.02)
+    assert sizer.decide(machine.period(1)) == Resize(2, sizer.reason)  # a growth, now being checked
+    machine.demand = 0
+    sizes, changes = run(sizer, machine, int(SHRINK_AFTER_S) + 3)
+    assert [c.target for c in changes] == [1] and sizes[-1] == 1, sizes
+
+
 def test_a_lighter_load_shrinks_to_the_workers_it_keeps_busy() -> None:
     """A GPU-bound trainer: 2.5 workers' worth of work, no task waiting: 4 workers (2.5 / 0.7 busy) are enough."""
     sizer = PoolSizer(1, 8)
