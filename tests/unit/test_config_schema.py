@@ -13,8 +13,9 @@ import jsonschema
 import pytest
 import yaml
 
-from loaderd.server.config.document import SCHEMA_FILE, LogFormat, json_schema_text
+from loaderd.server.config.document import SCHEMA_FILE, json_schema_text
 from loaderd.server.config.schema import ConfigError, parse_config
+from loaderd.server.config.values import LogFormat
 from loaderd.server.process.log_format import LOG_FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
