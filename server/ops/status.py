@@ -242,7 +242,8 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
     parts = [f"loaderd {status.version}, up {_duration(status.uptime_s)}, {sessions}"]
     pool = status.pool
     if pool.elastic:
-        line = f"pool: {pool.workers} workers (elastic, {pool.min_workers} to {pool.max_workers}; target {pool.target}): {pool.reason}"
+        workers = f"{pool.workers} worker{'s' * (pool.workers != 1)}"
+        line = f"pool: {workers} (elastic, {pool.min_workers} to {pool.max_workers}; target {pool.target}): {pool.reason}"
         parts[0] += "\n" + line + (f"\nnot growing: {pool.held}" if pool.held else "")
     parts.append(
         _table(

@@ -149,6 +149,6 @@ def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: R
     assert (pool.elastic, pool.min_workers, pool.max_workers, pool.target) == (True, 1, 3, 1)
     assert "shrinking to 1" in pool.reason and pool.busy_s > 0 and pool.starved_s > 0
     text = loaderd_cli("status", "--address", address).stdout
-    assert "pool: 1 workers (elastic, 1 to 3; target 1): " in text, text
+    assert "pool: 1 worker (elastic, 1 to 3; target 1): " in text, text
     assert [w.worker_id for w in daemon_status(address).workers] == [0], "a worker that left is no longer listed"
     assert len(records.read_text().split()) == 1, "the build: once dataset was built once, however many workers joined"
