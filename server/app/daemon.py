@@ -55,10 +55,11 @@ from loaderd.server.ops.status import StatusBoard
 from loaderd.server.pool.fork_server import PoolStartError
 from loaderd.server.pool.pool import WorkerPool
 from loaderd.server.process.heap import give_back_free_pages, tune_heap
-from loaderd.server.rpc.admission import handler_threads
+from loaderd.server.rpc.admission import Admission, handler_threads
 from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.executor import ElasticExecutor
 from loaderd.server.rpc.handlers import SERVICE_NAME, add_parsing, generic_handler
+from loaderd.server.rpc.health import AdmittedHealth
 from loaderd.server.rpc.servicer import LoaderServicer
 from loaderd.server.rpc.sessions import SessionHost, SessionRegistry
 from loaderd.server.rpc.watchdog import Watchdog
@@ -156,7 +157,9 @@ class Daemon:
         self.metrics: MetricsEndpoint | None = None
         self.watchdog = Watchdog()
         self._executor: ElasticExecutor | None = None
-        self.health = health.HealthServicer()
+        # Counts the long-lived calls (sessions, streams, health watches) of every client: server/rpc/admission.py.
+        self.admission = Admission(self.config.limits)
+        self.health = AdmittedHealth(self.admission)
         self.drain_signal = DrainSignal()
         self._listeners: list[Listener] = []
         self._unix_paths: list[str] = []
@@ -244,7 +247,9 @@ class Daemon:
                     "set metrics.require_token (with auth:) or keep metrics.host on loopback",
                     url,
                 )
-        servicer = LoaderServicer(config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal, authenticator)
+        servicer = LoaderServicer(
+            config, catalog, scheduler, session_host, ledger, status.snapshot, self.watchdog, self.drain_signal, authenticator, self.admission
+        )
         threads = handler_threads(limits)
         log.info("open-file limit %d; up to %d handler threads", fd_limit, threads)
         # Threads idle for 30 s exit: a burst of streams leaves none behind.

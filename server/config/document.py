@@ -265,8 +265,9 @@ class LimitsSection(Section):
     """What clients may ask of the daemon; over a limit, RESOURCE_EXHAUSTED naming it."""
 
     max_streams: AtLeast1 = Field(Limits.max_streams, description="Open streams in all.")
-    max_streams_per_client: AtLeast1 = Field(Limits.max_streams_per_client, description="Per client process (its session) or connection.")
+    max_streams_per_client: AtLeast1 = Field(Limits.max_streams_per_client, description="Per client process (its session) and per connection.")
     max_sessions: AtLeast1 = Field(Limits.max_sessions, description="Client processes connected at once.")
+    max_watches: AtLeast1 = Field(Limits.max_watches, description="Health Watch calls open at once.")
     max_plan_ahead: AtLeast1 = Field(Limits.max_plan_ahead, description="Batches a stream may plan beyond what its client consumed.")
     max_plan_indices: AtLeast1 = Field(Limits.max_plan_indices, description="Indices a stream may have planned and not yet dispatched.")
     max_replicas: AtLeast1 = Field(Limits.max_replicas, description="An iterable stream's num_workers.")

@@ -105,13 +105,14 @@ class AuthConfig:
 class Limits:
     """``limits:``: what clients may ask of the daemon. Over a limit: RESOURCE_EXHAUSTED naming it.
 
-    "Per client" means per client process (its session) or, for a client
-    without one, per connection.
+    "Per client" means per client process (its session) and per connection. One host
+    may hold all but an eighth of each total (server/rpc/admission.py).
     """
 
     max_streams: int = 1024  # open streams in total
     max_streams_per_client: int = 256
     max_sessions: int = 1024  # client processes connected at once
+    max_watches: int = 64  # health Watch calls open at once
     # Batches a stream may plan beyond what its client consumed (a loader plans its window ahead).
     max_plan_ahead: int = 4096
     # Indices a stream may have planned but not yet dispatched (bounds the daemon's memory per stream).

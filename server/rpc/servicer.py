@@ -91,9 +91,11 @@ class LoaderServicer:
         watchdog: Watchdog,
         drain: DrainSignal,
         authenticator: Authenticator,
+        admission: Admission,
     ) -> None:
         """``config`` gives the limits and chunk sizes; ``status`` takes a snapshot; ``drain`` says when to send
-        clients away; ``authenticator`` names callers (the token interceptor already refused unknown ones)."""
+        clients away; ``authenticator`` names callers (the token interceptor already refused unknown ones);
+        ``admission`` counts every client's long-lived calls (the health service's watches too)."""
         self._catalog = catalog
         self._scheduler = scheduler
         self._session_host = session_host
@@ -108,7 +110,7 @@ class LoaderServicer:
         self._max_window = config.max_window
         # A Status reply must fit in gRPC's default receive limit (4 MiB), which `loaderd status` and grpcurl keep.
         self._max_status_bytes = STATUS_MAX_BYTES
-        self._admission = Admission(config.limits)
+        self._admission = admission
         self._throttle = LogThrottle(log)
 
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsResponse:
@@ -158,7 +160,7 @@ class LoaderServicer:
 
     def Session(self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
         try:
-            ticket = self._admission.admit_session()
+            ticket = self._admission.admit_session(context.peer())
         except LimitExceededError as exc:
             self._refuse(context, exc, "session")
         context.add_callback(ticket.release)
@@ -177,7 +179,7 @@ class LoaderServicer:
     def StreamBatches(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         self._refuse_if_draining(context)
         try:
-            ticket = self._admission.admit_stream()
+            ticket = self._admission.admit_stream(context.peer())
         except LimitExceededError as exc:
             self._refuse(context, exc, "stream")
         context.add_callback(ticket.release)

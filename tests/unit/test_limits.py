@@ -10,7 +10,7 @@ from support.fakes import catalog, lone_stream, map_spec
 
 from loaderd.errors import MAX_ERROR_MESSAGE, LimitExceededError, capture_exception
 from loaderd.server.config.schema import Limits
-from loaderd.server.rpc.admission import Admission
+from loaderd.server.rpc.admission import RESERVE_FRACTION, WATCHES_PER_CONNECTION, Admission, AdmissionRefused, Peer
 from loaderd.server.rpc.requests import MAX_POSITION, BadRequestError, RevisionMismatchError, open_spec, plan_batches
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.worker.tasks import DatasetMeta
@@ -97,9 +97,10 @@ def test_a_plan_may_hold_at_most_max_plan_indices_undispatched() -> None:
 
 def test_admission_counts_streams_per_client_and_in_all() -> None:
     admission = Admission(LIMITS)
-    calls = [admission.admit_stream() for _ in range(3)]
+    hosts = ("ipv4:10.0.0.1:1", "ipv4:10.0.0.2:1", "ipv4:10.0.0.3:1")
+    calls = [admission.admit_stream(peer) for peer in hosts]
     with pytest.raises(LimitExceededError, match="limits.max_streams\\)"):
-        admission.admit_stream()  # counted from the call's start, before it says whose it is
+        admission.admit_stream("ipv4:10.0.0.4:1")  # counted from the call's start, before it says whose it is
     a1, a2 = admission.admit_client_stream("a"), admission.admit_client_stream("a")
     with pytest.raises(LimitExceededError, match="max_streams_per_client"):
         admission.admit_client_stream("a")
@@ -109,12 +110,63 @@ def test_admission_counts_streams_per_client_and_in_all() -> None:
     admission.admit_client_stream("a")
     calls[0].release()
     assert admission.open_calls() == (0, 2)
-    session = admission.admit_session()
+    session = admission.admit_session("unix:")
     with pytest.raises(LimitExceededError, match="max_sessions"):
-        admission.admit_session()
+        admission.admit_session("ipv4:10.0.0.9:1")
     session.release()
-    admission.admit_session()
+    admission.admit_session("unix:")
     a2.release()
+
+
+@pytest.mark.parametrize(
+    ("peer", "host", "connection"),
+    [
+        ("ipv4:10.0.0.2:51234", "ipv4:10.0.0.2", "ipv4:10.0.0.2:51234"),
+        ("ipv6:[fd00::2]:7070", "ipv6:[fd00::2]", "ipv6:[fd00::2]:7070"),
+        ("unix:", "unix", None),  # every unix-socket connection looks the same
+        ("unix:/tmp/d.sock", "unix", None),
+        ("", "unknown", None),
+    ],
+)
+def test_a_peer_is_its_host_and_its_connection(peer: str, host: str, connection: str | None) -> None:
+    assert Peer.of(peer) == Peer(host, connection)
+
+
+def test_one_connection_holds_its_share_and_one_host_leaves_the_reserve_to_the_others() -> None:
+    admission = Admission(Limits(max_streams=16, max_streams_per_client=4, max_sessions=8, max_watches=8))
+    first = [admission.admit_stream("ipv4:10.0.0.1:100") for _ in range(4)]
+    with pytest.raises(AdmissionRefused, match=r"this connection \(ipv4:10.0.0.1:100\) has 4 streams open.*max_streams_per_client"):
+        admission.admit_stream("ipv4:10.0.0.1:100")
+    # More connections from the same host take up to the total less an eighth...
+    more = [admission.admit_stream(f"ipv4:10.0.0.1:{port}") for port in [101] * 4 + [102] * 4 + [103] * 2]
+    assert len(first) + len(more) == 14 == 16 - 16 // RESERVE_FRACTION
+    with pytest.raises(AdmissionRefused, match=r"ipv4:10.0.0.1 has 14 streams open, the most one host may hold"):
+        admission.admit_stream("ipv4:10.0.0.1:200")
+    # ... and the rest is kept for other hosts, until the total.
+    others = [admission.admit_stream("ipv4:10.0.0.2:1"), admission.admit_stream("ipv6:[fd00::3]:1")]
+    with pytest.raises(AdmissionRefused, match=r"the daemon has 16 streams open, its limit \(limits.max_streams\)"):
+        admission.admit_stream("ipv4:10.0.0.4:1")
+    for ticket in first + others:
+        ticket.release()
+    admission.admit_stream("ipv4:10.0.0.1:100")  # its share is back
+    # Sessions and watches are counted the same way, each against its own budget.
+    sessions = [admission.admit_session("ipv4:10.0.0.5:1") for _ in range(7)]  # 8 less an eighth
+    with pytest.raises(AdmissionRefused, match="sessions open, the most one host may hold"):
+        admission.admit_session("ipv4:10.0.0.5:2")
+    admission.admit_session("ipv4:10.0.0.6:1")
+    watches = [admission.admit_watch("ipv4:10.0.0.5:1") for _ in range(WATCHES_PER_CONNECTION)]
+    with pytest.raises(AdmissionRefused, match="health watches open, the limit per connection"):
+        admission.admit_watch("ipv4:10.0.0.5:1")
+    assert len(sessions) + len(watches) == 7 + WATCHES_PER_CONNECTION
+
+
+def test_unix_socket_callers_share_one_host_budget_with_no_connection_limit() -> None:
+    admission = Admission(Limits(max_streams=8, max_streams_per_client=2))
+    held = [admission.admit_stream("unix:") for _ in range(7)]  # no per-connection limit: they all look alike
+    with pytest.raises(AdmissionRefused, match="unix has 7 streams open"):
+        admission.admit_stream("unix:")
+    held.append(admission.admit_stream("ipv4:127.0.0.1:5"))  # loopback TCP is another "host"
+    assert len(held) == 8
 
 
 def test_the_watchdog_fires_armed_alarms_and_skips_disarmed_ones() -> None:
