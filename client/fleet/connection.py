@@ -95,8 +95,15 @@ class DaemonConnection:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
         with self._session_lock:
             if self._session is None or not self._session.alive:
-                self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
+                # A session whose call ended while this process lived (stopped past the daemon's keepalive) is resumed.
+                self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S, previous=self._session)
             return self._session
+
+    def forget_in_child(self) -> None:
+        """In a forked child: let go of what this process inherited that would tell the daemon the parent lives."""
+        session = self._session
+        if session is not None:
+            session.forget_in_child()
 
     def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
         """The daemon's description of ``dataset``, as a call in flight: ``result()`` returns the
@@ -121,6 +128,8 @@ def _forget_parents_connections() -> None:
     """In a forked child: the child opens its own connections on first use."""
     global _lock
     _lock = threading.Lock()  # a parent's thread may have held it at the fork
+    for conn in _connections.values():
+        conn.forget_in_child()
     _inherited.extend(_connections.values())
     _connections.clear()
 

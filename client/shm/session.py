@@ -11,6 +11,7 @@ the session end and takes every lease back.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -46,21 +47,47 @@ RELEASE_PERIOD_S = 0.005
 _TICK = object()
 # Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
 _MAX_MAPPINGS = 1024
+# Tries to lock the challenge file (a millisecond apart).
+_LOCK_TRIES = 100
 
 
-def _read_probe(path: str) -> tuple[bytes, str]:
-    """The challenge file's first bytes, or why not. Only a daemon's own file in SHM_DIR is read (no
-    link followed): what is read goes back to the daemon, which must not pick a file of ours to read."""
+def _read_probe(path: str) -> tuple[bytes, str, int | None]:
+    """The challenge file's first bytes, or why not, and the file still open with a shared lock on it.
+
+    Only a daemon's own file in SHM_DIR is read (no link followed): what is read goes back to
+    the daemon, which must not pick a file of ours to read. The lock tells the daemon this
+    process lives, paused or not, for as long as the session keeps the descriptor
+    (server/rpc/liveness.py); the kernel lets it go when the process exits.
+    """
     if os.path.dirname(path) != SHM_DIR or not is_segment_name(os.path.basename(path)):
-        return b"", f"the daemon's challenge names {path!r}, not a loaderd file in {SHM_DIR}"
+        return b"", f"the daemon's challenge names {path!r}, not a loaderd file in {SHM_DIR}", None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})"
+        return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})", None
     try:
-        return os.read(fd, 64), ""
-    finally:
+        token = os.read(fd, 64)
+    except OSError as exc:
         os.close(fd)
+        return b"", f"this process cannot read the daemon's shared memory ({path}: {exc.strerror})", None
+    try:
+        _lock_shared(fd)
+    except OSError as exc:
+        os.close(fd)
+        log.warning("cannot lock %s (%s): if this process stops for long, the daemon may reuse the slots it maps", path, exc.strerror)
+        return token, "", None
+    return token, "", fd
+
+
+def _lock_shared(fd: int) -> None:
+    """A shared flock on ``fd``; the daemon holds an exclusive one for an instant when it checks (retried)."""
+    for _ in range(_LOCK_TRIES - 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.001)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
 class SegmentMaps:
@@ -134,8 +161,17 @@ def _host_unregister(address: int, size: int) -> None:
 class ShmSession:
     """A live session with one daemon; ``shm`` says whether the fast path is usable."""
 
-    def __init__(self, stub: Any, address: str, handshake_timeout: float) -> None:
-        """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut)."""
+    session_id: int
+    shm: bool
+
+    def __init__(self, stub: Any, address: str, handshake_timeout: float, previous: ShmSession | None = None) -> None:
+        """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut).
+
+        ``previous``: this process's session with the daemon whose call ended without our closing
+        it (the daemon cut it while this process was stopped, say). The daemon may have kept its
+        leases (server/rpc/liveness.py); if it did, this one resumes it: same id, same leases, and
+        the batches still viewing its slots release through this session.
+        """
         self.address = address
         self._pid = os.getpid()
         # Written by finalizers (release), which may run inside a garbage collection on a thread
@@ -144,7 +180,12 @@ class ShmSession:
         # Written by finalizers too; the rules are in loaderd.shm.leases.
         self._leases = Leases()
         self._stop = threading.Event()
-        self._requests.put(pb.SessionRequest(hello=pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION)))
+        self._closed = False  # close() was called: the session is not resumed
+        self._life_fd: int | None = None  # the challenge file, locked while the session lives
+        self._successor: ShmSession | None = None  # the session that resumed this one
+        resume = previous.session_id if previous is not None and previous.resumable else 0
+        hello = pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION, resume_session_id=resume)
+        self._requests.put(pb.SessionRequest(hello=hello))
         self._sender = SenderThread()
         self._call = stub.Session(self._request_stream())
         cut = threading.Timer(handshake_timeout, self._call.cancel)
@@ -154,7 +195,7 @@ class ShmSession:
             response = next(self._call)
             if response.WhichOneof("kind") == "challenge":
                 challenge = response.challenge
-                token, problem = _read_probe(challenge.path)
+                token, problem, self._life_fd = _read_probe(challenge.path)
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
                 if not challenge.session_id:  # a daemon of an older revision (its probe refuses it too)
                     self._end_call()
@@ -180,12 +221,34 @@ class ShmSession:
         self.shm = ready.shm
         self.reason = ready.reason
         self.maps = SegmentMaps()
+        if previous is not None:
+            if resume and self.session_id == resume:  # the daemon kept it: its leases and mappings are ours now
+                self._leases, self.maps = previous._leases, previous.maps
+                previous._successor = self
+                self._requests.put(_TICK)  # send what was dropped while the call was down
+                log.warning("loaderd at %s: session %d resumed (its call had ended while this process was stopped?)", address, resume)
+            previous.let_go()
         self._fence = CopyFence()
         # This thread reads what the daemon sends later (`ready` when the session went on
         # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
         self._watcher.start()
         track(self._watcher)  # joined at the process's exit (loaderd.channel.threads)
+
+    @property
+    def resumable(self) -> bool:
+        """The call ended without our closing it, on a daemon that kept the session's leases if it lives on."""
+        return self.shm and not self._closed and not self.alive
+
+    def let_go(self) -> None:
+        """Unlock the challenge file (the daemon may let the session's leases go). Idempotent."""
+        fd, self._life_fd = self._life_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close the inherited copy of the lock's descriptor (the parent's lock stays)."""
+        self.let_go()
 
     @property
     def alive(self) -> bool:
@@ -234,6 +297,10 @@ class ShmSession:
 
     def release(self, lease: int) -> None:
         """Give a slot back (called when the last view of its batch is gone)."""
+        successor = self._successor
+        if successor is not None:  # the session was resumed by another call: it gives the slot back
+            successor.release(lease)
+            return
         if os.getpid() != self._pid:
             # A forked child dropping a batch it inherited: the lease is the parent's to give back,
             # and a lock held at the fork by one of the parent's threads would never be let go here.
@@ -266,7 +333,9 @@ class ShmSession:
 
     def close(self) -> None:
         """End the session: pinned copies' slots go back, the call is cancelled and its watcher joined."""
+        self._closed = True
         self._fence.close()  # pinned slots still being copied go back first (its thread joined)
+        self.let_go()  # before the call ends: the daemon, seeing no lock, releases every lease at once
         self._end_call()
         if threading.current_thread() is not self._watcher:
             # The cancelled call ends the watcher's read at once; bounded all the same (the exit hook joins it too).
@@ -274,6 +343,7 @@ class ShmSession:
 
     def _end_call(self) -> None:
         """Stop sending and cancel the call (all a session that failed to open has to undo)."""
+        self.let_go()
         self._stop.set()
         self._requests.put(None)
         self._call.cancel()

@@ -60,6 +60,7 @@ from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.executor import ElasticExecutor
 from loaderd.server.rpc.handlers import SERVICE_NAME, add_parsing, generic_handler
 from loaderd.server.rpc.health import AdmittedHealth
+from loaderd.server.rpc.liveness import keepalive_options
 from loaderd.server.rpc.servicer import LoaderServicer
 from loaderd.server.rpc.sessions import SessionHost, SessionRegistry
 from loaderd.server.rpc.watchdog import Watchdog
@@ -274,6 +275,7 @@ class Daemon:
                 # also on a connection whose only call (a session) carries no data.
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                *keepalive_options(limits),
             ],
         )
         self._serve(self.server)

@@ -122,6 +122,10 @@ class Limits:
     max_request_bytes: int = 16 << 20  # one request message
     # Seconds a new Session or StreamBatches call has to send its first message.
     handshake_timeout: float = 10.0
+    # The daemon pings each client connection this often (seconds) and closes one that has not
+    # answered within keepalive_timeout: a vanished client's calls end within their sum.
+    keepalive_time: float = 10.0
+    keepalive_timeout: float = 10.0
 
 
 @dataclass(frozen=True)

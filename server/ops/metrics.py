@@ -121,6 +121,9 @@ class _StatusCollector(Collector):
         yield GaugeMetricFamily("loaderd_workers_alive", "Pool workers alive", value=sum(w.alive for w in workers))
         yield GaugeMetricFamily("loaderd_workers_busy", "Pool workers with a task queued or running", value=sum(w.busy > 0 for w in workers))
         yield GaugeMetricFamily("loaderd_sessions", "Open shared-memory sessions", value=status.sessions)
+        yield GaugeMetricFamily(
+            "loaderd_sessions_paused", "Same-host sessions whose calls ended while their processes live (leases kept)", value=status.paused_sessions
+        )
         yield GaugeMetricFamily("loaderd_uptime_seconds", "Seconds since the daemon started", value=status.uptime_s)
 
 

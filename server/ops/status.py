@@ -55,7 +55,9 @@ class StatusBoard:
     def snapshot(self) -> pb.StatusResponse:
         """A consistent snapshot of the pool, datasets, shares and streams."""
         # Each part's figures come from its own snapshot: this takes no lock of theirs.
-        reply = pb.StatusResponse(version=version(), sessions=self._sessions.open_count())
+        reply = pb.StatusResponse(
+            version=version(), sessions=self._sessions.open_count(), paused_sessions=self._sessions.paused_count()
+        )
         known = self._catalog.datasets
         taken = self._scheduler.snapshot()
         reply.uptime_s = taken.taken_at - taken.started_at
@@ -239,6 +241,8 @@ def format_status(status: pb.StatusResponse, rates: dict[ClientKey, ClientRate] 
     """The human-readable tables `loaderd status` prints; clients' rates over their streams' open time unless ``rates`` is given."""
     rates = client_rates(None, status, 0.0) if rates is None else rates
     sessions = f"{status.sessions} shared-memory session{'s' * (status.sessions != 1)}"
+    if status.paused_sessions:
+        sessions += f" ({status.paused_sessions} more paused: their processes live but their calls ended)"
     parts = [f"loaderd {status.version}, up {_duration(status.uptime_s)}, {sessions}"]
     pool = status.pool
     if pool.elastic:

@@ -19,7 +19,7 @@ from loaderd.server.rpc.admission import Admission, AdmissionRefused
 from loaderd.wire.reasons import Reason, abort
 
 
-class AdmittedHealth(health.HealthServicer):  # type: ignore[misc]
+class AdmittedHealth(health.HealthServicer):
     """The health service, with ``Watch`` calls admitted by ``admission``."""
 
     def __init__(self, admission: Admission) -> None:

@@ -25,8 +25,10 @@ without its unguessable id. Afterwards the client sends ``release`` (batches it
 dropped that no plan message carried back: ``PlanBatches.released_leases``, applied
 by the servicer) and ``abandon`` (a stream it stopped) messages, and the daemon sends
 ``retired`` notices (segments it removed, to unmap). The session's slot leases
-are kept by the ledger (server/scheduling/ledger.py); when the call ends, however it ends,
-every lease goes back.
+are kept by the ledger (server/scheduling/ledger.py). When the call ends, every lease
+goes back, unless the client's process still lives on this host (it holds a lock on the
+challenge file, its ``LifeMark``): then the session is *paused*, its leases kept until the
+process exits or resumes it with a new call (server/rpc/liveness.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loaderd.server.rpc.liveness import LIFE_CHECK_S, LifeMark
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.ledger import SlotLedger
@@ -72,6 +75,10 @@ class ClientSession:
     # Messages for the client (segments it should unmap), sent by the session's handler; None only
     # wakes the handler (the session was closed).
     outbox: queue.Queue[pb.SessionResponse | None] = field(default_factory=queue.Queue)
+    # A same-host session's challenge file, which its process keeps locked while it lives.
+    mark: LifeMark | None = None
+    # Which of its calls serves it (one more each time it is resumed): a former call's end ends nothing.
+    call: int = 0
 
 
 class SessionForeignError(Exception):
@@ -79,16 +86,17 @@ class SessionForeignError(Exception):
 
 
 class SessionRegistry:
-    """Every open session."""
+    """Every open session, and every paused one (its call ended while its process lives)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[int, ClientSession] = {}
+        self._paused: dict[int, ClientSession] = {}
 
     def open(self, peer: str, identity: Identity = ANONYMOUS) -> ClientSession:
         with self._lock:
             session_id = 0
-            while not session_id or session_id in self._sessions:
+            while not session_id or session_id in self._sessions or session_id in self._paused:
                 session_id = secrets.randbits(63)  # unguessable: ids are not handed out in order
             session = ClientSession(session_id=session_id, peer=peer, identity=identity)
             self._sessions[session_id] = session
@@ -97,6 +105,46 @@ class SessionRegistry:
     def open_count(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    def paused_count(self) -> int:
+        with self._lock:
+            return len(self._paused)
+
+    def pause(self, session: ClientSession) -> None:
+        """Keep ``session`` (closed: no stream is served through it) until ``resume`` or ``unpause``."""
+        with self._lock:
+            self._paused[session.session_id] = session
+
+    def is_paused(self, session: ClientSession) -> bool:
+        with self._lock:
+            return self._paused.get(session.session_id) is session
+
+    def unpause(self, session: ClientSession) -> bool:
+        """Stop keeping ``session``; False if it was resumed (or let go) already."""
+        with self._lock:
+            return self._paused.pop(session.session_id, None) is session
+
+    def resume(self, session_id: int, identity: Identity, peer: str) -> ClientSession | None:
+        """The paused session ``session_id``, open again for a new call of the same identity; None if
+        there is none (let go, never paused, another identity's, or another daemon's)."""
+        with self._lock:
+            session = self._paused.get(session_id)
+            if session is None or session.identity != identity:
+                return None
+            del self._paused[session_id]
+            session.call += 1
+            session.peer = peer
+            session.shm = session.closed = False
+            session.decided = threading.Event()
+            session.outbox = queue.Queue()
+            self._sessions[session_id] = session
+            return session
+
+    def take_paused(self) -> list[ClientSession]:
+        """Every paused session, no longer kept (shutdown)."""
+        with self._lock:
+            paused, self._paused = list(self._paused.values()), {}
+            return paused
 
     def shm_session(self, session_id: int, identity: Identity) -> ClientSession | None:
         """The open session ``session_id`` if it proved shared memory, else None; SessionForeignError
@@ -114,10 +162,10 @@ class SessionRegistry:
         session.decided.wait(max(0.0, session.verdict_by - time.monotonic()))
         return session if session.shm and not session.closed else None
 
-    def close(self, session: ClientSession) -> bool:
-        """Forget ``session``; False if it was closed already."""
+    def close(self, session: ClientSession, call: int | None = None) -> bool:
+        """Forget ``session`` (if its call is still ``call``, unless None); False if it was closed already."""
         with self._lock:
-            if session.closed:
+            if session.closed or (call is not None and call != session.call):
                 return False
             session.closed = True
             self._sessions.pop(session.session_id, None)
@@ -151,28 +199,64 @@ class SessionHost:
         self._watchdog = watchdog
         self._proof_timeout = proof_timeout
         self._probes = itertools.count()
+        self._closing = False
 
-    def end(self, session: ClientSession) -> None:
-        """The client is gone: every slot it held goes back to its worker. Idempotent."""
-        if not self.registry.close(session):
+    def end(self, session: ClientSession, call: int | None = None) -> None:
+        """The session's call ``call`` ended (None: whichever it has now): every slot it held goes back to its
+        worker, unless its process lives on this host (it holds its mark's lock): then the session is paused,
+        its leases kept. Idempotent; a call the session was resumed from since ends nothing."""
+        if not self.registry.close(session, call):
             return
+        mark = session.mark
+        if mark is not None and not self._closing and mark.held():
+            self.registry.pause(session)
+            log.warning(
+                "session %d (%s): the call ended but its process lives (paused or stopped?): keeping its %d leased slots "
+                "until it exits or comes back",
+                session.session_id,
+                session.peer,
+                self._ledger.leases_of(session.session_id),
+            )
+            self._watchdog.arm(LIFE_CHECK_S, lambda: self._check_paused(session))
+            return
+        self._release(session)
+
+    def _check_paused(self, session: ClientSession) -> None:
+        """On the watchdog's thread: let a paused session go once its process has exited."""
+        mark = session.mark
+        if mark is not None and mark.held() and not self._closing:
+            if self.registry.is_paused(session):  # else it was resumed: its next end checks again
+                self._watchdog.arm(LIFE_CHECK_S, lambda: self._check_paused(session))
+        elif self.registry.unpause(session):
+            self._release(session)
+
+    def _release(self, session: ClientSession) -> None:
+        if session.mark is not None:
+            session.mark.remove()
         released = self._ledger.close_session(session.session_id)
         if released:
             log.info("session %d (%s) ended holding %d slots; released", session.session_id, session.peer, released)
 
     def close_all(self) -> None:
-        """Shutdown: end every session (each gives back what it held, as when its client goes); the
-        handlers of those past their handshake end their calls at once."""
+        """Shutdown: end every session (each gives back what it held, as when its client goes, paused ones
+        too); the handlers of those past their handshake end their calls at once."""
+        self._closing = True
         for session in self.registry.open_sessions():
             self.end(session)
+        for session in self.registry.take_paused():
+            self._release(session)
 
     def serve(
         self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext, identity: Identity
     ) -> Iterator[pb.SessionResponse]:
         """The session's responses, from the challenge on (see the module docstring)."""
-        session = self.registry.open(context.peer(), identity)
-        self._ledger.open_session(session.session_id)
-        context.add_callback(lambda: self.end(session))
+        session = self.registry.resume(hello.resume_session_id, identity, context.peer()) if hello.resume_session_id else None
+        resumed = session is not None
+        if session is None:
+            session = self.registry.open(context.peer(), identity)
+            self._ledger.open_session(session.session_id)
+        call = session.call
+        context.add_callback(lambda: self.end(session, call))
         try:
             probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
             if probe is None:
@@ -181,6 +265,7 @@ class SessionHost:
                 path, token = probe
                 session.verdict_by = time.monotonic() + self._proof_timeout
                 alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
+                proof = None
                 try:
                     yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=session.session_id))
                     proof = next(requests, None)
@@ -188,24 +273,31 @@ class SessionHost:
                     return  # cut (no proof in time), gone, or garbage: the session ends
                 finally:
                     alarm.disarm()
-                    _unlink(path)
+                    proved = proof is not None and proof.WhichOneof("kind") == "proof" and proof.proof.token == token
+                    if proved:  # the client keeps the file locked while it lives (server/rpc/liveness.py)
+                        previous, session.mark = session.mark, LifeMark(path)
+                        if previous is not None:
+                            previous.remove()
+                    else:
+                        _unlink(path)
                 if proof is None or proof.WhichOneof("kind") != "proof":
                     return
-                session.shm = proof.proof.token == token
+                session.shm = proved
                 reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
             session.decided.set()
             verdict = "yes" if session.shm else f"no ({reason})"
             log.info(
-                "session %d from %s (pid %d): shared memory %s; identity: %s",
+                "session %d from %s (pid %d)%s: shared memory %s; identity: %s",
                 session.session_id,
                 context.peer(),
                 hello.pid,
+                f" resumed, holding {self._ledger.leases_of(session.session_id)} leased slots" if resumed else "",
                 verdict,
                 identity,
             )
             yield pb.SessionResponse(ready=pb.SessionReady(session_id=session.session_id, shm=session.shm, reason=reason))
             reader = threading.Thread(
-                target=self._read, args=(requests, session), name=f"loaderd-session-{session.session_id}", daemon=True
+                target=self._read, args=(requests, session, call), name=f"loaderd-session-{session.session_id}", daemon=True
             )
             reader.start()
             while not session.closed and context.is_active():
@@ -216,9 +308,9 @@ class SessionHost:
                 if message is not None:
                     yield message
         finally:
-            self.end(session)
+            self.end(session, call)
 
-    def _read(self, requests: Iterator[pb.SessionRequest], session: ClientSession) -> None:
+    def _read(self, requests: Iterator[pb.SessionRequest], session: ClientSession, call: int) -> None:
         """Apply the client's releases until it goes away; then every slot it held goes back."""
         try:
             for request in requests:
@@ -233,7 +325,7 @@ class SessionHost:
         except BadRequestError as exc:
             log.warning("session %d (%s) ended: %s", session.session_id, session.peer, exc)
         finally:
-            self.end(session)
+            self.end(session, call)
 
 
 def _unlink(path: str) -> None:

@@ -153,6 +153,12 @@ class SlotLedger:
         with self._lock:
             self._sessions.setdefault(session_id, _Session())
 
+    def leases_of(self, session_id: int) -> int:
+        """How many leases the session holds."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return len(session.leases) if session is not None else 0
+
     def lease(self, session_id: int, stream_token: int, batch: FinishedBatch) -> int | None:
         """Hand ``batch``'s reference to a session; None if the session or the stream is gone."""
         with self._lock:

@@ -256,12 +256,14 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ..., keep_open_ms: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("pid", "protocol_revision")
+    __slots__ = ("pid", "protocol_revision", "resume_session_id")
     PID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     pid: int
     protocol_revision: int
-    def __init__(self, pid: _Optional[int] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
+    resume_session_id: int
+    def __init__(self, pid: _Optional[int] = ..., protocol_revision: _Optional[int] = ..., resume_session_id: _Optional[int] = ...) -> None: ...
 
 class SessionProof(_message.Message):
     __slots__ = ("token", "problem")
@@ -510,7 +512,7 @@ class PoolStatus(_message.Message):
     def __init__(self, workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., elastic: _Optional[bool] = ..., target: _Optional[int] = ..., reason: _Optional[str] = ..., held: _Optional[str] = ..., starved_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., limited_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients", "pool")
+    __slots__ = ("version", "uptime_s", "workers", "datasets", "streams", "shares", "sessions", "clients", "pool", "paused_sessions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +522,7 @@ class StatusResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -529,4 +532,5 @@ class StatusResponse(_message.Message):
     sessions: int
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
     pool: PoolStatus
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., pool: _Optional[_Union[PoolStatus, _Mapping]] = ...) -> None: ...
+    paused_sessions: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., shares: _Optional[_Iterable[_Union[ShareStatus, _Mapping]]] = ..., sessions: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., pool: _Optional[_Union[PoolStatus, _Mapping]] = ..., paused_sessions: _Optional[int] = ...) -> None: ...
