@@ -163,6 +163,7 @@ class ShmSession:
 
     session_id: int
     shm: bool
+    _fence: CopyFence
 
     def __init__(self, stub: Any, address: str, handshake_timeout: float, previous: ShmSession | None = None) -> None:
         """Open the session; ``handshake_timeout`` bounds the exchange (a daemon that hangs is cut).
@@ -183,6 +184,7 @@ class ShmSession:
         self._closed = False  # close() was called: the session is not resumed
         self._life_fd: int | None = None  # the challenge file, locked while the session lives
         self._successor: ShmSession | None = None  # the session that resumed this one
+        self._unsent: list[pb.SessionRequest] = []  # abandons made while the call was down, for a successor
         resume = previous.session_id if previous is not None and previous.resumable else 0
         hello = pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION, resume_session_id=resume)
         self._requests.put(pb.SessionRequest(hello=hello))
@@ -225,9 +227,12 @@ class ShmSession:
             if resume and self.session_id == resume:  # the daemon kept it: its leases and mappings are ours now
                 self._leases, self.maps = previous._leases, previous.maps
                 previous._successor = self
+                for message in previous._unsent:  # streams stopped while the call was down
+                    self._requests.put(message)
                 self._requests.put(_TICK)  # send what was dropped while the call was down
                 log.warning("loaderd at %s: session %d resumed (its call had ended while this process was stopped?)", address, resume)
             previous.let_go()
+            previous._fence.close()  # its pinned copies' slots go back (through this session, if resumed)
         self._fence = CopyFence()
         # This thread reads what the daemon sends later (`ready` when the session went on
         # without it, segments retired) and notices when the session ends.
@@ -325,11 +330,19 @@ class ShmSession:
 
     def abandon(self, stream_token: int) -> None:
         """A stream stopped early: the daemon takes back the slots it sent that never became batches."""
+        successor = self._successor
+        if successor is not None:  # resumed by another call: it tells the daemon
+            successor.abandon(stream_token)
+            return
         if os.getpid() != self._pid:
             return  # a forked child: the stream and its leases are the parent's (as in release)
         kept = self._leases.abandon(stream_token)
+        message = pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept))
         if not self._stop.is_set():
-            self._requests.put(pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept)))
+            self._requests.put(message)
+        elif not self._closed:
+            # The call is down but the daemon may keep the session for a resume: the successor sends it.
+            self._unsent.append(message)
 
     def close(self) -> None:
         """End the session: pinned copies' slots go back, the call is cancelled and its watcher joined."""

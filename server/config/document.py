@@ -36,6 +36,7 @@ from loaderd.server.config.values import (
     Flag,
     Host,
     ImportPath,
+    KeepaliveSeconds,
     LogFormatName,
     LogLevel,
     OptionalImportPath,
@@ -274,8 +275,8 @@ class LimitsSection(Section):
     max_name_bytes: AtLeast1 = Field(Limits.max_name_bytes, description="Dataset, client and share names, share fingerprints.")
     max_request_bytes: AtLeast1 = Field(Limits.max_request_bytes, description="One request message.")
     handshake_timeout: Seconds = Field(Limits.handshake_timeout, description="Seconds a new call has to send its first message.")
-    keepalive_time: Seconds = Field(Limits.keepalive_time, description="Seconds between the daemon's pings of each client connection.")
-    keepalive_timeout: Seconds = Field(
+    keepalive_time: KeepaliveSeconds = Field(Limits.keepalive_time, description="Seconds between the daemon's pings of each client connection.")
+    keepalive_timeout: KeepaliveSeconds = Field(
         Limits.keepalive_timeout, description="Seconds a client has to answer a ping before its connection, and its calls, are closed."
     )
 

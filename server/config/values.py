@@ -29,6 +29,8 @@ ChunkBytes = Annotated[
 _SECONDS = "expected a positive number of seconds, got {input!r}"
 Seconds = Annotated[float, Field(gt=0, lt=1e9), says(otherwise=_SECONDS)]
 SecondsOrZero = Annotated[float, Field(ge=0, lt=1e9), says(otherwise=_SECONDS)]
+# A keepalive period: at least a second (a ping flood otherwise), at most a day (gRPC takes milliseconds as a 32-bit int).
+KeepaliveSeconds = Annotated[float, Field(ge=1, le=86400), says(otherwise="expected seconds from 1 to 86400, got {input!r}")]
 Port = Annotated[int, Field(ge=0, le=65535), says("a port number", otherwise="must be a port number from 0 to 65535, got {input}")]
 Flag = Annotated[bool, says("true or false")]
 # A file, relative to the config's directory; \S: not blank.

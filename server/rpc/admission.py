@@ -6,7 +6,7 @@ call is counted against it from its first instant, before its first message,
 by who it comes from (``Peer``):
 
 - in all: ``limits.max_sessions``, ``limits.max_streams``, ``limits.max_watches``;
-- per host (the peer's address without its port): the total less a reserve of
+- per host (the peer's address without its port; an IPv6 host is its /64): the total less a reserve of
   an eighth (``RESERVE_FRACTION``), which no single host can take, so another
   host always gets in however many calls one host holds;
 - per connection (address and port): ``limits.max_streams_per_client`` streams,
@@ -29,6 +29,7 @@ end and its context callback may both release it.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -62,19 +63,30 @@ class AdmissionRefused(LimitExceededError):
 class Peer:
     """Who a call comes from, as far as its first instant tells: its host, and its connection where it has one."""
 
-    host: str  # "ipv4:10.0.0.2", "ipv6:[fd00::2]", "unix"
+    host: str  # "ipv4:10.0.0.2", "ipv6:fd00::/64", "unix"
     connection: str | None  # gRPC's peer ("ipv4:10.0.0.2:51234"); None on a unix socket, where all look alike
 
     @classmethod
     def of(cls, peer: str) -> Peer:
-        """The ``Peer`` of gRPC's ``context.peer()`` string."""
+        """The ``Peer`` of gRPC's ``context.peer()`` string.
+
+        An IPv6 host is its /64 (one machine commonly has a whole /64 to pick addresses from),
+        and an IPv4-mapped IPv6 address is the IPv4 host it maps."""
         kind, _, rest = peer.partition(":")
-        if kind in ("ipv4", "ipv6"):
-            host, colon, port = rest.rpartition(":")
-            if colon and host and port.isdigit():
-                return cls(host=f"{kind}:{host}", connection=peer)
+        if kind not in ("ipv4", "ipv6"):
+            return cls(host=kind or "unknown", connection=None)
+        host, colon, port = rest.rpartition(":")
+        if not (colon and host and port.isdigit()):
             return cls(host=peer, connection=peer)
-        return cls(host=kind or "unknown", connection=None)
+        if kind == "ipv6":
+            try:
+                address = ipaddress.IPv6Address(host.strip("[]").split("%", 1)[0])
+            except ValueError:
+                return cls(host=f"{kind}:{host}", connection=peer)
+            if address.ipv4_mapped is not None:
+                return cls(host=f"ipv4:{address.ipv4_mapped}", connection=peer)
+            return cls(host=f"ipv6:{ipaddress.IPv6Network((address, 64), strict=False)}", connection=peer)
+        return cls(host=f"{kind}:{host}", connection=peer)
 
 
 class CallKind(Enum):

@@ -31,5 +31,7 @@ class AdmittedHealth(health.HealthServicer):
             ticket = self._admission.admit_watch(context.peer())
         except AdmissionRefused as exc:
             abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), Reason.ADMISSION_LIMIT)
-        context.add_callback(ticket.release)
+        if not context.add_callback(ticket.release):  # the call ended already: nothing to watch
+            ticket.release()
+            return iter(())
         return super().Watch(request, context, send_response_callback)

@@ -63,14 +63,19 @@ class LifeMark:
         self.path = path
 
     def held(self) -> bool:
-        """Whether some process still holds its lock (an exclusive one cannot be taken now)."""
+        """Whether some process still holds its lock (an exclusive one cannot be taken now).
+
+        Only a file that is gone, or a lock taken, says no: any other error (out of descriptors,
+        say) says yes, and the caller asks again later, rather than hand out slots still mapped."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
+        except FileNotFoundError:
             return False
+        except OSError:
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # BlockingIOError: held; anything else: cannot tell, so held
             return True
         finally:
             os.close(fd)  # also drops the lock just taken, if it was

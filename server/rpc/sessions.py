@@ -124,21 +124,41 @@ class SessionRegistry:
         with self._lock:
             return self._paused.pop(session.session_id, None) is session
 
-    def resume(self, session_id: int, identity: Identity, peer: str) -> ClientSession | None:
-        """The paused session ``session_id``, open again for a new call of the same identity; None if
-        there is none (let go, never paused, another identity's, or another daemon's)."""
+    def find(self, session_id: int, identity: Identity) -> ClientSession | None:
+        """The paused or open session ``session_id`` of ``identity`` (a resume's candidate), else None."""
         with self._lock:
-            session = self._paused.get(session_id)
-            if session is None or session.identity != identity:
+            session = self._paused.get(session_id) or self._sessions.get(session_id)
+            return session if session is not None and session.identity == identity and session.mark is not None else None
+
+    def take_over(self, session: ClientSession, peer: str) -> int | None:
+        """``session`` (paused, or still open: its old call's end not yet seen) served by a new call from
+        ``peer`` whose client proved the same host again; the call's number, or None if the session was
+        let go meanwhile. The old call's end, its handler and its reader then end nothing."""
+        with self._lock:
+            if self._paused.get(session.session_id) is session:
+                del self._paused[session.session_id]  # its outbox kept what it missed (segments retired)
+            elif self._sessions.get(session.session_id) is session and not session.closed:
+                session.outbox.put(None)  # wake the old handler: it sees the call is no longer its own
+                session.outbox = queue.Queue()
+            else:
                 return None
-            del self._paused[session_id]
             session.call += 1
             session.peer = peer
-            session.shm = session.closed = False
-            session.decided = threading.Event()
-            session.outbox = queue.Queue()
-            self._sessions[session_id] = session
-            return session
+            session.closed = False
+            session.shm = True
+            session.decided.set()
+            self._sessions[session.session_id] = session
+            return session.call
+
+    def set_mark(self, session: ClientSession, mark: LifeMark) -> bool:
+        """Give ``session`` its mark (the previous one, if any, is removed); False if it ended meanwhile."""
+        with self._lock:
+            if session.closed and self._paused.get(session.session_id) is not session:
+                return False
+            previous, session.mark = session.mark, mark
+        if previous is not None and previous.path != mark.path:
+            previous.remove()
+        return True
 
     def take_paused(self) -> list[ClientSession]:
         """Every paused session, no longer kept (shutdown)."""
@@ -174,10 +194,11 @@ class SessionRegistry:
         return True
 
     def announce_retired(self, names: tuple[str, ...], prefixes: tuple[str, ...]) -> None:
-        """Tell every shared-memory client which segments are gone, so it unmaps them."""
+        """Tell every shared-memory client which segments are gone, so it unmaps them (a paused one once it
+        resumes: its outbox waits)."""
         message = pb.SessionResponse(retired=pb.SegmentsRetired(names=names, prefixes=prefixes))
         with self._lock:
-            for session in self._sessions.values():
+            for session in [*self._sessions.values(), *self._paused.values()]:
                 if session.shm:
                     session.outbox.put(message)
 
@@ -208,7 +229,7 @@ class SessionHost:
         if not self.registry.close(session, call):
             return
         mark = session.mark
-        if mark is not None and not self._closing and mark.held():
+        if mark is not None and not self._closing and self._ledger.leases_of(session.session_id) and mark.held():
             self.registry.pause(session)
             log.warning(
                 "session %d (%s): the call ended but its process lives (paused or stopped?): keeping its %d leased slots "
@@ -249,39 +270,58 @@ class SessionHost:
     def serve(
         self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext, identity: Identity
     ) -> Iterator[pb.SessionResponse]:
-        """The session's responses, from the challenge on (see the module docstring)."""
-        session = self.registry.resume(hello.resume_session_id, identity, context.peer()) if hello.resume_session_id else None
-        resumed = session is not None
-        if session is None:
+        """The session's responses, from the challenge on (see the module docstring).
+
+        A call that names a session to resume (``hello.resume_session_id``: one of this identity's,
+        paused or not yet seen to end) is offered its id in the challenge, and takes it over only
+        once its client has proved the same host again; until then, and if it fails, the session is
+        untouched (its leases stay where they are).
+        """
+        resuming = self.registry.find(hello.resume_session_id, identity) if hello.resume_session_id else None
+        session: ClientSession | None = None
+        call = 0
+        if resuming is None:
             session = self.registry.open(context.peer(), identity)
             self._ledger.open_session(session.session_id)
-        call = session.call
-        context.add_callback(lambda: self.end(session, call))
+            opened, opened_call = session, session.call
+            context.add_callback(lambda: self.end(opened, opened_call))
         try:
             probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
             if probe is None:
+                if session is None:
+                    return  # nothing to resume without shared memory
                 reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
             else:
                 path, token = probe
-                session.verdict_by = time.monotonic() + self._proof_timeout
+                if session is not None:
+                    session.verdict_by = time.monotonic() + self._proof_timeout
                 alarm = self._watchdog.arm(self._proof_timeout, context.cancel)
                 proof = None
+                kept = False
                 try:
-                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=session.session_id))
+                    target = resuming if resuming is not None else session
+                    assert target is not None
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=target.session_id))
                     proof = next(requests, None)
+                    proved = proof is not None and proof.WhichOneof("kind") == "proof" and proof.proof.token == token
+                    if proved and resuming is not None:
+                        taken = self.registry.take_over(resuming, context.peer())
+                        if taken is None:
+                            return  # let go meanwhile (its process exited): nothing to resume
+                        session, call = resuming, taken
+                        resumed, resumed_call = session, call
+                        context.add_callback(lambda: self.end(resumed, resumed_call))
+                    if proved and session is not None:
+                        # The client keeps the file locked while it lives (server/rpc/liveness.py).
+                        kept = self.registry.set_mark(session, LifeMark(path))
                 except (grpc.RpcError, BadRequestError):
                     return  # cut (no proof in time), gone, or garbage: the session ends
                 finally:
                     alarm.disarm()
-                    proved = proof is not None and proof.WhichOneof("kind") == "proof" and proof.proof.token == token
-                    if proved:  # the client keeps the file locked while it lives (server/rpc/liveness.py)
-                        previous, session.mark = session.mark, LifeMark(path)
-                        if previous is not None:
-                            previous.remove()
-                    else:
+                    if not kept:
                         _unlink(path)
-                if proof is None or proof.WhichOneof("kind") != "proof":
-                    return
+                if session is None or proof is None or proof.WhichOneof("kind") != "proof":
+                    return  # a resume whose client did not prove the same host: the session stays as it was
                 session.shm = proved
                 reason = "" if session.shm else (proof.proof.problem or "the client read other bytes: not the same shared memory")
             session.decided.set()
@@ -291,7 +331,7 @@ class SessionHost:
                 session.session_id,
                 context.peer(),
                 hello.pid,
-                f" resumed, holding {self._ledger.leases_of(session.session_id)} leased slots" if resumed else "",
+                f" resumed, holding {self._ledger.leases_of(session.session_id)} leased slots" if resuming is not None else "",
                 verdict,
                 identity,
             )
@@ -300,7 +340,7 @@ class SessionHost:
                 target=self._read, args=(requests, session, call), name=f"loaderd-session-{session.session_id}", daemon=True
             )
             reader.start()
-            while not session.closed and context.is_active():
+            while not session.closed and session.call == call and context.is_active():
                 try:
                     message = session.outbox.get(timeout=_POLL_S)
                 except queue.Empty:
@@ -308,7 +348,8 @@ class SessionHost:
                 if message is not None:
                     yield message
         finally:
-            self.end(session, call)
+            if session is not None:
+                self.end(session, call)
 
     def _read(self, requests: Iterator[pb.SessionRequest], session: ClientSession, call: int) -> None:
         """Apply the client's releases until it goes away; then every slot it held goes back."""

@@ -196,7 +196,7 @@ def fuzz(settings: Settings, daemon: Daemon) -> int:
     if alive:
         shm_end = fuzzing.shm_entries(pid)
         print(f"\n/dev/shm entries of the daemon: {len(shm_start)} at the start, {len(shm_end)} at the end")
-        if len(shm_end) > len(shm_start) or any("probe" in name for name in shm_end):
+        if len(shm_end) > len(shm_start) or fuzzing.stray_probes(daemon.unix_address, shm_end):
             problems.append(f"/dev/shm: {shm_start} at the start, {shm_end} at the end")
         epoch_problems = fuzzing.check_epochs(daemon.unix_address, seed + 1)
         print(f"\npost-run epochs equal torch's: **{'yes' if not epoch_problems else 'NO'}**")

@@ -40,6 +40,7 @@ from support.fuzzing import (
     log_findings,
     open_calls,
     shm_entries,
+    stray_probes,
 )
 
 SEED = int(os.environ.get("LOADERD_FUZZ_SEED", "20240611"))
@@ -125,7 +126,7 @@ def test_fuzzed_requests_get_allowed_codes_and_the_daemon_stays_flat() -> None:
             problems += unsettled_footprint
             print(f"after {tally.calls} calls: {final} (warm-up: {baseline}), {time.monotonic() - settled:.1f} s to come back")
             shm_after = shm_entries(pid)
-            if len(shm_after) > len(shm_before) or any("probe" in name for name in shm_after):
+            if len(shm_after) > len(shm_before) or stray_probes(daemon.address, shm_after):
                 problems.append(f"/dev/shm entries of the daemon: {shm_before} after the warm-up, now {shm_after}")
             problems += check_epochs(daemon.address, SEED + 1)
             unhealthy = health_serving(daemon.address)

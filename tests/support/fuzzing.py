@@ -1405,6 +1405,13 @@ def cap_address_space(pid: int, headroom: int = 3 << 30) -> int:
     return limit
 
 
+def stray_probes(address: str, entries: list[str]) -> list[str]:
+    """Session challenge files beyond one per open (or paused) session: each session keeps its own while it lives."""
+    probes = [name for name in entries if "probe" in name]
+    calls = open_calls(address)
+    return probes if calls is None or len(probes) > calls[1] else []
+
+
 def open_calls(address: str, timeout: float = 10.0) -> tuple[int, int] | None:
     """(open streams, open sessions) as the daemon's Status RPC reports them; None if it does not answer."""
     from loaderd.v1 import loaderd_pb2_grpc

@@ -172,7 +172,8 @@ class HostBed:
         total = 0
         where = self.hosts[host]
         for netns, device in ((where.netns, "eth0"), (self._switch, where.outer)):
-            out = subprocess.run(["tc", "-n", netns, "-s", "qdisc", "show", "dev", device], capture_output=True, text=True, check=False).stdout
+            command = ["tc", "-n", netns, "-s", "qdisc", "show", "dev", device]
+            out = subprocess.run(command, capture_output=True, text=True, check=False, timeout=_COMMAND_TIMEOUT_S).stdout
             for word, following in zip(out.split(), out.split()[1:]):
                 if word == "(dropped":
                     total += int(following.rstrip(","))

@@ -122,7 +122,9 @@ def test_admission_counts_streams_per_client_and_in_all() -> None:
     ("peer", "host", "connection"),
     [
         ("ipv4:10.0.0.2:51234", "ipv4:10.0.0.2", "ipv4:10.0.0.2:51234"),
-        ("ipv6:[fd00::2]:7070", "ipv6:[fd00::2]", "ipv6:[fd00::2]:7070"),
+        ("ipv6:[fd00::2]:7070", "ipv6:fd00::/64", "ipv6:[fd00::2]:7070"),
+        ("ipv6:[fd00::1:2:3:4]:7070", "ipv6:fd00::/64", "ipv6:[fd00::1:2:3:4]:7070"),  # the same /64: the same host
+        ("ipv6:[::ffff:10.0.0.2]:7070", "ipv4:10.0.0.2", "ipv6:[::ffff:10.0.0.2]:7070"),  # IPv4-mapped
         ("unix:", "unix", None),  # every unix-socket connection looks the same
         ("unix:/tmp/d.sock", "unix", None),
         ("", "unknown", None),

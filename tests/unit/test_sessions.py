@@ -24,6 +24,7 @@ from support.daemons import ends_on_its_own_thread, wait_for
 
 from loaderd.errors import LoaderdError
 from loaderd.server.rpc import sessions
+from loaderd.server.rpc.liveness import LifeMark
 from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost, SessionRegistry
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.ledger import SlotLedger
@@ -112,6 +113,58 @@ def _waits_on_queue(thread: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _marked(registry: SessionRegistry, tmp_path: Path, identity: Identity = ANONYMOUS) -> ClientSession:
+    session = registry.open("peer", identity)
+    mark = tmp_path / f"mark-{session.session_id}"
+    mark.write_bytes(b"token")
+    assert registry.set_mark(session, LifeMark(str(mark)))
+    session.shm = True
+    return session
+
+
+def test_a_paused_session_is_taken_over_by_its_identity_only_and_its_old_call_ends_nothing(tmp_path: Path) -> None:
+    registry = SessionRegistry()
+    me = Identity("me")
+    session = _marked(registry, tmp_path, me)
+    first_call = session.call
+    assert registry.close(session, first_call)
+    registry.pause(session)
+    assert registry.paused_count() == 1 and registry.open_count() == 0
+    assert registry.find(session.session_id, Identity("other")) is None  # another identity's: not offered
+    assert registry.find(session.session_id, me) is session
+    call = registry.take_over(session, "new peer")
+    assert call == first_call + 1 and registry.paused_count() == 0 and registry.open_count() == 1
+    assert not registry.close(session, first_call), "the old call's end must not close the resumed session"
+    assert registry.take_over(session, "again") == call + 1  # a session still open (its old call's end unseen) too
+    assert registry.close(session, call + 1)
+    assert registry.take_over(session, "late") is None  # let go: nothing to take over
+
+
+def test_a_mark_given_to_a_session_that_ended_meanwhile_is_refused(tmp_path: Path) -> None:
+    registry = SessionRegistry()
+    session = registry.open("peer")
+    registry.close(session)
+    assert not registry.set_mark(session, LifeMark(str(tmp_path / "late")))  # the caller removes the file
+
+
+def test_a_life_mark_is_held_while_a_process_holds_its_lock_and_only_a_missing_file_says_no(tmp_path: Path) -> None:
+    import fcntl
+
+    path = tmp_path / "mark"
+    path.write_bytes(b"token")
+    mark = LifeMark(str(path))
+    assert not mark.held()
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        assert mark.held()
+    finally:
+        os.close(fd)  # the process "exits": its lock goes with its descriptor
+    assert not mark.held()
+    mark.remove()
+    assert not mark.held() and not path.exists()
 
 
 def test_closing_every_session_ends_their_calls_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
