@@ -17,7 +17,8 @@ bounds  --rounds rounds of each, on a bed of 2 daemons and 1 client (map-style, 
         (c) unavailable: the client's host is cut off for good with failover_timeout 5 s; time from the cut
             to DaemonUnavailableError. Bound: the client's notice (15 s) + failover_timeout.
 soak    --minutes on a bed of d1..d3 and c1..c3: client 1 and 2 iterate map-style epochs (shuffled, each
-        epoch its own seed) over all three daemons, client 3 an IterableDataset (2 replicas), each with a
+        epoch its own order) over all three daemons (client 2's batches are 512 KiB, made in the workers'
+        shared-memory slots and sent as bytes), client 3 an IterableDataset (2 replicas), each with a
         20 ms step, checking every batch against torch's DataLoader as it arrives (a wrong, missing,
         extra or reordered batch fails the epoch) and counting epochs. Every --interval s (x 0.5-1.5)
         one fault starts, on a random host: a cut both ways, in or out, for 2-8 s; a rate limit of
@@ -51,6 +52,7 @@ from support.netns import HostBed  # noqa: E402
 DATASETS = {
     "squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 400}},
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 400}},
+    "blocks": {"dataset": "support.datasets:Blocks", "kwargs": {"n": 400}},
 }
 
 # Epochs until stdin says stop (a line) or argv[5] epochs; each checked as it arrives against torch's.
@@ -61,8 +63,9 @@ from loaderd import RemoteDataLoader, DaemonUnavailableError
 from support import datasets
 from support.compare import assert_same
 addresses, name, failover, step, epochs = sys.argv[1].split(","), sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-if name == "squares":  # shuffled: each epoch its own order, drawn alike from the two generators
-    dataset, kwargs = datasets.Squares(400), dict(batch_size=4, shuffle=True)
+if name in ("squares", "blocks"):  # shuffled: each epoch its own order, drawn alike from the two generators
+    dataset = datasets.Squares(400) if name == "squares" else datasets.Blocks(400)
+    kwargs = dict(batch_size=4, shuffle=True)
     loader = RemoteDataLoader(name, address=addresses, failover_timeout=failover, generator=torch.Generator().manual_seed(1), **kwargs)
     oracle = DataLoader(dataset, generator=torch.Generator().manual_seed(1), **kwargs)
 else:  # every epoch alike; torch's workers forked before any gRPC thread runs here
@@ -206,7 +209,8 @@ def soak(minutes: float, interval: float, seed: int) -> tuple[Soak, Sample, Samp
         for host in ("d1", "d2", "d3"):
             cluster.start(cluster.add_daemon(host))
         d1 = cluster.daemons["d1"]
-        clients = {host: client(cluster, host, "stream" if host == "c3" else "squares") for host in ("c1", "c2", "c3")}
+        kinds = {"c1": "squares", "c2": "blocks", "c3": "stream"}  # blocks: 512 KiB batches, in the workers' shared memory
+        clients = {host: client(cluster, host, kind) for host, kind in kinds.items()}
         for c in clients.values():
             c.read_until(lambda line: line.startswith("epoch 1 "), 120, "two warm-up epochs")
         before = sample(d1)

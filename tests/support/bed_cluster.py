@@ -14,14 +14,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support.daemons import STARTUP_TIMEOUT_S, TESTS_DIR, daemon_status, serve_command, wait_serving, write_config
+from support.daemons import STARTUP_TIMEOUT_S, TESTS_DIR, ClientProcess, daemon_status, serve_command, wait_serving, write_config
 from support.netns import HostBed
 
 PORT = 7070
@@ -50,23 +49,10 @@ class BedDaemon:
 
 
 @dataclass
-class BedClient:
-    """A client script on a bed host; its output lines arrive in ``lines``."""
+class BedClient(ClientProcess):
+    """A client script on a bed host (``host``); its output lines arrive in ``lines``."""
 
-    host: str
-    process: subprocess.Popen[str]
-    lines: queue.Queue[str]
-
-    def read_until(self, done: Callable[[str], bool], timeout: float, what: str) -> list[str]:
-        """The lines printed up to the first one ``done`` accepts; fails with ``what`` after ``timeout`` s."""
-        output: list[str] = []
-        deadline = time.monotonic() + timeout
-        while not (output and done(output[-1])):
-            try:
-                output.append(self.lines.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                raise AssertionError(f"{what} within {timeout:g} s: {''.join(output[-40:])}") from None
-        return output
+    host: str = ""
 
 
 class BedCluster:
@@ -109,7 +95,7 @@ class BedCluster:
         )
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()  # type: ignore[union-attr]
-        client = BedClient(host, process, lines)
+        client = BedClient(process, lines, host)
         self.clients.append(client)
         return client
 
