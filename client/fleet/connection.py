@@ -23,7 +23,7 @@ except ImportError:  # a later gRPC moved them: the first channel imports what i
 from loaderd.channel.credentials import Credentials, open_channel
 from loaderd.channel.threads import join_all, still_running
 from loaderd.errors import LoaderdError
-from loaderd.shm.session import ShmSession
+from loaderd.shm.session import ResumeRefused, ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
@@ -94,10 +94,17 @@ class DaemonConnection:
     def session(self) -> ShmSession:
         """This process's shared-memory session with the daemon (opened on first use, reopened if it ended)."""
         with self._session_lock:
-            if self._session is None or not self._session.alive:
-                # A session whose call ended while this process lived (stopped past the daemon's keepalive) is resumed.
-                self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S, previous=self._session)
-            return self._session
+            previous = self._session
+            if previous is None or not previous.alive:
+                try:
+                    # A session whose call ended while this process lived (stopped past the daemon's keepalive) is resumed.
+                    self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S, previous=previous)
+                except ResumeRefused:
+                    # A new session; the old one keeps its lock, and the daemon its slots, until this process exits.
+                    self._session = ShmSession(self.stub, self.address, PROBE_TIMEOUT_S)
+            session = self._session
+            assert session is not None
+            return session
 
     def forget_in_child(self) -> None:
         """In a forked child: let go of what this process inherited that would tell the daemon the parent lives."""

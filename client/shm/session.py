@@ -158,6 +158,10 @@ def _host_unregister(address: int, size: int) -> None:
         log.warning("cudaHostUnregister of a %d-byte slot failed (%s)", size, err)
 
 
+class ResumeRefused(LoaderdError):
+    """The daemon ended a call that asked to resume a session without resuming it (a new one is in order)."""
+
+
 class ShmSession:
     """A live session with one daemon; ``shm`` says whether the fast path is usable."""
 
@@ -185,6 +189,7 @@ class ShmSession:
         self._life_fd: int | None = None  # the challenge file, locked while the session lives
         self._successor: ShmSession | None = None  # the session that resumed this one
         self._unsent: list[pb.SessionRequest] = []  # abandons made while the call was down, for a successor
+        self._handover = threading.Lock()  # orders an abandon's append against a successor taking them
         resume = previous.session_id if previous is not None and previous.resumable else 0
         hello = pb.SessionHello(pid=os.getpid(), protocol_revision=PROTOCOL_REVISION, resume_session_id=resume)
         self._requests.put(pb.SessionRequest(hello=hello))
@@ -206,12 +211,19 @@ class ShmSession:
                         f"carries no id; this client speaks revision {PROTOCOL_REVISION}): run the same loaderd release "
                         "on the daemons and their clients"
                     )
-                # The id is usable at once (a stream naming it waits in the daemon for the
-                # verdict), and the verdict is what this process just read: the file's name
-                # carries the daemon's random token. `ready` follows; the watcher reads it.
-                response = pb.SessionResponse(ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem))
+                if resume and challenge.session_id == resume:
+                    # A resume is the daemon's to grant (after checking the proof): wait for its `ready`,
+                    # holding the old session's lock until then, so its slots stay kept meanwhile.
+                    response = next(self._call)
+                else:
+                    # The id is usable at once (a stream naming it waits in the daemon for the
+                    # verdict), and the verdict is what this process just read: the file's name
+                    # carries the daemon's random token. `ready` follows; the watcher reads it.
+                    response = pb.SessionResponse(ready=pb.SessionReady(session_id=challenge.session_id, shm=not problem, reason=problem))
         except StopIteration:  # the daemon ended the call without a reply
             self._end_call()
+            if resume:
+                raise ResumeRefused(f"loaderd at {address} did not resume session {resume}") from None
             raise LoaderdError(f"loaderd at {address} ended the session before it was ready") from None
         except grpc.RpcError as exc:
             self._end_call()
@@ -223,17 +235,23 @@ class ShmSession:
         self.shm = ready.shm
         self.reason = ready.reason
         self.maps = SegmentMaps()
+        self._fence = CopyFence()
         if previous is not None:
-            if resume and self.session_id == resume:  # the daemon kept it: its leases and mappings are ours now
-                self._leases, self.maps = previous._leases, previous.maps
-                previous._successor = self
-                for message in previous._unsent:  # streams stopped while the call was down
+            if resume and self.session_id == resume and self.shm:  # the daemon kept it: its leases are ours now
+                # So are its mappings, and its fence: batches from before the pause release through it.
+                self._leases, self.maps, self._fence = previous._leases, previous.maps, previous._fence
+                with previous._handover:
+                    previous._successor = self
+                    unsent, previous._unsent = previous._unsent, []
+                for message in unsent:  # streams stopped while the call was down
                     self._requests.put(message)
                 self._requests.put(_TICK)  # send what was dropped while the call was down
                 log.warning("loaderd at %s: session %d resumed (its call had ended while this process was stopped?)", address, resume)
-            previous.let_go()
-            previous._fence.close()  # its pinned copies' slots go back (through this session, if resumed)
-        self._fence = CopyFence()
+                previous.let_go()
+            elif not resume:
+                previous.let_go()  # nothing to keep: the daemon let it go, or this is another daemon
+            # A resume the daemon refused keeps the old lock (and so its slots) until this process exits:
+            # batches from before may still view them.
         # This thread reads what the daemon sends later (`ready` when the session went on
         # without it, segments retired) and notices when the session ends.
         self._watcher = threading.Thread(target=self._watch, name="loaderd-session", daemon=True)
@@ -340,9 +358,14 @@ class ShmSession:
         message = pb.SessionRequest(abandon=pb.AbandonStream(stream_token=stream_token, kept_leases=kept))
         if not self._stop.is_set():
             self._requests.put(message)
-        elif not self._closed:
-            # The call is down but the daemon may keep the session for a resume: the successor sends it.
-            self._unsent.append(message)
+            return
+        with self._handover:
+            successor = self._successor
+            if successor is None and not self._closed:
+                # The call is down but the daemon may keep the session for a resume: the successor sends it.
+                self._unsent.append(message)
+        if successor is not None:
+            successor._requests.put(message)
 
     def close(self) -> None:
         """End the session: pinned copies' slots go back, the call is cancelled and its watcher joined."""

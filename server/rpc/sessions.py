@@ -92,6 +92,7 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[int, ClientSession] = {}
         self._paused: dict[int, ClientSession] = {}
+        self._shut = False  # shutting down: no session is taken over
 
     def open(self, peer: str, identity: Identity = ANONYMOUS) -> ClientSession:
         with self._lock:
@@ -135,11 +136,18 @@ class SessionRegistry:
         ``peer`` whose client proved the same host again; the call's number, or None if the session was
         let go meanwhile. The old call's end, its handler and its reader then end nothing."""
         with self._lock:
-            if self._paused.get(session.session_id) is session:
+            if self._paused.get(session.session_id) is session and not self._shut:
                 del self._paused[session.session_id]  # its outbox kept what it missed (segments retired)
-            elif self._sessions.get(session.session_id) is session and not session.closed:
-                session.outbox.put(None)  # wake the old handler: it sees the call is no longer its own
-                session.outbox = queue.Queue()
+            elif self._sessions.get(session.session_id) is session and not session.closed and not self._shut:
+                old, session.outbox = session.outbox, queue.Queue()
+                while True:  # what the old handler has not sent yet (segments retired) goes to the new one
+                    try:
+                        message = old.get_nowait()
+                    except queue.Empty:
+                        break
+                    if message is not None:
+                        session.outbox.put(message)
+                old.put(None)  # wake the old handler: it sees the call is no longer its own
             else:
                 return None
             session.call += 1
@@ -161,8 +169,9 @@ class SessionRegistry:
         return True
 
     def take_paused(self) -> list[ClientSession]:
-        """Every paused session, no longer kept (shutdown)."""
+        """Every paused session, no longer kept; none is taken over from now on (shutdown)."""
         with self._lock:
+            self._shut = True
             paused, self._paused = list(self._paused.values()), {}
             return paused
 
@@ -262,10 +271,10 @@ class SessionHost:
         """Shutdown: end every session (each gives back what it held, as when its client goes, paused ones
         too); the handlers of those past their handshake end their calls at once."""
         self._closing = True
+        for session in self.registry.take_paused():  # first: none is taken over after this
+            self._release(session)
         for session in self.registry.open_sessions():
             self.end(session)
-        for session in self.registry.take_paused():
-            self._release(session)
 
     def serve(
         self, hello: pb.SessionHello, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext, identity: Identity
@@ -277,7 +286,9 @@ class SessionHost:
         once its client has proved the same host again; until then, and if it fails, the session is
         untouched (its leases stay where they are).
         """
-        resuming = self.registry.find(hello.resume_session_id, identity) if hello.resume_session_id else None
+        probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
+        # Without a challenge to prove the same host again, nothing is resumed: a new session.
+        resuming = self.registry.find(hello.resume_session_id, identity) if hello.resume_session_id and probe else None
         session: ClientSession | None = None
         call = 0
         if resuming is None:
@@ -286,10 +297,8 @@ class SessionHost:
             opened, opened_call = session, session.call
             context.add_callback(lambda: self.end(opened, opened_call))
         try:
-            probe = create_probe(self._shm_prefix, next(self._probes)) if self._shm_prefix is not None else None
             if probe is None:
-                if session is None:
-                    return  # nothing to resume without shared memory
+                assert session is not None  # nothing is resumed without a challenge
                 reason = "the daemon serves no shared memory (shm_bytes_per_worker is 0 or /dev/shm is unusable)"
             else:
                 path, token = probe
@@ -314,6 +323,8 @@ class SessionHost:
                     if proved and session is not None:
                         # The client keeps the file locked while it lives (server/rpc/liveness.py).
                         kept = self.registry.set_mark(session, LifeMark(path))
+                        if not kept and resuming is not None:
+                            return  # it ended meanwhile: no `ready` for it
                 except (grpc.RpcError, BadRequestError):
                     return  # cut (no proof in time), gone, or garbage: the session ends
                 finally:
