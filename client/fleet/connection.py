@@ -110,7 +110,7 @@ class DaemonConnection:
         """In a forked child: let go of what this process inherited that would tell the daemon the parent lives."""
         session = self._session
         if session is not None:
-            session.forget_in_child()
+            session.let_go()  # closes this process's copy of the descriptor: the parent's lock stays
 
     def describe_later(self, dataset: str, timeout: float = PROBE_TIMEOUT_S) -> grpc.Future:
         """The daemon's description of ``dataset``, as a call in flight: ``result()`` returns the

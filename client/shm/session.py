@@ -269,10 +269,6 @@ class ShmSession:
         if fd is not None:
             os.close(fd)
 
-    def forget_in_child(self) -> None:
-        """In a forked child: close the inherited copy of the lock's descriptor (the parent's lock stays)."""
-        self.let_go()
-
     @property
     def alive(self) -> bool:
         return self._watcher.is_alive()

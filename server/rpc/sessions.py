@@ -111,10 +111,14 @@ class SessionRegistry:
         with self._lock:
             return len(self._paused)
 
-    def pause(self, session: ClientSession) -> None:
-        """Keep ``session`` (closed: no stream is served through it) until ``resume`` or ``unpause``."""
+    def pause(self, session: ClientSession) -> bool:
+        """Keep ``session`` (closed: no stream is served through it) until ``take_over`` or ``unpause``;
+        False once shutting down (``take_paused`` was called): it is released instead."""
         with self._lock:
+            if self._shut:
+                return False
             self._paused[session.session_id] = session
+            return True
 
     def is_paused(self, session: ClientSession) -> bool:
         with self._lock:
@@ -229,7 +233,6 @@ class SessionHost:
         self._watchdog = watchdog
         self._proof_timeout = proof_timeout
         self._probes = itertools.count()
-        self._closing = False
 
     def end(self, session: ClientSession, call: int | None = None) -> None:
         """The session's call ``call`` ended (None: whichever it has now): every slot it held goes back to its
@@ -238,8 +241,7 @@ class SessionHost:
         if not self.registry.close(session, call):
             return
         mark = session.mark
-        if mark is not None and not self._closing and self._ledger.leases_of(session.session_id) and mark.held():
-            self.registry.pause(session)
+        if mark is not None and self._ledger.leases_of(session.session_id) and mark.held() and self.registry.pause(session):
             log.warning(
                 "session %d (%s): the call ended but its process lives (paused or stopped?): keeping its %d leased slots "
                 "until it exits or comes back",
@@ -254,8 +256,8 @@ class SessionHost:
     def _check_paused(self, session: ClientSession) -> None:
         """On the watchdog's thread: let a paused session go once its process has exited."""
         mark = session.mark
-        if mark is not None and mark.held() and not self._closing:
-            if self.registry.is_paused(session):  # else it was resumed: its next end checks again
+        if mark is not None and mark.held():
+            if self.registry.is_paused(session):  # else resumed (its next end checks again) or shut down
                 self._watchdog.arm(LIFE_CHECK_S, lambda: self._check_paused(session))
         elif self.registry.unpause(session):
             self._release(session)
@@ -270,7 +272,6 @@ class SessionHost:
     def close_all(self) -> None:
         """Shutdown: end every session (each gives back what it held, as when its client goes, paused ones
         too); the handlers of those past their handshake end their calls at once."""
-        self._closing = True
         for session in self.registry.take_paused():  # first: none is taken over after this
             self._release(session)
         for session in self.registry.open_sessions():
