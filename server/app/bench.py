@@ -4,9 +4,12 @@ On the user's own dataset (from their config): a local
 ``DataLoader(num_workers=K, persistent_workers=True)`` and ``RemoteDataLoader``
 over shared memory and over gRPC, one epoch of each per round, rounds
 interleaved (so a busy machine slows all three alike), then medians of
-batches/s and MB/s, the ratios to torch, and the time to the first batch of a
-new loader. Without ``--address`` it starts a private daemon (the config, K
-workers, a temp unix socket and 127.0.0.1:0) and stops it afterwards.
+batches/s and MB/s, the ratios to torch, what each loader's processes cost (CPU
+seconds per 1,000 batches and their peak PSS, server/process/process_usage.py), and
+the time to the first batch of a new loader. Without ``--address`` it starts a
+private daemon (the config, K workers, a temp unix socket and 127.0.0.1:0) and
+stops it afterwards; with a unix socket address, the daemon's processes are found
+by the socket's peer credentials; a daemon behind a TCP address is not counted.
 
 Fork safety: torch's workers are forked before this process opens its first
 gRPC channel (first-batch trials and warm-up come first); the daemon is
@@ -16,6 +19,7 @@ started with fork+exec.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import signal
@@ -39,6 +43,8 @@ import loaderd.errors as loaderd_errors
 import loaderd.server as server_package
 from loaderd.errors import BatchTimeoutError, LoaderdError, RemoteWorkerError, WorkerCrashedError, clip
 from loaderd.server.config.schema import LoaderConfig
+from loaderd.server.process.process_usage import children_by_parent, cpu_seconds, descendants, pss_bytes, unix_peer_pid
+from loaderd.server.security.listeners import unix_path
 from loaderd.server.worker.datasets import build_dataset
 from loaderd.server.worker.user_code import apply_python_path, user_error
 
@@ -89,7 +95,52 @@ class Measured:
     batches_s: list[float] = field(default_factory=list)
     mb_s: list[float] = field(default_factory=list)
     first_batch_ms: list[float] = field(default_factory=list)
+    cpu_s_per_1k: list[float] = field(default_factory=list)  # CPU seconds of the loader's processes per 1,000 batches
+    pss: list[int] = field(default_factory=list)  # the loader's processes' peak PSS in each round, bytes
     error: str = ""
+
+
+class UsageMeter:
+    """CPU seconds and peak PSS of one loader's processes over an epoch.
+
+    ``processes`` names them anew at each look (a pool may replace a worker mid-epoch). PSS is
+    read at most every ``SAMPLE_EVERY_S`` while batches arrive, and once at the end; the CPU
+    this process spends reading it is left out of the figure.
+    """
+
+    SAMPLE_EVERY_S = 0.5
+
+    def __init__(self, processes: Callable[[], list[int]]) -> None:
+        self._processes = processes
+        self._cpu_at_start: dict[int, float] = {}
+        self._own_s = 0.0  # this process's CPU spent reading /proc
+        self._peak: int | None = None
+        self._next_look = 0.0
+
+    def begin(self) -> None:
+        started = time.process_time()
+        self._cpu_at_start = {pid: cpu_seconds([pid]) for pid in self._processes()}
+        self._peak, self._next_look = None, time.monotonic() + self.SAMPLE_EVERY_S
+        self._own_s = time.process_time() - started
+
+    def look(self, force: bool = False) -> None:
+        """Read the processes' PSS if it is time to (``force``: now)."""
+        if not force and time.monotonic() < self._next_look:
+            return
+        started = time.process_time()
+        pss = pss_bytes(self._processes())
+        if pss is not None:
+            self._peak = pss if self._peak is None else max(self._peak, pss)
+        self._next_look = time.monotonic() + self.SAMPLE_EVERY_S
+        self._own_s += time.process_time() - started
+
+    def end(self) -> tuple[float, int | None]:
+        """CPU seconds the processes used since ``begin`` (less the meter's own), and their peak PSS."""
+        self.look(force=True)
+        started = time.process_time()
+        used = sum(cpu_seconds([pid]) - self._cpu_at_start.get(pid, 0.0) for pid in self._processes())
+        self._own_s += time.process_time() - started
+        return max(0.0, used - self._own_s), self._peak
 
 
 def payload_bytes(batch: Any) -> int:
@@ -181,9 +232,19 @@ def first_batch_ms(make: Callable[[], Any]) -> float:
     return took
 
 
+@dataclass(frozen=True)
+class Addresses:
+    """Where the bench finds loaderd: its unix socket (or the one address given) and its TCP address, and the
+    daemon's pid when known (its processes' CPU and memory are then counted)."""
+
+    shm: str
+    grpc: str
+    daemon_pid: int | None
+
+
 @contextmanager
-def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, str]]:
-    """``loaderd serve`` on the config with K workers (at least 1), a temp unix socket and 127.0.0.1:0: (unix, tcp) addresses."""
+def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[Addresses]:
+    """``loaderd serve`` on the config with K workers (at least 1), a temp unix socket and 127.0.0.1:0."""
     tmp = Path(tempfile.mkdtemp(prefix="loaderd-bench-"))
     socket_address = f"unix://{tmp}/d.sock"
     log_path = tmp / "daemon.log"
@@ -202,7 +263,7 @@ def private_daemon(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, st
         match = re.search(r"listening on (127\.0\.0\.1:\d+)", log_path.read_text())
         if match is None:
             raise BenchError(f"the daemon did not say its TCP port; its log:\n{log_path.read_text()}")
-        yield socket_address, match.group(1)
+        yield Addresses(socket_address, match.group(1), process.pid)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)  # stop at once: every loader is closed by now (SIGTERM would drain)
@@ -261,11 +322,11 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
     except Exception as exc:  # noqa: BLE001 - the dataset fails under torch too: that is the answer
         raise BenchError(_failed_under(options, "torch DataLoader", "its first batches", exc)) from None
 
-    with _addresses(options, err) as (shm_address, grpc_address):
+    with _addresses(options, err) as addresses:
         from loaderd import RemoteDataLoader  # its channels come after the forks above
 
         def remote(transport: str) -> Any:
-            address = shm_address if transport == "shm" else grpc_address
+            address = addresses.shm if transport == "shm" else addresses.grpc
             return RemoteDataLoader(
                 options.dataset, batch_size=options.batch_size, shuffle=shuffle, num_workers=options.num_workers,
                 address=address, transport=transport,
@@ -273,12 +334,31 @@ def run_bench(options: BenchOptions, out: TextIO, err: TextIO) -> dict[str, Meas
 
         loaders: dict[str, Any] = {"torch": warm_torch}
         try:
-            _rounds(options, loaders, results, progress, remote, trials)
+            _rounds(options, loaders, results, progress, remote, trials, _meters(addresses.daemon_pid))
         finally:
             loaders.clear()
             _stop_workers(warm_torch)
-    _report(options, kind, local, results, out)
+    _report(options, kind, local, results, out, addresses.daemon_pid is not None)
     return results
+
+
+def _meters(daemon_pid: int | None) -> dict[str, UsageMeter]:
+    """Each loader's processes: this one (the training loop) and torch's workers, or the daemon and its pool."""
+    me = os.getpid()
+
+    def daemon_tree(tree: dict[int, list[int]]) -> list[int]:
+        return [] if daemon_pid is None else [daemon_pid, *descendants(daemon_pid, tree)]
+
+    def torch_processes() -> list[int]:
+        tree = children_by_parent()
+        theirs = set(daemon_tree(tree))
+        return [me, *(pid for pid in descendants(me, tree) if pid not in theirs)]
+
+    def loaderd_processes() -> list[int]:
+        return [me, *daemon_tree(children_by_parent())]
+
+    loaderd = UsageMeter(loaderd_processes)
+    return {"torch": UsageMeter(torch_processes), "shm": loaderd, "grpc": loaderd}
 
 
 def _failed_under(options: BenchOptions, loader: str, when: str, exc: BaseException) -> str:
@@ -302,6 +382,7 @@ def _rounds(
     progress: Progress,
     remote: Callable[[str], Any],
     trials: int,
+    meters: dict[str, UsageMeter],
 ) -> None:
     """The first batches of loaderd's loaders, then ``options.epochs`` rounds of one epoch per loader.
     A loader that cannot be made here (e.g. shared memory with a remote daemon) is a row's note; a batch
@@ -320,26 +401,38 @@ def _rounds(
             if name not in loaders:
                 continue
             label = f"round {round_no}/{options.epochs} {name}"
+            meter = meters[name]
+
+            def tick(in_epoch: int, epoch_len: int, label: str = label, meter: UsageMeter = meter) -> None:
+                meter.look()
+                progress.update(label, in_epoch, epoch_len)
+
+            meter.begin()
             try:
-                batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, functools.partial(progress.update, label))
+                batches, nbytes, seconds = run_epoch(loaders[name], options.max_batches, tick)
             except Exception as exc:  # noqa: BLE001 - the user's dataset may raise anything: one line says what and where
                 progress.finished(f"{label}: failed")
                 raise BenchError(_failed_under(options, LABELS[name], f"round {round_no}", exc)) from None
+            cpu_s, pss = meter.end()
             results[name].batches_s.append(batches / seconds)
             results[name].mb_s.append(nbytes / seconds / 1e6)
+            results[name].cpu_s_per_1k.append(1000 * cpu_s / max(batches, 1))
+            if pss is not None:
+                results[name].pss.append(pss)
             progress.finished(f"{label}: {batches} batches in {seconds:.2f} s ({batches / seconds:.1f} batches/s)")
 
 
 @contextmanager
-def _addresses(options: BenchOptions, log: TextIO) -> Iterator[tuple[str, str]]:
+def _addresses(options: BenchOptions, log: TextIO) -> Iterator[Addresses]:
     if options.address:
-        yield options.address, options.address
+        path = unix_path(options.address)
+        yield Addresses(options.address, options.address, None if path is None else unix_peer_pid(path))
     else:
         with private_daemon(options, log) as addresses:
             yield addresses
 
 
-def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Measured], out: TextIO) -> None:
+def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Measured], out: TextIO, daemon_counted: bool) -> None:
     try:
         size = f"{len(local.dataset):,} items"
     except TypeError:
@@ -351,8 +444,11 @@ def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Mea
         f"{options.epochs} epoch(s){cap} of each loader, interleaved; loaderd: {where}\n\n"
     )
     base = statistics.median(results["torch"].batches_s) if results["torch"].batches_s else 0.0
-    out.write(f"| {'loader':<24} | {'batches/s':>10} | {'MB/s':>9} | {'vs torch':>8} | {'first batch':>11} | per round |\n")
-    out.write(f"| {'-' * 24} | {'-' * 10:>10} | {'-' * 9:>9} | {'-' * 8:>8} | {'-' * 11:>11} | --- |\n")
+    out.write(
+        f"| {'loader':<24} | {'batches/s':>10} | {'MB/s':>9} | {'vs torch':>8} | {'CPU-s/1k':>8} | {'PSS MiB':>8} "
+        f"| {'first batch':>11} | per round |\n"
+    )
+    out.write(f"| {'-' * 24} | {'-' * 10:>10} | {'-' * 9:>9} | {'-' * 8:>8} | {'-' * 8:>8} | {'-' * 8:>8} | {'-' * 11:>11} | --- |\n")
     for name in LOADERS:
         measured = results[name]
         if measured.error or not measured.batches_s:
@@ -363,10 +459,19 @@ def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Mea
         first = f"{statistics.median(measured.first_batch_ms):.0f} ms" if measured.first_batch_ms else "-"
         mb_s = statistics.median(measured.mb_s)
         mb = f"{mb_s:.1f}" if mb_s >= 10 else f"{mb_s:.3f}"
+        cpu = statistics.median(measured.cpu_s_per_1k)
+        pss = f"{statistics.median(measured.pss) / 2**20:.0f}" if measured.pss else "-"
         rounds = ", ".join(f"{r:.1f}" for r in measured.batches_s)
-        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {first:>11} | {rounds} |\n")
+        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {cpu:>8.2f} | {pss:>8} | {first:>11} | {rounds} |\n")
+    counted = (
+        "the daemon and its pool" if daemon_counted else f"not the daemon ({where} names no local unix socket: its processes are unknown here)"
+    )
     out.write(
         "\nbatches/s and MB/s: medians over the rounds; per round: each round's batches/s (with cache: in the daemon's "
-        "config, its first epoch computes the items and later ones read them back). first batch: a new loader, from "
-        "construction to its first batch (torch: forking its workers and copying the dataset into them; loaderd: on the warm daemon).\n"
+        "config, its first epoch computes the items and later ones read them back). CPU-s/1k: CPU seconds per 1,000 "
+        "batches of every process a loader uses: this one (the training loop) and torch's workers; for loaderd, this one "
+        f"and {counted}. PSS MiB: those processes' proportional memory at its peak in an epoch (shared pages split "
+        "between the processes mapping them; this process also holds the dataset torch's loader uses). first batch: a "
+        "new loader, from construction to its first batch (torch: forking its workers and copying the dataset into "
+        "them; loaderd: on the warm daemon).\n"
     )

@@ -14,12 +14,21 @@ DATASETS = {
     "squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 200}},
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 64}},  # iterable, no len()
 }
-ROW = re.compile(r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|\s+(\d+) ms \| [\d., ]+ \|$", re.M)
+ROW = re.compile(
+    r"^\| (torch DataLoader|loaderd, shared memory|loaderd, gRPC)\s+\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)x \|"
+    r"\s+([\d.]+) \|\s+(\d+) \|\s+(\d+) ms \| [\d., ]+ \|$",
+    re.M,
+)
 
 
 def rows(stdout: str) -> dict[str, tuple[float, float, float, int]]:
     """loader -> (batches/s, MB/s, ratio to torch, first batch ms), from the table."""
-    return {m[1]: (float(m[2]), float(m[3]), float(m[4]), int(m[5])) for m in ROW.finditer(stdout)}
+    return {m[1]: (float(m[2]), float(m[3]), float(m[4]), int(m[7])) for m in ROW.finditer(stdout)}
+
+
+def costs(stdout: str) -> dict[str, tuple[float, int]]:
+    """loader -> (CPU seconds per 1,000 batches, PSS MiB), from the table."""
+    return {m[1]: (float(m[5]), int(m[6])) for m in ROW.finditer(stdout)}
 
 
 def test_bench_with_a_private_daemon(short_tmp: Path) -> None:
@@ -31,6 +40,12 @@ def test_bench_with_a_private_daemon(short_tmp: Path) -> None:
     assert table["torch DataLoader"][2] == 1.0
     assert all(rate > 0 and first > 0 for rate, _, _, first in table.values()), result.stdout  # MB/s: 128-byte batches print 0.0
     assert "dataset 'squares' (map-style, 200 items), batch_size 8, 2 workers; 2 epoch(s)" in result.stdout
+    # What each loader's processes cost: loaderd's include the daemon, its fork server and pool (an interpreter
+    # each, over 40 MiB together beyond this process), torch's this process and its workers.
+    cost = costs(result.stdout)
+    assert all(cpu > 0 for cpu, _ in cost.values()), result.stdout
+    assert cost["loaderd, shared memory"][1] > cost["torch DataLoader"][1] + 40, result.stdout
+    assert "for loaderd, this one and the daemon and its pool" in result.stdout
     # Progress went to stderr, one line per epoch measured (not a terminal), and the private daemon is gone.
     assert len(re.findall(r"^round \d/2 (torch|shm|grpc): 25 batches in", result.stderr, re.M)) == 6, result.stderr
     log_dir = re.search(r"\(log: (\S+)/daemon\.log\)", result.stderr)
@@ -46,6 +61,8 @@ def test_bench_against_a_running_daemon_and_a_wrong_name(short_tmp: Path) -> Non
         assert result.returncode == 0, result.stderr
         assert set(rows(result.stdout)) == {"torch DataLoader", "loaderd, shared memory", "loaderd, gRPC"}, result.stdout
         assert f"first 10 batches of each loader, interleaved; loaderd: {daemon.address}" in result.stdout
+        # A unix socket names its daemon (peer credentials): its processes are counted.
+        assert "for loaderd, this one and the daemon and its pool" in result.stdout, result.stdout
         stream = loaderd_cli(
             "bench", "--config", str(daemon.config_path), "--dataset", "stream", "--address", daemon.address,
             "--batch-size", "8", "--epochs", "1", timeout=170,
