@@ -9,12 +9,18 @@ This script measures the floors under both, on this machine, in one run:
 1. the copy every batch needs: gathering 256 items of an in-memory dataset into
    one batch, into a reused pre-faulted buffer (loaderd's slot) and into a fresh
    shared-memory segment (what torch's workers do), plus a plain contiguous copy
-   and the dataset's own 256 ``__getitem__`` calls;
+   and the dataset's own 256 ``__getitem__`` calls; and the gather as a pool worker
+   does it: random items of the whole dataset (400 MB) into the next of its warm
+   slots, alone and with as many processes at once as the pool has workers. That
+   last figure is the batch's own work on this host (the cache-warm gather of the
+   same items is a floor no loader reaches), and the host's limit follows from it;
 2. the wire: a raw TCP loopback socket, and gRPC Python streaming 12 MiB
    ``bytes`` messages (no protobuf, no loaderd) over 1 and 2 concurrent streams;
 3. where the CPU goes: torch, loaderd over shared memory and over gRPC, rounds
    interleaved, each process's CPU milliseconds per batch (trainer, daemon,
-   workers), and from that the batches/s that full use of every core would give;
+   workers), the voluntary context switches per batch of all their threads, and
+   from that the batches/s that full use of every core would give, and the control
+   path: CPU per batch beyond the batch's own work;
 4. the unit costs a per-batch control path is made of: a small gRPC message each
    way, a pickled message and its answer over a pipe, a hand-off between threads
    (CPU of every process involved).
@@ -92,6 +98,54 @@ def copy_costs(repeat: int = 30) -> dict[str, float]:
     }
     costs["batch_mb"] = nbytes / 1e6
     return costs
+
+
+POOL_SLOTS = 4  # slots a pool worker cycles through at the default window (4 batches per worker)
+
+
+def _pool_gather(ready: Any, go: Any, results: Any, repeat: int) -> None:
+    """A process gathering batches as a pool worker does: 256 random items of the whole dataset (its own
+    copy, as a ``build: per_worker`` dataset), each batch into the next of ``POOL_SLOTS`` warm slots; CPU ms."""
+    torch.set_num_threads(1)
+    data = torch.ones((ITEMS, *SHAPE))
+    slots = [torch.ones((BATCH, *SHAPE)) for _ in range(POOL_SLOTS)]
+    generator = torch.Generator().manual_seed(os.getpid())
+    batches = [torch.randperm(ITEMS, generator=generator)[:BATCH].tolist() for _ in range(repeat)]
+    ready.put(1)
+    go.wait(60)
+    times = []
+    for n, indices in enumerate(batches):
+        start = time.process_time()
+        torch.stack([data[i] for i in indices], 0, out=slots[n % POOL_SLOTS])
+        times.append(time.process_time() - start)
+    results.put(1000 * statistics.median(times))
+
+
+def pool_gather_ms(processes: int, repeat: int = 60) -> float:
+    """CPU ms per batch of ``processes`` pool-like gatherers running at once (median of their medians): what a
+    batch of the f32 workload costs a worker beside the others, sharing the memory bandwidth. They start as
+    the pool's fork server does, with its ``GLIBC_TUNABLES`` (non-temporal copies: server/process/glibc_tunables.py)."""
+    from loaderd.server.process import glibc_tunables
+
+    ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_pool_gather, args=(ready, go, results, repeat), daemon=True) for _ in range(processes)]
+    original = os.environ.get(glibc_tunables.VARIABLE)
+    tunables = glibc_tunables.fork_server_value(original)
+    try:
+        if tunables is not None:
+            os.environ[glibc_tunables.VARIABLE] = tunables
+        for w in workers:
+            w.start()
+    finally:
+        glibc_tunables.restore(original)
+    for _ in workers:
+        ready.get(timeout=120)
+    go.set()
+    medians = [results.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+    return statistics.median(medians)
 
 
 # ---------------------------------------------------------------- 2. the wire
@@ -291,11 +345,33 @@ def role_cpu(daemon_pid: int) -> dict[str, float]:
     }
 
 
-def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict[str, float]]:
-    """batches/s, and CPU ms per batch of each role while ``loader`` delivers batches for ``seconds``."""
+def voluntary_switches(daemon_pid: int) -> int:
+    """Voluntary context switches so far (a thread went to sleep: a wake-up to come) of every thread of this
+    process, its children, the daemon and its pool."""
+    total = 0
+    for pid in {os.getpid(), *bl.descendants(os.getpid())}:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as status:
+                    for line in status:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+            except OSError:
+                pass
+    return total
+
+
+def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict[str, float], float]:
+    """batches/s, CPU ms per batch of each role, and voluntary context switches per batch (all processes)
+    while ``loader`` delivers batches for ``seconds``."""
     it = iter(loader)
     del_batch = next(it)
     del del_batch
+    switches = voluntary_switches(daemon_pid)
     before = role_cpu(daemon_pid)
     batches = 0
     start = time.perf_counter()
@@ -311,9 +387,10 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
         batches += 1
     elapsed = time.perf_counter() - start
     after = role_cpu(daemon_pid)
+    switches = voluntary_switches(daemon_pid) - switches
     if hasattr(it, "close"):
         it.close()
-    return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}
+    return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, switches / batches
 
 
 # ---------------------------------------------------------------- main
@@ -329,6 +406,8 @@ def main() -> int:
 
     # Fork safety: torch's workers fork before this process makes any gRPC channel.
     copies = copy_costs()
+    copies["pool_gather_1"] = pool_gather_ms(1)
+    copies["pool_gather_n"] = pool_gather_ms(args.workers)
     tcp = raw_tcp_gb_s(args.seconds)
     torch_loader = DataLoader(
         InMemory(list(SHAPE), n=ITEMS), batch_size=BATCH, shuffle=True, num_workers=args.workers, persistent_workers=True, prefetch_factor=2
@@ -365,11 +444,13 @@ def main() -> int:
         }
         rates: dict[str, list[float]] = {k: [] for k in loaders}
         splits: dict[str, list[dict[str, float]]] = {k: [] for k in loaders}
+        wakes: dict[str, list[float]] = {k: [] for k in loaders}
         for r in range(args.rounds):
             for kind, loader in loaders.items():
-                rate, split = cpu_split(loader, daemon.process.pid, args.seconds)
+                rate, split, switches = cpu_split(loader, daemon.process.pid, args.seconds)
                 rates[kind].append(rate)
                 splits[kind].append(split)
+                wakes[kind].append(switches)
             print(f"[bench] round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} b/s" for k, v in rates.items()), file=sys.stderr, flush=True)
     finally:
         stop.set()
@@ -386,7 +467,9 @@ def main() -> int:
     out("| --- | ---: | ---: |")
     for key, label in (
         ("getitem", f"the dataset's {BATCH} `__getitem__` calls (views, no copy)"),
-        ("gather_slot", f"gather {BATCH} items into a reused, pre-faulted buffer (loaderd's slot)"),
+        ("gather_slot", f"gather the same {BATCH} items again and again into one pre-faulted buffer (cache-warm: a floor, not a batch)"),
+        ("pool_gather_1", f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)"),
+        ("pool_gather_n", f"the same, {args.workers} processes at once (the pool's workers share the memory bandwidth; CPU ms, median)"),
         ("gather_fresh_shm", f"gather {BATCH} items into a fresh shared-memory segment (torch's workers)"),
         ("contiguous", "one contiguous copy of the same bytes (memcpy)"),
     ):
@@ -407,8 +490,8 @@ def main() -> int:
         )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
-    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy |")
-    out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |")
+    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy | context switches/batch |")
+    out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: | ---: |")
     for kind in loaders:
         med = {r: statistics.median(s[r] for s in splits[kind]) for r in roles}
         total = sum(med.values())
@@ -417,7 +500,7 @@ def main() -> int:
         out(
             f"| {kind} | {rate:.1f} | {rate / torch_rate:.2f}x | "
             + " | ".join(f"{med[r]:.2f}" for r in roles)
-            + f" | {total:.2f} | {ceiling:.0f} ({ceiling / torch_rate:.2f}x torch) |"
+            + f" | {total:.2f} | {ceiling:.0f} ({ceiling / torch_rate:.2f}x torch) | {statistics.median(wakes[kind]):.1f} |"
         )
     out("\n### 4. Unit costs of a control path (CPU ms of every process involved, on this machine)\n")
     out("| one ... | CPU ms |")
@@ -426,10 +509,22 @@ def main() -> int:
     out(f"| gRPC Python message of 40 bytes, client to server, streamed (a release, a plan) | {units['up']:.3f} |")
     out(f"| pickled message and its answer over a pipe between two processes (a task and its result) | {units['pipe']:.3f} |")
     out(f"| hand-off between two threads of one process (a queue put that wakes the other) | {units['thread']:.3f} |")
-    intrinsic = copies["gather_slot"] + copies["getitem"]
+    # The work a batch needs wherever it runs: what a pool worker's gather costs beside the other workers (its
+    # ``__getitem__`` calls included). The cache-warm gather of the same items is a floor no loader reaches.
+    intrinsic = copies["pool_gather_n"]
+    shm_total = statistics.median(sum(s.values()) for s in splits["shm"])
     out(
-        f"\nThe batch's own work (gather into a slot + `__getitem__`) is {intrinsic:.2f} ms: with nothing else, "
-        f"{cores} cores would make {1000 * cores / intrinsic:.0f} batches/s ({1000 * cores / intrinsic / torch_rate:.1f}x torch). "
+        f"\nThe control path over shared memory: {shm_total:.2f} CPU ms a batch in all processes, less the batch's own "
+        f"work, is {shm_total - intrinsic:.2f} ms (at {statistics.median(wakes['shm']):.1f} voluntary context switches a batch "
+        f"in all processes; torch: {statistics.median(wakes['torch']):.1f})."
+    )
+    limit = 1000 * cores / intrinsic
+    shm_rate = statistics.median(rates["shm"])
+    out(
+        f"\nThe batch's own work (a pool worker's gather of random items, `__getitem__` included, beside the others) is {intrinsic:.2f} ms: with nothing else, "
+        f"{cores} cores would make {limit:.0f} batches/s ({limit / torch_rate:.1f}x torch): the host's limit. "
+        f"Shared memory made {shm_rate:.0f} ({100 * shm_rate / limit:.0f}% of it); 80% of it is {0.8 * limit:.0f} "
+        f"({0.8 * limit / torch_rate:.1f}x torch). "
         f"4x torch ({4 * torch_rate:.0f} batches/s) needs at most {1000 * cores / (4 * torch_rate):.2f} CPU ms per batch in all. "
         f"gRPC at 0.8x torch needs {0.8 * torch_gb:.2f} GB/s, against the raw gRPC figures above; with the pool "
         f"workers' CPU per batch (section 3) beside raw gRPC's own ({grpc_ms:.1f} ms), {cores} cores could carry at most "
