@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from loaderd.epoch.next_epoch import PlanAhead
 from loaderd.epoch.start import EpochStart
+from loaderd.epoch.window import BatchBytes
 from loaderd.fleet.fleet import Fleet
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import StreamCalls
@@ -27,8 +28,11 @@ class EpochStream:
     batch_size: int | None
     drop_last: bool
     num_workers: int
-    # Batches each daemon may work ahead, per worker it has (map-style) or per replica (iterable).
+    # Batches each daemon may work ahead, per worker it has (map-style) or per replica (iterable);
+    # None: by the batches' bytes (loaderd.epoch.window).
     prefetch_factor: int | None
+    # The bytes of the loader's batches once it has seen one (kept across its epochs; the default window follows them).
+    batch_bytes: BatchBytes
     # Seconds to wait for one batch; 0 waits forever.
     timeout: float
     # Seconds to keep trying when no daemon can serve the epoch, before DaemonUnavailableError.
@@ -56,11 +60,3 @@ class EpochStream:
     start: EpochStart
     # The loader's side of planning its next epoch ahead (``loaderd.epoch.next_epoch``); None: it does not.
     plan_ahead: PlanAhead | None = None
-
-
-def window_size(prefetch_factor: int | None, parallelism: int) -> int:
-    """Batches the daemon may work ahead of the caller: ``prefetch_factor`` per worker, as in torch."""
-    # The default is twice torch's 2: a batch crosses more hops (client, daemon,
-    # worker and back) than in a local DataLoader, and small batches need the depth.
-    factor = 4 if prefetch_factor is None else prefetch_factor
-    return factor * max(1, parallelism)

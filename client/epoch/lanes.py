@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import queue
 
-from loaderd.epoch.epoch_stream import EpochStream, window_size
+from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.outage import OutageClock
 from loaderd.epoch.positions import Positions
+from loaderd.epoch.window import window_size
 from loaderd.fleet.fleet import Usable
 from loaderd.stream.lane import Lane, LaneEvent, client_name
 from loaderd.v1 import loaderd_pb2 as pb
@@ -57,9 +58,11 @@ class EpochLanes:
         return [lane for address, lane in lanes.items() if address in self.usable] or list(lanes.values())
 
     def window(self, pool_workers: int) -> int:
-        """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica."""
+        """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica (by default, as
+        many as the loader's batches allow: loaderd.epoch.window)."""
         stream = self._stream
-        return window_size(stream.prefetch_factor, stream.num_workers if stream.iterable else pool_workers)
+        parallelism = stream.num_workers if stream.iterable else pool_workers
+        return window_size(stream.prefetch_factor, parallelism, stream.batch_bytes.known)
 
     def capacity(self) -> int:
         """How many batches past the caller the plan may run: the sum of the serving lanes' windows."""

@@ -26,6 +26,7 @@ from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.next_epoch import PlanAhead
 from loaderd.epoch.start import EpochStart, epoch_aware, sampler_generators, sized_len
 from loaderd.epoch.state import LoaderState
+from loaderd.epoch.window import BatchBytes
 from loaderd.errors import LoaderdError
 from loaderd.fleet.fleet import Fleet
 from loaderd.loader.arguments import (
@@ -162,6 +163,8 @@ class RemoteDataLoader:
         # transport="shm" where it cannot work fails here, not mid-training.
         self._fleet = Fleet(target, dataset_name, transport, credentials)
         self._receive_buffers = ReceiveBuffers()
+        # Its batches' bytes once one arrived: the default window follows them (loaderd.epoch.window).
+        self._batch_bytes = BatchBytes()
         # Each epoch's calls to the daemons, kept for the next epoch (cancelled when the loader goes).
         self._calls = StreamCalls()
         info, self.pool_workers = self._fleet.wait_for_one(self.failover_timeout)
@@ -292,6 +295,7 @@ class RemoteDataLoader:
             drop_last=self.drop_last,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
+            batch_bytes=self._batch_bytes,
             timeout=self.timeout,
             failover_timeout=self.failover_timeout,
             pin_memory=self._pin,

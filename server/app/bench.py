@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,7 @@ from loaderd.server.process.process_usage import children_by_parent, cpu_seconds
 from loaderd.server.security.listeners import unix_path
 from loaderd.server.worker.datasets import build_dataset
 from loaderd.server.worker.user_code import apply_python_path, user_error
+from loaderd.wire.array_bytes import array_bytes
 
 STARTUP_TIMEOUT_S = 300.0
 LOADERS = ("torch", "shm", "grpc")
@@ -143,19 +144,6 @@ class UsageMeter:
         return max(0.0, used - self._own_s), self._peak
 
 
-def payload_bytes(batch: Any) -> int:
-    """Bytes of the tensors and arrays in a batch (what a loader had to move)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if hasattr(batch, "nbytes") and not isinstance(batch, (bytes, bytearray, memoryview)):
-        return int(batch.nbytes)
-    if isinstance(batch, Mapping):
-        return sum(payload_bytes(v) for v in batch.values())
-    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        return sum(payload_bytes(v) for v in batch)
-    return 0
-
-
 class Progress:
     """A one-line progress bar on a terminal (one line per measurement elsewhere)."""
 
@@ -195,7 +183,7 @@ def run_epoch(loader: Any, max_batches: int, tick: Callable[[int, int], None]) -
     it = iter(loader)
     try:
         for batch in it:
-            nbytes += payload_bytes(batch)
+            nbytes += array_bytes(batch)
             batches += 1
             del batch
             tick(batches, epoch_len)

@@ -72,7 +72,19 @@ from bench_loaders import (  # noqa: E402 - imported once sys.path holds what it
     run_guarded,
     wait_serving,
 )
-from bench_tenancy import Agent, AgentState, GroupMem, _endless, call_all, close_agents, process_trees, ready, serving, shm_segments_kb  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from bench_tenancy import (  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+    Agent,
+    AgentState,
+    GroupMem,
+    _endless,
+    call_all,
+    close_agents,
+    process_trees,
+    ready,
+    serving,
+    shm_segments_kb,
+    system_shmem_kb,
+)
 from image_datasets import CROP, MEAN, RESIZED, STD, JpegFile, JpegImages, JpegResized, augment_steps  # noqa: E402  (trainers of both kinds import torchvision, as real ones do)
 
 BATCH = 64
@@ -281,15 +293,18 @@ def cache_status(daemon: Daemon) -> dict[str, float]:
             "saved_cpu_s": c.saved_cpu_s, "shm_kb": kb}  # fmt: skip
 
 
-def measure_window(args: argparse.Namespace, agents: list[Agent], roots: dict[int, str], daemon: Daemon | None) -> Sample:
-    """One measured interval of a warm group: images/s, CPU of ``roots``' trees, PSS mid-way."""
+def measure_window(
+    args: argparse.Namespace, agents: list[Agent], roots: dict[int, str], daemon: Daemon | None, shmem_before_kb: int
+) -> Sample:
+    """One measured interval of a warm group: images/s, CPU of ``roots``' trees, PSS and the machine's shared memory
+    beyond ``shmem_before_kb`` (before the group started) mid-way."""
     cached = daemon is not None and args.pipeline == "cached" and not args.no_cache
     cache0 = cache_status(daemon) if cached else {}  # type: ignore[arg-type]  # cached: a daemon
     busy0, cpu0 = machine_busy_s(), sum(cpu_seconds(pid) for pid in roots)
     marks0 = call_all(agents, "count")
     t0 = time.monotonic()
     time.sleep(args.seconds / 2)  # the measured interval: the trainers consume meanwhile
-    memory = GroupMem(process_trees(roots), [])
+    memory = GroupMem(process_trees(roots), [], system_shm_kb=max(0, system_shmem_kb() - shmem_before_kb))
     if daemon is not None:
         memory.shm_files_kb = shm_segments_kb(daemon.process.pid)
     time.sleep(max(0.0, t0 + args.seconds - time.monotonic()))
@@ -321,6 +336,7 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
     kwargs: dict[str, Any] = {"n": args.images, "seed": args.seed} if cached else {"n": args.images, "seed": args.seed, "length": args.epoch}
     loader: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "timeout": BATCH_TIMEOUT_S}
     epoch1: list[dict[str, Any]] = []
+    shmem_before_kb = system_shmem_kb()  # the group's shared memory is what it adds to this
     try:
         with contextlib.ExitStack() as stack:
             roots: dict[int, str] = {}
@@ -354,7 +370,7 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                 call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup)
             best: Sample | None = None
             for attempt in range(args.tries):
-                sample = measure_window(args, agents, roots, daemon)
+                sample = measure_window(args, agents, roots, daemon, shmem_before_kb)
                 if best is None or sample.others < best.others:
                     best = sample
                 if sample.others <= args.quiet:
@@ -527,7 +543,7 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
       "1,000 images as proportions, not to the decimal.\n")  # fmt: skip
 
     p("### Throughput, CPU and memory (medians of interleaved rounds)\n")
-    p("| scenario | loaders | images/s (all trainers) | CPU-s per 1,000 images | cores busy (other processes) | total PSS | PSS + unmapped /dev/shm | per-round images/s |")
+    p("| scenario | loaders | images/s (all trainers) | CPU-s per 1,000 images | cores busy (other processes) | total PSS | PSS + shared memory no process maps | per-round images/s |")
     p("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for s in scenarios:
         title = f"{s.key}: {s.trainers} trainer{'s' if s.trainers > 1 else ''}, {s.workers} workers in all"
@@ -551,15 +567,23 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     if cached:
         print_cached(p, scenarios, cells)
 
-    p("### PSS by role (median round of each group, MiB)\n")
-    p("| scenario | loaders | role: processes x MiB | unmapped /dev/shm |")
+    p("### PSS by role (median round of each group, MiB; in brackets, each process's anonymous memory / shared-memory batches)\n")
+    p("| scenario | loaders | role: processes x MiB (anon / shmem) | shared memory no process maps |")
     p("| --- | --- | --- | ---: |")
     for s in scenarios:
         for kind in KINDS:
             c = cells[(s.key, kind)]
             if c.samples:
                 mid = sorted(c.samples, key=lambda x: x.memory.total_kb())[len(c.samples) // 2].memory
-                roles = "; ".join(f"{role}: {n} x {kb_ / n / 1024:.0f}" for role, (n, kb_) in sorted(mid.by_role().items()))
+                split = {role: procs for role, procs in mid.procs_by_role().items()}
+
+                def part(role: str, key: str, n: int, split: dict[str, list[Any]] = split) -> str:
+                    return f"{sum(p_.rollup.get(key, 0) for p_ in split.get(role, [])) / n / 1024:.0f}"
+
+                roles = "; ".join(
+                    f"{role}: {n} x {kb_ / n / 1024:.0f} ({part(role, 'Pss_Anon', n)} / {part(role, 'Pss_Shmem', n)})"
+                    for role, (n, kb_) in sorted(mid.by_role().items())
+                )
                 p(f"| {s.key} | {s.describe(kind)} | {roles} | {mid.unmapped_shm_kb() / 1024:.0f} MiB |")
     p("")
     print_findings(p, findings)
@@ -601,7 +625,7 @@ def print_cached(p: Any, scenarios: list[Scenario], cells: dict[tuple[str, str],
             p(f"| {s.key} | {c['window_hits']:.0f} | {c['window_misses']:.0f} | {rate:.1%} | {c['items']:.0f} | "
               f"{c['not_stored']:.0f} | {c['shm_kb'] / 1024:.0f} MiB |")  # fmt: skip
     p("\nOne row per round. The cache's file is in the daemon's /dev/shm segments: its pages the workers "
-      "touched are in their PSS (Pss_Shmem), the rest in the unmapped /dev/shm column.\n")  # fmt: skip
+      "touched are in their PSS (Pss_Shmem), the rest in the column of shared memory no process maps.\n")  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -502,6 +502,16 @@ def shm_segments_kb(daemon_pid: int) -> int:
     return total // 1024
 
 
+def system_shmem_kb() -> int:
+    """The machine's shared memory in use now, KiB (/proc/meminfo Shmem: tmpfs and /dev/shm pages, mapped or
+    not, named or removed)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1])
+    return 0
+
+
 def held_deleted_shm_kb(pids: Sequence[int]) -> int:
     """KiB of removed /dev/shm files that these processes hold open but none of them maps.
 
@@ -537,13 +547,19 @@ class GroupMem:
     dataset_mb: float = float("nan")
     shm_files_kb: int = 0
     held_shm_kb: int = 0  # held_deleted_shm_kb of the group's processes
+    # The machine's shared memory in use beyond what it was before the group started (/proc/meminfo Shmem); None: not read.
+    system_shm_kb: int | None = None
 
     def total_kb(self, key: str = "Pss") -> int:
         return sum(p.rollup.get(key, 0) for p in self.procs)
 
     def unmapped_shm_kb(self) -> int:
         """Shared memory that no process has mapped (allocated, so used, but not in any PSS): loaderd's
-        /dev/shm segments beyond what is mapped, and removed files the group holds open (torch's batches in flight)."""
+        /dev/shm segments beyond what is mapped, and removed files the group holds open (torch's batches in flight).
+        With ``system_shm_kb``, all the group's shared memory beyond what its processes map: that also counts
+        batches whose descriptor is in flight in a socket (torch's, between worker and trainer), held by no process."""
+        if self.system_shm_kb is not None:
+            return max(0, self.system_shm_kb - self.total_kb("Pss_Shmem"))
         return max(0, self.shm_files_kb - self.total_kb("Pss_Shmem")) + self.held_shm_kb
 
     def footprint_kb(self) -> int:

@@ -21,6 +21,7 @@ import loaderd.fleet.member as member_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
+from loaderd.epoch.window import BatchBytes
 from loaderd.errors import LimitExceededError, LoaderdError
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
@@ -275,7 +276,7 @@ def _spreading_iterator(addresses: list[str], batches: int) -> tuple[RemoteLoade
     calls = _Calls()
     progress = EpochProgress(epoch=0, rng=None, sampler_rngs=[], sampler_epochs=[])
     stream = EpochStream(
-        dataset="d", auto_collation=True, batch_size=1, drop_last=False, num_workers=0, prefetch_factor=2,
+        dataset="d", auto_collation=True, batch_size=1, drop_last=False, num_workers=0, prefetch_factor=2, batch_bytes=BatchBytes(),
         timeout=2.0, failover_timeout=30.0, pin_memory=False,
         fleet=_Fleet(set(addresses)), buffers=ReceiveBuffers(), calls=calls,
         share=None, iterable=False, plan_length=batches, last_batch_draws=False, length=batches,

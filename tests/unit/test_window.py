@@ -1,0 +1,54 @@
+"""A loader's window (client/epoch/window.py): torch's prefetch_factor as given; by default 4 batches per worker,
+fewer for large batches (64 MiB per worker), never under torch's 2 per worker, and 2 per worker until the loader
+has seen a batch; the bytes of the first batch are what it goes by (client/wire/array_bytes.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loaderd.epoch.window import BatchBytes, window_size
+from loaderd.wire.array_bytes import array_bytes
+
+pytestmark = pytest.mark.timeout(10)
+
+MB = 10**6
+
+
+def test_a_given_prefetch_factor_is_torch_s() -> None:
+    assert window_size(2, 3) == 6
+    assert window_size(1, 0) == 1  # at least one worker
+    assert window_size(8, 2, batch_bytes=500 * MB) == 16  # whatever the batches weigh
+
+
+@pytest.mark.parametrize(
+    ("workers", "batch_bytes", "window"),
+    [
+        (2, None, 4),  # no batch seen yet: torch's depth
+        (2, 128, 8),  # tiny batches: the full default
+        (2, 12_582_912, 8),  # bench_loaders' float32 3x64x64 x 256: 8 fit in 2 x 64 MiB
+        (2, 9_633_792, 8),  # its uint8 3x224x224 x 64
+        (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
+        (4, 38_535_680, 8),  # 4 workers: 6 fit, torch's 8
+        (2, 30 * MB, 4),  # 4 fit
+        (4, 20 * MB, 13),  # between the two
+    ],
+)
+def test_the_default_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
+    assert window_size(None, workers, batch_bytes) == window
+
+
+def test_a_loader_keeps_the_bytes_of_its_first_batch() -> None:
+    seen = BatchBytes()
+    assert seen.known is None
+    seen.note({"image": torch.zeros(4, 3, dtype=torch.float32), "label": np.zeros(4, dtype=np.int64), "name": ["a"] * 4})
+    assert seen.known == 4 * 3 * 4 + 4 * 8
+    seen.note(torch.zeros(1000))  # a last, short batch (or any later one) changes nothing
+    assert seen.known == 48 + 32
+
+
+def test_array_bytes_counts_arrays_only() -> None:
+    assert array_bytes((torch.zeros(2, 2, dtype=torch.float64), [np.ones(3, dtype=np.uint8)])) == 32 + 3
+    assert array_bytes([1, 2.0, "text", b"bytes", None]) == 0
+    assert array_bytes(torch.zeros(10)[::2]) == 5 * 4  # a view counts its own elements
