@@ -532,6 +532,12 @@ def main() -> int:
         f"({1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])) / torch_rate:.2f}x torch) "
         "even if loaderd added nothing else."
     )
+    raw_one = max(grpc_rates[1])[0]
+    loaderd_gb = statistics.median(rates["grpc"]) * mb / 1000
+    out(
+        f"\nOver gRPC loaderd moved {loaderd_gb:.2f} GB/s: {100 * loaderd_gb / raw_one:.0f}% of raw gRPC Python's one stream "
+        f"({raw_one:.2f} GB/s) on this host."
+    )
     return 0 if code == 0 else 1
 
 
