@@ -248,8 +248,8 @@ class RemoteLoaderIter:
                 return
             if position >= self._consumed:
                 self._received.setdefault(position, (kind, event.payload))
-            if kind is Heard.BATCH:
-                self._stream.batch_bytes.note(event.payload)  # the next lanes' windows follow it
+            if kind is Heard.BATCH and self._stream.batch_bytes.note(event.payload):
+                self._lanes.resize()  # the first batch the loader got: its lanes plan what its bytes allow
             self._dispatch()
         elif kind is Heard.END:
             lane.ended = True

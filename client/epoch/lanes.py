@@ -17,7 +17,7 @@ import queue
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.outage import OutageClock
 from loaderd.epoch.positions import Positions
-from loaderd.epoch.window import window_size
+from loaderd.epoch.window import planned_window, window_size
 from loaderd.fleet.fleet import Usable
 from loaderd.stream.lane import Lane, LaneEvent, client_name
 from loaderd.v1 import loaderd_pb2 as pb
@@ -45,6 +45,7 @@ class EpochLanes:
         self._outage = outage
         self.by_address: dict[str, Lane] = {}
         self.usable: set[str] = set()
+        self._workers: dict[str, int] = {}  # a map-style lane's daemon's pool size, by address (its planned window follows it)
 
     def look(self) -> list[Usable]:
         """The daemons usable now (address order), noted as ``usable``."""
@@ -58,11 +59,21 @@ class EpochLanes:
         return [lane for address, lane in lanes.items() if address in self.usable] or list(lanes.values())
 
     def window(self, pool_workers: int) -> int:
-        """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica (by default, as
-        many as the loader's batches allow: loaderd.epoch.window)."""
+        """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica."""
         stream = self._stream
-        parallelism = stream.num_workers if stream.iterable else pool_workers
-        return window_size(stream.prefetch_factor, parallelism, stream.batch_bytes.known)
+        return window_size(stream.prefetch_factor, stream.num_workers if stream.iterable else pool_workers)
+
+    def _planned(self, pool_workers: int) -> int:
+        """Batches the epoch plans ahead on a positioned (map-style) lane: loaderd.epoch.window."""
+        stream = self._stream
+        return planned_window(stream.prefetch_factor, pool_workers, stream.batch_bytes.known)
+
+    def resize(self) -> None:
+        """The loader learned its batches' bytes: the positioned lanes plan what they allow."""
+        for address, lane in self.by_address.items():
+            workers = self._workers.get(address)
+            if workers is not None:
+                lane.plan_within(self._planned(workers))
 
     def capacity(self) -> int:
         """How many batches past the caller the plan may run: the sum of the serving lanes' windows."""
@@ -96,6 +107,10 @@ class EpochLanes:
             positioned=start is None,
         )
         lane = Lane(address, connection, session, opening, self._events, stream.pin_memory, stream.buffers, stream.calls)
+        self._workers.pop(address, None)
+        if start is None and not stream.iterable:
+            self._workers[address] = member.pool_workers
+            lane.plan_within(self._planned(member.pool_workers))
         self.by_address[address] = lane
         self._outage.lane_opened()
         return lane
@@ -119,6 +134,7 @@ class EpochLanes:
             return
         lane.close()
         del self.by_address[lane.address]  # the open lane to that address is this one (lanes close only here and at the end)
+        self._workers.pop(lane.address, None)
         moved = self._positions.lane_lost(lane)
         if moved:
             log.info("loaderd: %d batch(es) of %r owed by %s move to another daemon", moved, self._stream.dataset, lane.address)

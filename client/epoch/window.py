@@ -1,13 +1,15 @@
-"""A loader's window: how many batches a daemon may work ahead of the caller.
+"""A loader's window: how many batches a daemon may work ahead of the caller, and how many it plans ahead.
 
-With ``prefetch_factor`` given, it is torch's: that many per worker. By default it is 4 per worker
-(twice torch's 2: a batch crosses more hops than in a local DataLoader, and small batches need the
-depth), but each batch in flight holds a shared-memory slot that the pool worker and the training
-process both map, so for large batches the default holds fewer: at most ``WINDOW_BYTES_PER_WORKER``
-per worker, never fewer than torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in flight
-with 2 workers instead of 8). Until the loader has seen a batch it opens with torch's 2 per worker,
-so that a first epoch of large batches does not make slots the window then gives up (a worker keeps
-its slots for reuse); from its first batch on, the loader knows its batches' bytes.
+With ``prefetch_factor`` given, both are torch's: that many per worker. By default the daemon may work
+4 per worker ahead (twice torch's 2: a batch crosses more hops than in a local DataLoader, and small
+batches need the depth: ``window_size``, what a stream is opened with), but a map-style loader plans
+fewer ahead for large batches (``planned_window``): each batch in flight holds a shared-memory slot that
+the pool worker and the training process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of
+batches per worker, never fewer than torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in
+flight with 2 workers instead of 8). Until the loader has received a batch it plans torch's 2 per worker,
+so that a first epoch of large batches makes no slots it then gives up (a worker keeps its slots for
+reuse); once one arrived, the open lanes plan what its bytes allow (``EpochLanes.resize``), and the loader
+keeps the figure for its later epochs. An iterable stream's credit is the daemon's (``window_size``).
 """
 
 from __future__ import annotations
@@ -17,18 +19,24 @@ from typing import Any
 from loaderd.wire.array_bytes import array_bytes
 
 DEFAULT_PREFETCH = 4  # batches per worker, by default
-LEAST_PREFETCH = 2  # torch's default: the least a default window holds per worker
-# The batches a default window holds, per worker: 64 MiB keeps 4 per worker of batches up to 16 MiB
+LEAST_PREFETCH = 2  # torch's default: the least a default window plans per worker
+# The batches a default window plans, per worker: 64 MiB keeps 4 per worker of batches up to 16 MiB
 # (bench_loaders' 12.6 and 9.6 MB ones).
 WINDOW_BYTES_PER_WORKER = 64 << 20
 
 
-def window_size(prefetch_factor: int | None, parallelism: int, batch_bytes: int | None = None) -> int:
+def window_size(prefetch_factor: int | None, parallelism: int) -> int:
     """Batches the daemon may work ahead with ``parallelism`` workers (or iterable replicas): ``prefetch_factor``
-    each; by default, for batches of ``batch_bytes`` (None: not known yet) as the module says."""
-    workers = max(1, parallelism)
+    each, by default ``DEFAULT_PREFETCH``."""
+    return (DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor) * max(1, parallelism)
+
+
+def planned_window(prefetch_factor: int | None, parallelism: int, batch_bytes: int | None) -> int:
+    """Batches a map-style loader plans ahead: ``window_size`` with a ``prefetch_factor``; by default, for
+    batches of ``batch_bytes`` (None: none seen yet), as the module says (never more than ``window_size``)."""
     if prefetch_factor is not None:
-        return prefetch_factor * workers
+        return window_size(prefetch_factor, parallelism)
+    workers = max(1, parallelism)
     if batch_bytes is None:
         return LEAST_PREFETCH * workers
     fits = workers * WINDOW_BYTES_PER_WORKER // max(1, batch_bytes)
@@ -38,12 +46,18 @@ def window_size(prefetch_factor: int | None, parallelism: int, batch_bytes: int 
 class BatchBytes:
     """The bytes of a loader's batches, from the first one it received (kept across its epochs).
 
-    Written and read on the thread that iterates the loader's epochs (one at a time)."""
+    Written on the thread that iterates one of the loader's epochs; a race between two iterators of one
+    loader in two threads writes one int either way."""
 
     def __init__(self) -> None:
         self.known: int | None = None
 
-    def note(self, batch: Any) -> None:
-        """A batch arrived: the first one tells the size."""
-        if self.known is None:
+    def note(self, batch: Any) -> bool:
+        """A batch arrived: the first one tells the size. True if it just did."""
+        if self.known is not None:
+            return False
+        try:
             self.known = array_bytes(batch)
+        except Exception:  # noqa: BLE001 - a user's collate may return anything (a structure that holds itself): count nothing
+            self.known = 0
+        return True

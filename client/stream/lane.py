@@ -87,6 +87,9 @@ class Lane:
     ) -> None:
         """``calls``: the loader's parked calls (this lane takes one, and parks its own at a clean end)."""
         self.address = address
+        # Batches the daemon may work ahead on this lane (it was opened with this), and how many the epoch plans
+        # ahead on it: as many, or fewer for large batches (``plan_within``, loaderd.epoch.window).
+        self.bound = opening.window
         self.window = opening.window
         # Map-style: positions sent and not yet answered, in the order the daemon answers them.
         self.sent: deque[int] = deque()
@@ -134,6 +137,10 @@ class Lane:
     @property
     def outstanding(self) -> int:
         return len(self.sent)
+
+    def plan_within(self, window: int) -> None:
+        """Plan ``window`` batches ahead on this lane (never more than the daemon was told it may work ahead)."""
+        self.window = min(window, self.bound)
 
     def send(self, batches: list[tuple[int, list[int]]], stalled_us: int, end: bool = False) -> None:
         """Plan ``batches`` (position, indices) on this lane; ``end``: nothing more follows.

@@ -104,9 +104,10 @@ class Measured:
 class UsageMeter:
     """CPU seconds and peak PSS of one loader's processes over an epoch.
 
-    ``processes`` names them anew at each look (a pool may replace a worker mid-epoch). PSS is
-    read at most every ``SAMPLE_EVERY_S`` while batches arrive, and once at the end; the CPU
-    this process spends reading it is left out of the figure.
+    ``processes`` names them anew at each look (a pool may replace a worker mid-epoch; one that exits
+    within the epoch takes its CPU since ``begin`` with it). PSS is read at the first batch, then at
+    most every ``SAMPLE_EVERY_S`` while batches arrive, and once at the end; the CPU this thread
+    spends reading /proc is left out of the figure.
     """
 
     SAMPLE_EVERY_S = 0.5
@@ -119,28 +120,28 @@ class UsageMeter:
         self._next_look = 0.0
 
     def begin(self) -> None:
-        started = time.process_time()
+        started = time.thread_time()
         self._cpu_at_start = {pid: cpu_seconds([pid]) for pid in self._processes()}
         self._peak, self._next_look = None, time.monotonic() + self.SAMPLE_EVERY_S
-        self._own_s = time.process_time() - started
+        self._own_s = time.thread_time() - started
 
     def look(self, force: bool = False) -> None:
         """Read the processes' PSS if it is time to (``force``: now)."""
         if not force and time.monotonic() < self._next_look:
             return
-        started = time.process_time()
+        started = time.thread_time()
         pss = pss_bytes(self._processes())
         if pss is not None:
             self._peak = pss if self._peak is None else max(self._peak, pss)
         self._next_look = time.monotonic() + self.SAMPLE_EVERY_S
-        self._own_s += time.process_time() - started
+        self._own_s += time.thread_time() - started
 
     def end(self) -> tuple[float, int | None]:
         """CPU seconds the processes used since ``begin`` (less the meter's own), and their peak PSS."""
         self.look(force=True)
-        started = time.process_time()
+        started = time.thread_time()
         used = sum(cpu_seconds([pid]) - self._cpu_at_start.get(pid, 0.0) for pid in self._processes())
-        self._own_s += time.process_time() - started
+        self._own_s += time.thread_time() - started
         return max(0.0, used - self._own_s), self._peak
 
 
@@ -392,7 +393,7 @@ def _rounds(
             meter = meters[name]
 
             def tick(in_epoch: int, epoch_len: int, label: str = label, meter: UsageMeter = meter) -> None:
-                meter.look()
+                meter.look(force=in_epoch == 1)  # a short epoch's batches are in flight now, not at its end
                 progress.update(label, in_epoch, epoch_len)
 
             meter.begin()
@@ -447,19 +448,23 @@ def _report(options: BenchOptions, kind: str, local: Any, results: dict[str, Mea
         first = f"{statistics.median(measured.first_batch_ms):.0f} ms" if measured.first_batch_ms else "-"
         mb_s = statistics.median(measured.mb_s)
         mb = f"{mb_s:.1f}" if mb_s >= 10 else f"{mb_s:.3f}"
-        cpu = statistics.median(measured.cpu_s_per_1k)
-        pss = f"{statistics.median(measured.pss) / 2**20:.0f}" if measured.pss else "-"
+        counted = name == "torch" or daemon_counted  # else loaderd's rows would hold this process alone
+        cpu = f"{statistics.median(measured.cpu_s_per_1k):.2f}" if counted else "-"
+        whole = counted and len(measured.pss) == len(measured.batches_s)  # every round's PSS could be read
+        pss = f"{statistics.median(measured.pss) / 2**20:.0f}" if whole else "-"
         rounds = ", ".join(f"{r:.1f}" for r in measured.batches_s)
-        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {cpu:>8.2f} | {pss:>8} | {first:>11} | {rounds} |\n")
-    counted = (
-        "the daemon and its pool" if daemon_counted else f"not the daemon ({where} names no local unix socket: its processes are unknown here)"
+        out.write(f"| {LABELS[name]:<24} | {rate:>10.1f} | {mb:>9} | {ratio:>8} | {cpu:>8} | {pss:>8} | {first:>11} | {rounds} |\n")
+    daemon = (
+        "and the daemon and its pool" if daemon_counted else f"and the daemon at {where}: not counted (shown as -: its processes are unknown here)"
     )
     out.write(
         "\nbatches/s and MB/s: medians over the rounds; per round: each round's batches/s (with cache: in the daemon's "
         "config, its first epoch computes the items and later ones read them back). CPU-s/1k: CPU seconds per 1,000 "
         "batches of every process a loader uses: this one (the training loop) and torch's workers; for loaderd, this one "
-        f"and {counted}. PSS MiB: those processes' proportional memory at its peak in an epoch (shared pages split "
-        "between the processes mapping them; this process also holds the dataset torch's loader uses). first batch: a "
-        "new loader, from construction to its first batch (torch: forking its workers and copying the dataset into "
-        "them; loaderd: on the warm daemon).\n"
+        f"{daemon}. PSS MiB: those processes' proportional memory at its peak in an epoch (shared pages split between "
+        "the processes mapping them; - where some could not be read, e.g. a daemon of another user). This process is in "
+        "every row: it also holds the dataset torch's loader uses, and shares pages with torch's workers (alive between "
+        "its rounds), which lowers its share in loaderd's rows; torch's batches in flight inside a socket are in no "
+        "process's PSS. first batch: a new loader, from construction to its first batch (torch: forking its workers and "
+        "copying the dataset into them; loaderd: on the warm daemon).\n"
     )

@@ -1,7 +1,7 @@
 """What a set of processes costs: CPU seconds and proportional memory (PSS), read from /proc.
 
-Linux only; where /proc lacks a figure (another OS, a process that just exited, a kernel without
-``smaps_rollup``) the sums skip that process, and ``pss_bytes`` is None when it read none.
+Linux only. A process that exited meanwhile counts nothing; ``pss_bytes`` is None when a live process's
+memory cannot be read (another user's, without the privilege; a kernel without ``smaps_rollup``).
 PSS (proportional set size) splits each shared page among the processes that map it, so the
 PSS of a set adds up without counting a fork's copy-on-write pages or a shared-memory batch
 twice. Used by ``loaderd bench`` (server/app/bench.py); the daemon itself never reads it.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -63,30 +64,33 @@ def cpu_seconds(pids: Iterable[int]) -> float:
 
 
 def pss_bytes(pids: Iterable[int]) -> int | None:
-    """The processes' summed PSS now; None if no process's could be read."""
-    total: int | None = None
+    """The processes' summed PSS now (those that exited meanwhile count nothing); None if the memory of one
+    still there cannot be read: a partial sum would pass for the whole."""
+    total = 0
     for pid in pids:
+        folder = _PROC / str(pid)
         try:
-            text = (_PROC / str(pid) / "smaps_rollup").read_text()
+            text = (folder / "smaps_rollup").read_text()
         except OSError:
-            continue
+            if folder.exists():
+                return None
+            continue  # exited
         for line in text.splitlines():
             if line.startswith("Pss:"):
-                total = (total or 0) + int(line.split()[1]) * 1024
+                total += int(line.split()[1]) * 1024
                 break
     return total
 
 
 def unix_peer_pid(path: str, timeout_s: float = 2.0) -> int | None:
     """The pid of the process listening on unix socket ``path`` (its credentials, SO_PEERCRED); None if unknown."""
-    peercred = getattr(socket, "SO_PEERCRED", None)
-    if peercred is None:  # not Linux
+    if not sys.platform.startswith("linux"):  # SO_PEERCRED and its struct ucred are Linux's
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
-            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
+            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         except OSError:
             return None
     return pid or None

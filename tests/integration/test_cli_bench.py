@@ -43,7 +43,7 @@ def test_bench_with_a_private_daemon(short_tmp: Path) -> None:
     # What each loader's processes cost: loaderd's include the daemon, its fork server and pool (an interpreter
     # each, over 40 MiB together beyond this process), torch's this process and its workers.
     cost = costs(result.stdout)
-    assert all(cpu > 0 for cpu, _ in cost.values()), result.stdout
+    assert sum(cpu for cpu, _ in cost.values()) > 0, result.stdout  # CPU comes in 10 ms ticks: a row may read 0
     assert cost["loaderd, shared memory"][1] > cost["torch DataLoader"][1] + 40, result.stdout
     assert "for loaderd, this one and the daemon and its pool" in result.stdout
     # Progress went to stderr, one line per epoch measured (not a terminal), and the private daemon is gone.

@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 import pytest
+import torch
 
 import loaderd.fleet.fleet as fleet_module
 import loaderd.fleet.member as member_module
@@ -270,13 +271,16 @@ class _Fleet:
         return False
 
 
-def _spreading_iterator(addresses: list[str], batches: int) -> tuple[RemoteLoaderIter, _Calls]:
-    """A real map-style iterator over ``addresses`` (fake daemons, window 2 each) whose plan is
+def _spreading_iterator(
+    addresses: list[str], batches: int, prefetch_factor: int | None = 2, batch_bytes: BatchBytes | None = None
+) -> tuple[RemoteLoaderIter, _Calls]:
+    """A real map-style iterator over ``addresses`` (fake daemons of 1 worker, window 2 each) whose plan is
     ``batches`` single-index batches; nothing is planned until the test asks."""
     calls = _Calls()
     progress = EpochProgress(epoch=0, rng=None, sampler_rngs=[], sampler_epochs=[])
     stream = EpochStream(
-        dataset="d", auto_collation=True, batch_size=1, drop_last=False, num_workers=0, prefetch_factor=2, batch_bytes=BatchBytes(),
+        dataset="d", auto_collation=True, batch_size=1, drop_last=False, num_workers=0, prefetch_factor=prefetch_factor,
+        batch_bytes=BatchBytes() if batch_bytes is None else batch_bytes,
         timeout=2.0, failover_timeout=30.0, pin_memory=False,
         fleet=_Fleet(set(addresses)), buffers=ReceiveBuffers(), calls=calls,
         share=None, iterable=False, plan_length=batches, last_batch_draws=False, length=batches,
@@ -315,6 +319,36 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
     assert list(slow.sent) == [4, 5] and not it._positions.waiting
+    it.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() -> None:
+    """Without prefetch_factor a lane is opened for 4 batches per worker but planned at torch's 2 until a batch
+    arrives; a small first batch lets it plan all 4, and the loader's next epoch plans 4 from its start. A large
+    one (over 64 MiB per worker) keeps it at 2."""
+    seen = BatchBytes()
+    it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
+    lane = it._lanes.by_address["A"]
+    assert (lane.bound, lane.window) == (4, 2)
+    it._top_up()
+    assert list(lane.sent) == [0, 1]
+    calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(8))
+    it._take_in()
+    assert seen.known == 32 and lane.window == 4
+    it._top_up()  # as the caller's next next() does
+    assert list(lane.sent) == [1, 2, 3]  # the window grew: 4 ahead of the caller (0 is answered, not yet taken)
+    it.close()
+    again, _ = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
+    assert again._lanes.by_address["A"].window == 4
+    again.close()
+
+    big = BatchBytes()
+    it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=big)
+    it._top_up()
+    calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(17 << 20, dtype=torch.uint8).view(-1, 1 << 20).float())  # 68 MiB
+    it._take_in()
+    assert big.known == 68 << 20 and it._lanes.by_address["A"].window == 2
     it.close()
 
 

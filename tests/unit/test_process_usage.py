@@ -49,8 +49,9 @@ def test_a_tree_its_cpu_and_pss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert process_usage.descendants(12) == []
     assert process_usage.cpu_seconds([10, 11, 12]) == pytest.approx(190 * TICK_S)
     assert process_usage.cpu_seconds([99]) == 0.0  # gone: counts nothing
-    assert process_usage.pss_bytes([10, 11, 12, 99]) == (2048 + 512 + 256) * 1024
-    assert process_usage.pss_bytes([20, 99]) is None  # nothing could be read
+    assert process_usage.pss_bytes([10, 11, 12, 99]) == (2048 + 512 + 256) * 1024  # 99 exited: nothing
+    assert process_usage.pss_bytes([10, 20]) is None  # 20 is there, its memory unreadable: no partial sum
+    assert process_usage.pss_bytes([99]) == 0
 
 
 def test_this_process_is_read_for_real() -> None:
@@ -64,10 +65,10 @@ def test_this_process_is_read_for_real() -> None:
     assert pss is not None and pss > 1 << 20  # an interpreter with torch's test deps is megabytes
 
 
-def test_the_peer_of_a_unix_socket_is_the_listening_process(tmp_path: Path) -> None:
-    path = str(tmp_path / "d.sock")
+def test_the_peer_of_a_unix_socket_is_the_listening_process(short_tmp: Path) -> None:
+    path = str(short_tmp / "d.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.bind(path)
         server.listen(1)
         assert process_usage.unix_peer_pid(path) == os.getpid()
-    assert process_usage.unix_peer_pid(str(tmp_path / "nobody.sock")) is None
+    assert process_usage.unix_peer_pid(str(short_tmp / "nobody.sock")) is None

@@ -1,6 +1,7 @@
-"""A loader's window (client/epoch/window.py): torch's prefetch_factor as given; by default 4 batches per worker,
-fewer for large batches (64 MiB per worker), never under torch's 2 per worker, and 2 per worker until the loader
-has seen a batch; the bytes of the first batch are what it goes by (client/wire/array_bytes.py)."""
+"""A loader's window (client/epoch/window.py): torch's prefetch_factor as given; by default the daemon may work
+4 batches per worker ahead, and a map-style loader plans fewer for large batches (64 MiB per worker), never under
+torch's 2 per worker, and 2 per worker until it has received a batch; the bytes of its first batch are what it
+goes by (client/wire/array_bytes.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loaderd.epoch.window import BatchBytes, window_size
+from loaderd.epoch.window import BatchBytes, planned_window, window_size
 from loaderd.wire.array_bytes import array_bytes
 
 pytestmark = pytest.mark.timeout(10)
@@ -19,7 +20,13 @@ MB = 10**6
 def test_a_given_prefetch_factor_is_torch_s() -> None:
     assert window_size(2, 3) == 6
     assert window_size(1, 0) == 1  # at least one worker
-    assert window_size(8, 2, batch_bytes=500 * MB) == 16  # whatever the batches weigh
+    assert planned_window(8, 2, batch_bytes=500 * MB) == 16  # whatever the batches weigh
+    assert planned_window(3, 2, batch_bytes=None) == 6  # and before any arrived
+
+
+def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
+    assert window_size(None, 2) == 8
+    assert window_size(None, 0) == 4
 
 
 @pytest.mark.parametrize(
@@ -27,6 +34,7 @@ def test_a_given_prefetch_factor_is_torch_s() -> None:
     [
         (2, None, 4),  # no batch seen yet: torch's depth
         (2, 128, 8),  # tiny batches: the full default
+        (2, 0, 8),  # no arrays (or a structure that could not be counted)
         (2, 12_582_912, 8),  # bench_loaders' float32 3x64x64 x 256: 8 fit in 2 x 64 MiB
         (2, 9_633_792, 8),  # its uint8 3x224x224 x 64
         (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
@@ -35,17 +43,27 @@ def test_a_given_prefetch_factor_is_torch_s() -> None:
         (4, 20 * MB, 13),  # between the two
     ],
 )
-def test_the_default_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
-    assert window_size(None, workers, batch_bytes) == window
+def test_the_plan_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
+    assert planned_window(None, workers, batch_bytes) == window
+    assert window <= window_size(None, workers)  # never past what the daemon was told
+
+
+class SelfHolding(list):  # a user's collate may return anything
+    pass
 
 
 def test_a_loader_keeps_the_bytes_of_its_first_batch() -> None:
     seen = BatchBytes()
     assert seen.known is None
-    seen.note({"image": torch.zeros(4, 3, dtype=torch.float32), "label": np.zeros(4, dtype=np.int64), "name": ["a"] * 4})
+    first = {"image": torch.zeros(4, 3, dtype=torch.float32), "label": np.zeros(4, dtype=np.int64), "name": ["a"] * 4}
+    assert seen.note(first) is True
     assert seen.known == 4 * 3 * 4 + 4 * 8
-    seen.note(torch.zeros(1000))  # a last, short batch (or any later one) changes nothing
+    assert seen.note(torch.zeros(1000)) is False  # a last, short batch (or any later one) changes nothing
     assert seen.known == 48 + 32
+    odd = SelfHolding()
+    odd.append(odd)
+    other = BatchBytes()
+    assert other.note(odd) is True and other.known == 0  # counted as nothing, not raised into next()
 
 
 def test_array_bytes_counts_arrays_only() -> None:
