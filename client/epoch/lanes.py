@@ -108,7 +108,7 @@ class EpochLanes:
         )
         lane = Lane(address, connection, session, opening, self._events, stream.pin_memory, stream.buffers, stream.calls)
         self._workers.pop(address, None)
-        if start is None and not stream.iterable:
+        if not stream.iterable:  # positioned lanes and a share's (map-style) plan by bytes; an iterable's credit is the daemon's
             self._workers[address] = member.pool_workers
             lane.plan_within(self._planned(member.pool_workers))
         self.by_address[address] = lane
@@ -155,3 +155,4 @@ class EpochLanes:
         for lane in list(self.by_address.values()):
             lane.close()
         self.by_address.clear()
+        self._workers.clear()

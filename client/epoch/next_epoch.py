@@ -40,8 +40,8 @@ they would have at ``iter(loader)``, so the rules:
   global RNG between epochs (or two loaders are iterated together, ``zip``).
 * ``load_state_dict``, and ``set_epoch`` with another epoch than the next, cancel
   a planned epoch (it would be another epoch's); so does dropping the loader.
-* A planned epoch holds its first window (``prefetch_factor`` x workers batches)
-  on the daemon until the next ``iter(loader)``.
+* A planned epoch holds its first window (``prefetch_factor`` x workers batches, by default
+  what the batches' bytes allow: loaderd.epoch.window) on the daemon until the next ``iter(loader)``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 With ``prefetch_factor`` given, both are torch's: that many per worker. By default the daemon may work
 4 per worker ahead (twice torch's 2: a batch crosses more hops than in a local DataLoader, and small
 batches need the depth: ``window_size``, what a stream is opened with), but a map-style loader plans
-fewer ahead for large batches (``planned_window``): each batch in flight holds a shared-memory slot that
+fewer ahead for large batches (``planned_window``; a share's lanes too): each batch in flight holds a shared-memory slot that
 the pool worker and the training process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of
 batches per worker, never fewer than torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in
 flight with 2 workers instead of 8). Until the loader has received a batch it plans torch's 2 per worker,

@@ -71,6 +71,8 @@ def pss_bytes(pids: Iterable[int]) -> int | None:
         folder = _PROC / str(pid)
         try:
             text = (folder / "smaps_rollup").read_text()
+        except ProcessLookupError:
+            continue  # exited, not yet reaped (ESRCH)
         except OSError:
             if folder.exists():
                 return None
