@@ -45,7 +45,6 @@ class EpochLanes:
         self._outage = outage
         self.by_address: dict[str, Lane] = {}
         self.usable: set[str] = set()
-        self._workers: dict[str, int] = {}  # a map-style lane's daemon's pool size, by address (its planned window follows it)
 
     def look(self) -> list[Usable]:
         """The daemons usable now (address order), noted as ``usable``."""
@@ -63,17 +62,18 @@ class EpochLanes:
         stream = self._stream
         return window_size(stream.prefetch_factor, stream.num_workers if stream.iterable else pool_workers)
 
-    def _planned(self, pool_workers: int) -> int:
-        """Batches the epoch plans ahead on a positioned (map-style) lane: loaderd.epoch.window."""
+    def _plan(self, lane: Lane) -> None:
+        """A map-style lane (positioned, or a share's) of a loader without ``prefetch_factor`` plans by its
+        batches' bytes within its bound (loaderd.epoch.window); otherwise the plan is the bound, as in torch
+        (an iterable's credit is the daemon's)."""
         stream = self._stream
-        return planned_window(stream.prefetch_factor, pool_workers, stream.batch_bytes.known)
+        if not stream.iterable and stream.prefetch_factor is None:
+            lane.plan_within(planned_window(lane.bound, stream.batch_bytes.known))
 
     def resize(self) -> None:
-        """The loader learned its batches' bytes: the positioned lanes plan what they allow."""
-        for address, lane in self.by_address.items():
-            workers = self._workers.get(address)
-            if workers is not None:
-                lane.plan_within(self._planned(workers))
+        """The loader learned its batches' bytes: its lanes plan what they allow."""
+        for lane in self.by_address.values():
+            self._plan(lane)
 
     def capacity(self) -> int:
         """How many batches past the caller the plan may run: the sum of the serving lanes' windows."""
@@ -107,10 +107,7 @@ class EpochLanes:
             positioned=start is None,
         )
         lane = Lane(address, connection, session, opening, self._events, stream.pin_memory, stream.buffers, stream.calls)
-        self._workers.pop(address, None)
-        if not stream.iterable:  # positioned lanes and a share's (map-style) plan by bytes; an iterable's credit is the daemon's
-            self._workers[address] = member.pool_workers
-            lane.plan_within(self._planned(member.pool_workers))
+        self._plan(lane)
         self.by_address[address] = lane
         self._outage.lane_opened()
         return lane
@@ -134,7 +131,6 @@ class EpochLanes:
             return
         lane.close()
         del self.by_address[lane.address]  # the open lane to that address is this one (lanes close only here and at the end)
-        self._workers.pop(lane.address, None)
         moved = self._positions.lane_lost(lane)
         if moved:
             log.info("loaderd: %d batch(es) of %r owed by %s move to another daemon", moved, self._stream.dataset, lane.address)
@@ -155,4 +151,3 @@ class EpochLanes:
         for lane in list(self.by_address.values()):
             lane.close()
         self.by_address.clear()
-        self._workers.clear()

@@ -3,8 +3,8 @@
 With ``prefetch_factor`` given, both are torch's: that many per worker. By default the daemon may work
 4 per worker ahead (twice torch's 2: a batch crosses more hops than in a local DataLoader, and small
 batches need the depth: ``window_size``, what a stream is opened with), but a map-style loader plans
-fewer ahead for large batches (``planned_window``; a share's lanes too): each batch in flight holds a shared-memory slot that
-the pool worker and the training process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of
+fewer ahead for large batches (``planned_window``; a share's lanes too): each batch in flight holds a
+shared-memory slot that the pool worker and the training process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of
 batches per worker, never fewer than torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in
 flight with 2 workers instead of 8). Until the loader has received a batch it plans torch's 2 per worker,
 so that a first epoch of large batches makes no slots it then gives up (a worker keeps its slots for
@@ -31,16 +31,15 @@ def window_size(prefetch_factor: int | None, parallelism: int) -> int:
     return (DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor) * max(1, parallelism)
 
 
-def planned_window(prefetch_factor: int | None, parallelism: int, batch_bytes: int | None) -> int:
-    """Batches a map-style loader plans ahead: ``window_size`` with a ``prefetch_factor``; by default, for
-    batches of ``batch_bytes`` (None: none seen yet), as the module says (never more than ``window_size``)."""
-    if prefetch_factor is not None:
-        return window_size(prefetch_factor, parallelism)
-    workers = max(1, parallelism)
+def planned_window(bound: int, batch_bytes: int | None) -> int:
+    """Batches a map-style loader without ``prefetch_factor`` plans ahead within its lane's default ``bound``
+    (``DEFAULT_PREFETCH`` per worker), for batches of ``batch_bytes`` (None: none seen yet), as the module says."""
+    workers = max(1, bound // DEFAULT_PREFETCH)
+    least = min(bound, LEAST_PREFETCH * workers)
     if batch_bytes is None:
-        return LEAST_PREFETCH * workers
+        return least
     fits = workers * WINDOW_BYTES_PER_WORKER // max(1, batch_bytes)
-    return max(LEAST_PREFETCH * workers, min(DEFAULT_PREFETCH * workers, fits))
+    return max(least, min(bound, fits))
 
 
 class BatchBytes:

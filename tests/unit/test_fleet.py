@@ -351,6 +351,17 @@ def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() ->
     assert big.known == 68 << 20 and it._lanes.by_address["A"].window == 2
     it.close()
 
+    # A given prefetch_factor is torch's: its lanes plan all of it, before any batch and whatever the batches weigh.
+    given = BatchBytes()
+    it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=3, batch_bytes=given)
+    lane = it._lanes.by_address["A"]
+    assert (lane.bound, lane.window) == (3, 3)
+    it._top_up()
+    calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(17 << 20, dtype=torch.uint8).view(-1, 1 << 20).float())  # 68 MiB
+    it._take_in()
+    assert given.known == 68 << 20 and (lane.bound, lane.window) == (3, 3)
+    it.close()
+
 
 def test_a_dropped_iterator_cancels_its_streams_at_once() -> None:
     """Nothing the iterator holds (its lanes, placement, plan) refers back to it: dropping it runs its

@@ -20,8 +20,7 @@ MB = 10**6
 def test_a_given_prefetch_factor_is_torch_s() -> None:
     assert window_size(2, 3) == 6
     assert window_size(1, 0) == 1  # at least one worker
-    assert planned_window(8, 2, batch_bytes=500 * MB) == 16  # whatever the batches weigh
-    assert planned_window(3, 2, batch_bytes=None) == 6  # and before any arrived
+    # (and its lanes plan all of it, whatever the batches weigh: tests/unit/test_fleet.py)
 
 
 def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
@@ -33,6 +32,7 @@ def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
     ("workers", "batch_bytes", "window"),
     [
         (2, None, 4),  # no batch seen yet: torch's depth
+        (0, None, 2),  # a daemon with no pool size known: one worker's
         (2, 128, 8),  # tiny batches: the full default
         (2, 0, 8),  # no arrays (or a structure that could not be counted)
         (2, 12_582_912, 8),  # bench_loaders' float32 3x64x64 x 256: 8 fit in 2 x 64 MiB
@@ -44,8 +44,9 @@ def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
     ],
 )
 def test_the_plan_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
-    assert planned_window(None, workers, batch_bytes) == window
-    assert window <= window_size(None, workers)  # never past what the daemon was told
+    bound = window_size(None, workers)
+    assert planned_window(bound, batch_bytes) == window
+    assert window <= bound  # never past what the daemon was told
 
 
 class SelfHolding(list):  # a user's collate may return anything
