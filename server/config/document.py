@@ -45,6 +45,7 @@ from loaderd.server.config.values import (
     Seconds,
     SecondsOrZero,
     Section,
+    Threads,
 )
 from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.process.host_memory import available_bytes, free_bytes
@@ -181,6 +182,11 @@ class DatasetEntry(Section):
         None,
         description="Map-style datasets: keep items once computed, in memory or on disk; auto: in memory (a quarter of what is "
         "available, half of /dev/shm's room at most) where the first items show that it pays.",
+    )
+    threads: Threads = Field(
+        1,
+        description="Threads in each worker that fetch and transform a batch's items side by side: for items whose heavy "
+        "calls release the GIL (image decoding, torch ops, reads); random draws then interleave between threads.",
     )
 
 
@@ -385,6 +391,7 @@ def _config(doc: ConfigFile, path: Path) -> LoaderConfig:
             build=entry.build,
             transform=entry.transform,
             cache=_cache(entry.cache, file, auto_bytes),
+            threads=entry.threads,
         )
         for name, entry in doc.datasets.items()
     }

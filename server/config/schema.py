@@ -52,6 +52,9 @@ class DatasetSpec:
     # "module:function" called on each item after it is fetched (or read from the cache), before collation.
     transform: str | None = None
     cache: CacheSpec | None = None  # None: every item computed every time
+    # Threads in each worker that fetch and transform one batch's items side by side (server/worker/item_threads.py);
+    # 1: one item after another, as torch's workers.
+    threads: int = 1
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,11 @@ BuildMode = Literal["per_worker", "once"]
 _AT_LEAST = "must be at least {ge}, got {input}"
 AtLeast0 = Annotated[int, Field(ge=0), says("an integer", greater_than_equal=_AT_LEAST)]
 AtLeast1 = Annotated[int, Field(ge=1), says("an integer", greater_than_equal=_AT_LEAST)]
+# A worker's item threads: past a few dozen, threads only contend for the GIL and the batch's memory.
+MAX_THREADS = 64
+Threads = Annotated[
+    int, Field(ge=1, le=MAX_THREADS), says("an integer", greater_than_equal=_AT_LEAST, less_than_equal="at most {le}, got {input}")
+]
 ChunkBytes = Annotated[
     int, Field(ge=1, le=MAX_CHUNK_BYTES), says("an integer", greater_than_equal=_AT_LEAST, less_than_equal="at most {le} (16 MiB), got {input}")
 ]

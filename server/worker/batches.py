@@ -229,7 +229,7 @@ class BatchMaker:
                 samples = list(itertools.islice(replica.iterator, task.batch_size))
                 if not samples or (task.drop_last and len(samples) < task.batch_size):
                     return None
-                return samples if transform is None else [transform(sample) for sample in samples]
+                return ds.transformed(samples)  # across the item threads (the iterator itself runs on this one)
             sample = next(replica.iterator, _END)
             if sample is _END:
                 return None
@@ -289,6 +289,8 @@ class BatchMaker:
             self.slots.release(name)
 
     def close(self, unlink: bool) -> None:
-        """Drop the slots' mappings; with ``unlink``, remove their segments too."""
+        """Join the datasets' item threads; drop the slots' mappings; with ``unlink``, remove their segments too."""
+        for ds in self.datasets.values():
+            ds.threads.close()
         if self.slots is not None:
             self.slots.close(unlink=unlink)

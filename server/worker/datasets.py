@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils.data._utils.worker as torch_worker
@@ -22,6 +22,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from loaderd.errors import clip
 from loaderd.server.cache.item_store import ItemStore
 from loaderd.server.config.schema import DatasetSpec
+from loaderd.server.worker.item_threads import ItemThreads
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.tasks import DatasetMeta
@@ -40,6 +41,7 @@ class WorkerDataset:
     worker_init_fn: Callable[[int], Any] | None
     transform: Callable[[Any], Any] | None = None  # each item's, after the fetch (or the cache), before collation
     store: ItemStore | None = None  # the item cache, opened in the worker (server/cache/item_store.py)
+    threads: ItemThreads = field(default_factory=lambda: ItemThreads(1))  # the spec's ``threads:`` (started at first use)
 
     @property
     def iterable(self) -> bool:
@@ -47,22 +49,33 @@ class WorkerDataset:
 
     def items(self, indices: list[Any]) -> Any:
         """The items at ``indices``, each transformed: from the cache where it has them, the others fetched
-        (in one ``__getitems__`` call where the dataset has one) and stored before their transform runs."""
-        getitems = getattr(self.dataset, "__getitems__", None)
+        (in one ``__getitems__`` call where the dataset has one, one per thread with ``threads:``) and stored
+        before their transform runs."""
         store = self.store
         if store is None or not all(type(i) is int for i in indices):  # a sampler's own keys are not cached
-            samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
-            return samples if self.transform is None else self._transformed(samples)
+            return self._fetched(list(indices), transformed=True)
         found = store.get_many(indices)  # by position: an index twice in a batch is two objects, as without a cache
         missing = [n for n in range(len(indices)) if n not in found]
         if missing:
             keys = [indices[n] for n in missing]
             started = time.process_time()
-            computed = getitems(keys) if getitems else [self.dataset[i] for i in keys]
+            computed = self._fetched(keys, transformed=False)
             store.stats.miss_cpu_s += time.process_time() - started
             # Stored before the transform runs (it may change them in place), and handed to it as a hit would be.
             found.update(zip(missing, store.put_many(keys, list(computed))))
-        return self._transformed([found[n] for n in range(len(indices))])
+        return self.transformed([found[n] for n in range(len(indices))])
+
+    def _fetched(self, keys: list[Any], transformed: bool) -> Any:
+        """The dataset's items at ``keys``, across the worker's item threads; ``transformed``: each through ``transform``."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None:
+            samples = self.threads.chunks(getitems, keys)
+            return self.transformed(samples) if transformed else samples
+        transform = self.transform if transformed else None
+        if transform is None:
+            return self.threads.map(self.dataset.__getitem__, keys)
+        dataset = self.dataset
+        return self.threads.map(lambda key: transform(dataset[key]), keys)  # one pass per item: the threads balance
 
     def item(self, index: Any) -> Any:
         """The item at ``index`` (no automatic batching: ``dataset[index]``, as torch), transformed."""
@@ -92,9 +105,10 @@ class WorkerDataset:
             self.store = None
             store.close()
 
-    def _transformed(self, samples: Any) -> list[Any]:
+    def transformed(self, samples: Any) -> list[Any]:
+        """``samples`` each through ``transform`` (if the spec has one), across the item threads."""
         transform = self.transform
-        return list(samples) if transform is None else [transform(sample) for sample in samples]
+        return list(samples) if transform is None else self.threads.map(transform, samples)
 
     def meta(self) -> DatasetMeta:
         """What clients plan with; RuntimeError naming the dataset if its ``__len__`` fails."""
@@ -134,6 +148,7 @@ def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
         convert=collate_fn or default_convert,
         worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
         transform=resolve(spec.transform) if spec.transform else None,
+        threads=ItemThreads(spec.threads, spec.name),
     )
 
 

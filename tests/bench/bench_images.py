@@ -3,7 +3,7 @@
     pip install -e '.[bench]'
     python tests/bench/bench_images.py [--pipeline resized-crop|cached] [--images 512] [--epoch 65536] [--workers 2]
         [--trainers 4] [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4]
-        [--prefetch N] [--no-cache] [--only A|B] [--quick]
+        [--prefetch N] [--no-cache] [--only A|B] [--threads T] [--latency-ms L] [--quick]
 
 Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
 ``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
@@ -24,6 +24,10 @@ trainer, images/s from its first batch's arrival to its epoch's last.
 Scenario A: 1 trainer; DataLoader(num_workers=W) vs a RemoteDataLoader on a daemon with W workers.
 Scenario B: T trainers; T DataLoaders with W_total/T workers each vs T RemoteDataLoaders on one
 daemon with W_total workers: the same number of worker processes either way.
+``--threads T`` adds a third group to each: a daemon with W / T workers whose dataset has
+``threads: T`` (each worker fetches a batch's items with T threads), so as many threads in all
+as torch has worker processes. ``--latency-ms L`` makes each JPEG's read wait L ms first, as
+from network storage, where torch's users add workers to hide the wait.
 
 Every trainer is its own process (this file run with --agent, bench_tenancy's protocol) that
 consumes batches in a thread as fast as they come, checks each one and reads all of it
@@ -95,6 +99,7 @@ WARMUP_TIMEOUT_S = 240.0  # processes start, import torch, fork workers, run the
 DATASET = "images"
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("torch", "loaderd")
+THREADS = "loaderd threads"  # with --threads T: a pool of W / T workers, each fetching a batch's items with T threads
 PIPELINES = ("resized-crop", "cached")
 CACHE_ROOM = 1.2  # cached: the memory tier's bound, x the items' bytes (records carry a head and alignment)
 
@@ -203,11 +208,18 @@ class Scenario:
     key: str
     trainers: int
     workers: int  # in all: the daemon's pool; torch's num_workers summed over trainers
+    threads: int = 1  # --threads: the THREADS kind's item threads per worker
+
+    def pool(self, kind: str) -> int:
+        """The daemon's workers for ``kind``: as many threads in all as torch has worker processes."""
+        return max(1, self.workers // self.threads) if kind == THREADS else self.workers
 
     def describe(self, kind: str) -> str:
         times = f"{self.trainers} x " if self.trainers > 1 else ""
         if kind == "torch":
             return f"{times}DataLoader(num_workers={self.workers // self.trainers})"
+        if kind == THREADS:
+            return f"{times}RemoteDataLoader, daemon workers: {self.pool(kind)} x threads: {self.threads}"
         return f"{times}RemoteDataLoader, daemon workers: {self.workers}"
 
 
@@ -334,6 +346,8 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
     busy is measured again (``--tries`` windows at most) and the least disturbed one is kept."""
     cached = args.pipeline == "cached"
     kwargs: dict[str, Any] = {"n": args.images, "seed": args.seed} if cached else {"n": args.images, "seed": args.seed, "length": args.epoch}
+    if args.latency_ms:
+        kwargs["latency_ms"] = args.latency_ms
     loader: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "timeout": BATCH_TIMEOUT_S}
     epoch1: list[dict[str, Any]] = []
     shmem_before_kb = system_shmem_kb()  # the group's shared memory is what it adds to this
@@ -341,16 +355,18 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
         with contextlib.ExitStack() as stack:
             roots: dict[int, str] = {}
             daemon = None
-            if kind == "loaderd":
+            if kind != "torch":
                 datasets = {DATASET: {"dataset": "image_datasets:JpegImages", "kwargs": kwargs}}
                 if cached:
                     datasets = {DATASET: {"dataset": "image_datasets:JpegResized", "kwargs": kwargs,
                                           "transform": "image_datasets:augment_resized"}}  # fmt: skip
                     if not args.no_cache:
                         datasets[DATASET]["cache"] = {"memory": cache_bytes(args.images)}
-                daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.workers, findings))
+                if kind == THREADS:
+                    datasets[DATASET]["threads"] = scenario.threads
+                daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.pool(kind), findings))
                 roots[daemon.process.pid] = "daemon"
-            agents: list[Agent] = [ImageAgent(f"{kind}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
+            agents: list[Agent] = [ImageAgent(f"{kind.replace(' ', '-')}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
             state["agents"] = agents  # the watchdog's cleanup closes them too
             stack.callback(close_agents, agents)  # before the daemon stops: LIFO
             roots.update({agent.pid: "training process" for agent in agents})
@@ -447,11 +463,12 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     log(f"making or reading the {args.images} JPEGs")
     JpegImages(args.images, args.seed)  # builds the /tmp cache once, before any worker needs it
     stages = stage_times(args.images, args.pipeline)
-    scenarios = [s for s in (Scenario("A", 1, args.workers), Scenario("B", args.trainers, args.total_workers)) if s.key in args.only]
-    cells = {(s.key, kind): Cell() for s in scenarios for kind in KINDS}
+    pairs = (("A", 1, args.workers), ("B", args.trainers, args.total_workers))
+    scenarios = [Scenario(key, trainers, workers, args.threads) for key, trainers, workers in pairs if key in args.only]
+    cells = {(s.key, kind): Cell() for s in scenarios for kind in args.kinds}
     for rnd in range(args.rounds):
         for scenario in scenarios:
-            for kind in KINDS[::-1] if rnd % 2 else KINDS:  # who goes first alternates
+            for kind in args.kinds[::-1] if rnd % 2 else args.kinds:  # who goes first alternates
                 cell = cells[(scenario.key, kind)]
                 if cell.error:
                     continue  # failed once: not run again
@@ -514,7 +531,8 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
         p("- batch 64, shuffle; torch prefetch_factor=2, persistent_workers; "
           f"RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
     else:
-        p("- item: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize; batch 64, shuffle; "
+        waits = f"each read first waits {args.latency_ms:g} ms (network storage, --latency-ms), then " if args.latency_ms else ""
+        p(f"- item: {waits}PIL decode, RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize; batch 64, shuffle; "
           f"torch prefetch_factor=2, persistent_workers; RemoteDataLoader prefetch_factor={args.prefetch or 'default (4)'} x pool size")  # fmt: skip
     warm = f" ({args.warmup / (args.images // BATCH):.2f} epochs: the windows measure epochs >= 2)" if cached else ""
     p(f"- rounds={args.rounds}, {args.seconds:g} s measured per group after {args.warmup} warm-up batches per trainer{warm} "
@@ -547,7 +565,7 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     p("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for s in scenarios:
         title = f"{s.key}: {s.trainers} trainer{'s' if s.trainers > 1 else ''}, {s.workers} workers in all"
-        for kind in KINDS:
+        for kind in args.kinds:
             c = cells[(s.key, kind)]
             if not c.samples:
                 p(f"| {title} | {s.describe(kind)} | ERROR | | | | | {c.error.splitlines()[0][:80] if c.error else ''} |")
@@ -555,23 +573,25 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
             rounds = ", ".join(f"{x.images_s:.0f}" for x in c.samples) + (" (then an error)" if c.error else "")
             p(f"| {title} | {s.describe(kind)} | {fmt(c.med('images_s'), 0)} | {fmt(c.med('cpu_per_1k'), 2)} | "
               f"{fmt(c.med('cores'), 2)} ({fmt(c.med('others'), 2)}) | {fmt(c.pss_gib(), 2)} GiB | {fmt(c.footprint_gib(), 2)} GiB | {rounds} |")  # fmt: skip
-        t, d = cells[(s.key, "torch")], cells[(s.key, "loaderd")]
-        p(f"| {title} | loaderd / torch | {_ratio(d.med('images_s'), t.med('images_s'))} | "
-          f"{_ratio(d.med('cpu_per_1k'), t.med('cpu_per_1k'))} | | {_ratio(d.pss_gib(), t.pss_gib())} | "
-          f"{_ratio(d.footprint_gib(), t.footprint_gib())} | {paired(t, d)} |")  # fmt: skip
+        t = cells[(s.key, "torch")]
+        for kind in args.kinds[1:]:
+            d = cells[(s.key, kind)]
+            p(f"| {title} | {kind} / torch | {_ratio(d.med('images_s'), t.med('images_s'))} | "
+              f"{_ratio(d.med('cpu_per_1k'), t.med('cpu_per_1k'))} | | {_ratio(d.pss_gib(), t.pss_gib())} | "
+              f"{_ratio(d.footprint_gib(), t.footprint_gib())} | {paired(t, d)} |")  # fmt: skip
     p("\nimages/s: higher is better; CPU-s per 1,000 images (every process involved) and PSS: lower is better. "
       "cores busy: CPU-seconds per second of the group's processes; in brackets, of every other process on the "
       "machine meanwhile (noise from outside the benchmark). Ratio rows: ratio of the medians; last column, the "
       "ratio within each round (the two groups measured back to back, so the host's drift in speed mostly "
       "cancels) and its median.\n")  # fmt: skip
     if cached:
-        print_cached(p, scenarios, cells)
+        print_cached(p, args.kinds, scenarios, cells)
 
     p("### PSS by role (median round of each group, MiB; in brackets, each process's anonymous memory / shared-memory batches)\n")
     p("| scenario | loaders | role: processes x MiB (anon / shmem) | shared memory no process maps |")
     p("| --- | --- | --- | ---: |")
     for s in scenarios:
-        for kind in KINDS:
+        for kind in args.kinds:
             c = cells[(s.key, kind)]
             if c.samples:
                 mid = sorted(c.samples, key=lambda x: x.memory.total_kb())[len(c.samples) // 2].memory
@@ -589,7 +609,7 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
     print_findings(p, findings)
 
 
-def print_cached(p: Any, scenarios: list[Scenario], cells: dict[tuple[str, str], Cell]) -> None:
+def print_cached(p: Any, kinds: tuple[str, ...], scenarios: list[Scenario], cells: dict[tuple[str, str], Cell]) -> None:
     """cached: the first epoch (a new daemon's, every item computed) and the cache over the windows."""
     p("### First epoch (loaderd: a new daemon, every item computed and stored; torch: as every epoch)\n")
     p("| scenario | loaders | epoch 1 images/s (all trainers) | end of epoch 1 after the start of iteration | "
@@ -597,18 +617,20 @@ def print_cached(p: Any, scenarios: list[Scenario], cells: dict[tuple[str, str],
     p("| --- | --- | ---: | ---: | ---: | --- |")
     for s in scenarios:
         title = f"{s.key}: {s.trainers} trainer{'s' if s.trainers > 1 else ''}, {s.workers} workers in all"
-        for kind in KINDS:
+        for kind in kinds:
             c = cells[(s.key, kind)]
             if c.samples:
                 rounds = ", ".join(f"{x.epoch1_images_s:.0f}" for x in c.samples)
                 p(f"| {title} | {s.describe(kind)} | {fmt(c.med('epoch1_images_s'), 0)} | {fmt(c.med('epoch1_s'), 1)} s | "
                   f"{fmt(c.med('epoch1_steady_s'), 0)} | {rounds} |")  # fmt: skip
-        t, d = cells[(s.key, "torch")], cells[(s.key, "loaderd")]
-        if t.samples and len(t.samples) == len(d.samples):
-            ratios = [x.epoch1_images_s / y.epoch1_images_s for x, y in zip(d.samples, t.samples)]
-            p(f"| {title} | loaderd / torch | {_ratio(d.med('epoch1_images_s'), t.med('epoch1_images_s'))} | | "
-              f"{_ratio(d.med('epoch1_steady_s'), t.med('epoch1_steady_s'))} | "
-              f"{', '.join(f'{r:.2f}' for r in ratios)} (median {median(ratios):.2f}x) |")  # fmt: skip
+        t = cells[(s.key, "torch")]
+        for kind in kinds[1:]:
+            d = cells[(s.key, kind)]
+            if t.samples and len(t.samples) == len(d.samples):
+                ratios = [x.epoch1_images_s / y.epoch1_images_s for x, y in zip(d.samples, t.samples)]
+                p(f"| {title} | {kind} / torch | {_ratio(d.med('epoch1_images_s'), t.med('epoch1_images_s'))} | | "
+                  f"{_ratio(d.med('epoch1_steady_s'), t.med('epoch1_steady_s'))} | "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} (median {median(ratios):.2f}x) |")  # fmt: skip
     p("\nEpoch 1 images/s: every trainer's first epoch over the time from the start of iteration (all trainers at "
       "once; torch forks its workers then, the daemon's are up) to the last trainer's end of epoch 1. "
       "From the first batch's arrival: per trainer, its epoch's images after the first batch over the time from "
@@ -649,12 +671,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-cache", action="store_true", help="--pipeline cached without the daemon's cache: (its transform: "
                         "alone), the first epoch's baseline")  # fmt: skip
     parser.add_argument("--only", choices=("A", "B", "AB"), default="AB", help="run scenario A, B or both")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="resized-crop: each JPEG's read first waits this "
+                        "long, as from network storage (the dataset's latency_ms)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="T > 1 adds a third group: the daemon's pool has "
+                        "workers / T workers, each fetching a batch's items with T threads (the dataset's threads:)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.rounds, args.seconds, args.warmup, args.tries = 128, 1, 3.0, 2, 1
     if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
         parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
+    if args.threads < 1 or args.latency_ms < 0:
+        parser.error("--threads must be >= 1, --latency-ms >= 0")
+    if args.latency_ms and args.pipeline == "cached":
+        parser.error("--latency-ms goes with --pipeline resized-crop")
+    args.kinds = KINDS + ((THREADS,) if args.threads > 1 else ())
     if args.total_workers < args.trainers or args.total_workers % args.trainers:
         parser.error("--total-workers must be a multiple of --trainers (torch's workers are split evenly)")
     if args.pipeline == "cached":

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,12 @@ def jpeg_cache(n: int, seed: int = 0, quality: int = 90) -> Path:
 class JpegFile(Dataset):
     """``n`` JPEG photographs in the cache file; ``length`` (default ``n``) items per epoch, item
     ``i`` from JPEG ``i % n``. The constructor only opens the file and reads its index (cheap in
-    every worker); subclasses say what an item is."""
+    every worker); subclasses say what an item is. ``latency_ms``: each read first waits that long (a sleep, which
+    releases the GIL), as a read from network storage (an object store, NFS) does."""
 
-    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, length: int | None = None) -> None:
+    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, length: int | None = None, latency_ms: float = 0.0) -> None:
         self.length = n if length is None else length
+        self.latency_s = latency_ms / 1000
         self.path = jpeg_cache(n, seed, quality)
         with open(self.path, "rb") as f:
             if f.read(len(FORMAT)) != FORMAT:
@@ -156,6 +159,8 @@ class JpegFile(Dataset):
         return self.length
 
     def read(self, i: int) -> bytes:
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
         offset, length, _ = self.index[i % len(self.index)]
         return os.pread(self.fd, length, offset)
 
@@ -185,8 +190,10 @@ class JpegImages(JpegFile):
     ``i % n`` after PIL decoding (as ImageFolder's loader) and RandomResizedCrop, flip, ToTensor,
     Normalize. ``length`` (default ``n``) items per epoch: a long epoch over few distinct files."""
 
-    def __init__(self, n: int = 512, seed: int = 0, quality: int = 90, size: int = 224, length: int | None = None) -> None:
-        super().__init__(n, seed, quality, length)
+    def __init__(
+        self, n: int = 512, seed: int = 0, quality: int = 90, size: int = 224, length: int | None = None, latency_ms: float = 0.0
+    ) -> None:
+        super().__init__(n, seed, quality, length, latency_ms)
         T = import_transforms()
         self.crop, self.flip = T.RandomResizedCrop(size), T.RandomHorizontalFlip()
         self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(MEAN, STD)

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -422,3 +423,57 @@ class Records(Dataset):
         if not 0 <= i < self.n:
             raise IndexError(f"Records index {i} out of range for {self.n} items")
         return {"x": torch.tensor([i, i * i], dtype=torch.float32), "labels": torch.tensor(float(i % 3)), "index": i}
+
+
+class Rendezvous(Dataset):
+    """Item i is ``i``, returned once ``parties`` items of the worker wait together: a worker's item threads
+    (``threads:``) must run items side by side, or the barrier times out and the item raises BrokenBarrierError."""
+
+    def __init__(self, n: int = 64, parties: int = 2, timeout: float = 10.0) -> None:
+        self.n, self.parties, self.timeout = n, parties, timeout
+        self.barrier = threading.Barrier(parties)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.barrier.wait(self.timeout)
+        return i
+
+
+class ThreadNames(Squares):
+    """Squares that records which thread fetched each item (``threads``); with ``parties`` > 1 items wait at a
+    barrier for that many, so that several threads surely take part (for the unit tests)."""
+
+    def __init__(self, n: int = 100, parties: int = 1) -> None:
+        super().__init__(n)
+        self.threads: dict[int, str] = {}
+        self.barrier = threading.Barrier(parties)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        self.threads[i] = threading.current_thread().name
+        self.barrier.wait(10)
+        return super().__getitem__(i)
+
+
+class BatchFetch(Squares):
+    """Squares with ``__getitems__``: records each call's indices in ``calls``."""
+
+    def __init__(self, n: int = 100) -> None:
+        super().__init__(n)
+        self.calls: list[list[int]] = []
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        self.calls.append(list(indices))
+        return [self[i] for i in indices]
+
+
+def double_first(item: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    """A ``transform:``: a Squares item with its tensor doubled (a new tensor: the item is left as it was)."""
+    tensor, label = item
+    return tensor * 2, label
+
+
+def square_x(item: dict[str, int]) -> dict[str, int]:
+    """A ``transform:`` for Stream's items: ``x`` squared."""
+    return {**item, "x": item["x"] ** 2}

@@ -1,0 +1,133 @@
+"""ItemThreads (server/worker/item_threads.py) and a dataset's items fetched across them (WorkerDataset, ``threads:``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from loaderd.server.config.schema import DatasetSpec
+from loaderd.server.worker.datasets import build_dataset
+from loaderd.server.worker.item_threads import ItemThreads
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def threads() -> Any:
+    pool = ItemThreads(3, "unit")
+    yield pool
+    pool.close()
+
+
+def test_map_keeps_the_items_order_and_runs_them_side_by_side(threads: ItemThreads) -> None:
+    barrier = threading.Barrier(3)  # three items at once, or it times out
+
+    def fn(i: int) -> tuple[int, str]:
+        barrier.wait(10)
+        return i * i, threading.current_thread().name
+
+    results = threads.map(fn, list(range(9)))
+    assert [r for r, _ in results] == [i * i for i in range(9)]
+    names = {name for _, name in results}
+    assert len(names) == 3 and threading.current_thread().name in names  # the caller is one of the three
+    assert all(name.startswith("loaderd-items-unit") for name in names - {threading.current_thread().name})
+
+
+def test_the_first_failure_by_position_is_raised_after_every_taken_item_ended(threads: ItemThreads) -> None:
+    ended: list[int] = []
+    three_failed = threading.Event()
+
+    def fn(i: int) -> int:
+        if i == 3:
+            three_failed.set()
+            raise KeyError(3)
+        if i == 1:
+            three_failed.wait(10)  # item 3 fails first in time; item 1 is still the one raised
+            ended.append(i)
+            raise ValueError("item 1")
+        time.sleep(0.01)
+        ended.append(i)
+        return i
+
+    with pytest.raises(ValueError, match="item 1"):
+        threads.map(fn, list(range(40)))
+    assert 1 in ended  # the thread running item 1 was waited for
+    assert len(ended) < 39  # after a failure no thread took another item
+
+
+def test_one_thread_is_a_plain_loop_in_the_callers_thread() -> None:
+    single = ItemThreads(1)
+    names = single.map(lambda _: threading.current_thread().name, [0, 1, 2])
+    assert names == [threading.current_thread().name] * 3
+    with pytest.raises(ValueError):
+        ItemThreads(0)
+
+
+def test_chunks_give_each_thread_a_contiguous_share_and_join_them_in_order(threads: ItemThreads) -> None:
+    calls: list[list[int]] = []
+    lock = threading.Lock()
+
+    def fetch(share: list[int]) -> list[int]:
+        with lock:
+            calls.append(share)
+        return [i * 10 for i in share]
+
+    assert threads.chunks(fetch, list(range(10))) == [i * 10 for i in range(10)]
+    assert sorted(calls) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    # One share: the call's own result, untouched (torch hands a __getitems__'s result to collation as it is).
+    assert ItemThreads(1).chunks(lambda share: {"n": len(share)}, [1, 2]) == {"n": 2}
+
+
+def test_close_joins_the_threads_is_idempotent_and_a_later_map_starts_them_again(threads: ItemThreads) -> None:
+    threads.map(lambda i: i, [0, 1, 2])
+    started = {t for t in threading.enumerate() if t.name.startswith("loaderd-items-unit")}
+    assert started
+    threads.close()
+    threads.close()
+    assert not any(t.is_alive() for t in started)
+    assert threads.map(lambda i: i + 1, [0, 1, 2]) == [1, 2, 3]
+
+
+def spec(factory: str, count: int, **kw: Any) -> DatasetSpec:
+    return DatasetSpec(name="ds", factory=factory, threads=count, **kw)
+
+
+def test_a_datasets_items_come_from_its_threads_in_order_and_equal_one_threads() -> None:
+    serial = build_dataset(spec("support.datasets:ThreadNames", 1))
+    threaded = build_dataset(spec("support.datasets:ThreadNames", 4, kwargs={"parties": 2}))  # items in pairs at least
+    try:
+        indices = [7, 3, 99, 0, 3, 42, 5, 8]
+        got, want = threaded.items(indices), serial.items(indices)
+        assert [i for _, i in got] == indices
+        assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(got, want))
+        assert len(set(threaded.dataset.threads.values())) > 1
+        assert set(serial.dataset.threads.values()) == {threading.current_thread().name}
+    finally:
+        threaded.threads.close()
+
+
+def test_getitems_is_called_once_per_thread_with_a_contiguous_share_and_the_transform_runs_after() -> None:
+    ds = build_dataset(spec("support.datasets:BatchFetch", 2, transform="support.datasets:double_first"))
+    try:
+        got = ds.items([4, 5, 6, 7, 8])
+        assert sorted(ds.dataset.calls) == [[4, 5, 6], [7, 8]]
+        assert [int(x[0][0]) for x in got] == [8, 10, 12, 14, 16]
+    finally:
+        ds.threads.close()
+    one = build_dataset(spec("support.datasets:BatchFetch", 1))
+    one.items([1, 2, 3])
+    assert one.dataset.calls == [[1, 2, 3]]
+
+
+def test_an_items_error_is_the_first_failing_index_s_as_with_one_thread() -> None:
+    ds = build_dataset(spec("support.datasets:Failing", 3, kwargs={"n": 40, "bad": (30, 9, 21)}))
+    try:
+        with pytest.raises(ValueError, match="bad item 9"):
+            ds.items(list(range(40)))
+    finally:
+        ds.threads.close()
+
