@@ -38,6 +38,7 @@ from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.scheduling.supervision import WorkerSupervisor
 from loaderd.server.scheduling.task_errors import crash_error, timeout_error
 from loaderd.server.scheduling.wake_pipe import WakePipe
+from loaderd.server.scheduling.window_fit import WindowFit
 from loaderd.server.worker.tasks import (
     BatchDone,
     BatchFailed,
@@ -113,14 +114,13 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
         self._elastic: ElasticPool | None = None  # an elastic pool's sizing (server/scheduling/sizing.py)
-        # The share of its most workers an elastic pool has now: map-style streams work that share of their window
-        # ahead, and at least one more task than its workers hold (so that a stream the pool cannot keep up with shows).
-        self._window_share, self._least_window = 1.0, 1
+        # What map-style streams' dispatch windows follow: an elastic pool's size, the streams sharing the pool.
+        self._fit = WindowFit()
         if policy.min_workers is not None:
             sizer = PoolSizer(policy.min_workers, pool.size)
             hooks = SchedulerHooks(clocks=self._clocks, idle=self._dispatcher.idle, pinned=self._pinned, resized=self._resized)
             self._elastic = ElasticPool(sizer, self._supervisor, pool, hooks, clock=clock)
-            self._fit_windows(policy.min_workers)
+            self._fit_windows(target=policy.min_workers)
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
         self._stop = threading.Event()
@@ -163,13 +163,13 @@ class Scheduler:
         with self._lock:
             job = self._join(share) if share is not None else None
             stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, upstream=job)
-            stream.fit_window(self._window_share, self._least_window)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
             else:
                 self._dispatcher.add(stream)
             self._streams[stream.stream_id] = stream
+            self._fit_windows(streams=self._sharing())
             if self._stop.is_set():  # opened as the daemon stops (no thread serves it): the client goes elsewhere now
                 stream.fail(StreamFailed(FailReason.UNAVAILABLE, self._stop_reason))
         self.wake()
@@ -215,11 +215,19 @@ class Scheduler:
                 starved_s=starved_s,
             )
 
-    def _fit_windows(self, target: int) -> None:
-        """Under the lock (or before the thread starts): map-style streams' windows for a pool of ``target`` workers."""
-        self._window_share, self._least_window = target / self._pool.size, PER_WORKER * (target + 1) + 1
+    def _fit_windows(self, target: int | None = None, streams: int | None = None) -> None:
+        """Under the lock (or before the thread starts): map-style streams' windows for a pool heading to ``target``
+        workers (one more task than they hold at least), or shared by ``streams`` streams (server/scheduling/window_fit.py)."""
+        if target is not None:
+            self._fit = dataclasses.replace(self._fit, share=target / self._pool.size, least=PER_WORKER * (target + 1) + 1)
+        if streams is not None:
+            self._fit = dataclasses.replace(self._fit, streams=max(1, streams))
         for stream in self._streams.values():
-            stream.fit_window(self._window_share, self._least_window)
+            stream.fit_window(self._fit)
+
+    def _sharing(self) -> int:
+        """Map-style client streams drawing on the pool themselves (a shared job's consumers draw on their job)."""
+        return sum(not s.spec.iterable and s.upstream is None for s in self._streams.values())
 
     def _pinned(self, worker_id: int) -> int:
         """Iterable replicas placed in slot ``worker_id`` (under the lock): a worker that leaves has them replayed elsewhere."""
@@ -228,7 +236,7 @@ class Scheduler:
     def _resized(self, target: int) -> None:
         """An elastic pool heads to ``target`` workers: every map-style stream works that share of its window ahead."""
         with self._lock:
-            self._fit_windows(target)
+            self._fit_windows(target=target)
 
     def _clocks(self) -> SchedulerClocks:
         """The counts an elastic pool's sizing reads (server/scheduling/elastic.py)."""
@@ -269,6 +277,7 @@ class Scheduler:
             if not stream.close():
                 return
             self._streams.pop(stream.stream_id, None)
+            self._fit_windows(streams=self._sharing())
             self._dispatcher.remove(stream.producer_id)
             self.counters[stream.dataset].delivered_closed += stream.delivered
             now = time.monotonic()

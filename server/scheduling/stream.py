@@ -17,7 +17,6 @@ All methods are called with the scheduler's lock held unless they say otherwise;
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from loaderd.server.scheduling.client_tally import StreamUse
 from loaderd.server.scheduling.ledger import FinishedBatch
 from loaderd.server.scheduling.producer import END, Backlog, Delivery, StreamFailed, Upstream, WorkerSlots
+from loaderd.server.scheduling.window_fit import WindowFit
 from loaderd.server.worker.seeding import derive_seed
 from loaderd.server.worker.tasks import BatchTask, FetchTask, Indices, IterTask
 
@@ -114,8 +114,8 @@ class BatchStream:
     # batch out freed a full window, so the scheduler may dispatch again and must be woken.
     window_freed: bool = False
     closed: bool = False
-    # Batches a map-style stream may have computing or ready: its window, or, on an elastic pool, the
-    # window's share for the pool's size now (``fit_window``): a smaller pool holds fewer batches ahead.
+    # Batches a map-style stream may have computing or ready: its window, narrowed for an elastic pool's size
+    # and for the streams sharing the pool now (``fit_window``, server/scheduling/window_fit.py).
     dispatch_window: int = 0
     replicas: list[_ReplicaCursor] = field(default_factory=list)
     replica_turn: int = 0
@@ -198,12 +198,10 @@ class BatchStream:
             return in_credit and self._active_replica() is not None
         return bool(self.pending)
 
-    def fit_window(self, share: float, least: int) -> None:
-        """An elastic pool is ``share`` of its most workers now: a map-style stream works that share of its window
-        ahead (the client sized it for the pool's most workers), but at least ``least`` batches (enough to show the
-        pool it waits: more than the pool's workers hold), never more than its window. Under the lock."""
+    def fit_window(self, fit: WindowFit) -> None:
+        """A map-style stream's dispatch window for the pool's state now (server/scheduling/window_fit.py). Under the lock."""
         if not self.spec.iterable:
-            self.dispatch_window = min(self.spec.window, max(least, math.ceil(self.spec.window * share)))
+            self.dispatch_window = fit.window(self.spec.window)
 
     def _replica_owner(self, replica: int, slots: WorkerSlots) -> int:
         """Iterable replicas live in one worker each, spread over the pool; one stays in its slot while a worker is there."""
