@@ -3,6 +3,12 @@
 The worker's side of server/shm/arena.py (names, sizes and the daemon's reading side
 live there). Segments are pre-allocated with ``posix_fallocate`` and kept for
 reuse; collation writes straight into slices of a uint8 tensor over each.
+
+A batch takes the smallest free segment that fits it, the one freed last among equals, so
+that segments beyond what the streams keep in flight stay unused; one unused for
+``IDLE_SEGMENT_S`` goes, even while the worker is busy. The segments held then follow
+what is in flight now rather than the most ever held: a window filled at an epoch's
+start, trainers that joined a shared pool one by one.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,17 +28,21 @@ from loaderd.wire.mapping import map_fd
 
 log = logging.getLogger("loaderd.arena")
 
+# A free segment unused this long goes (made again if a burst needs it: posix_fallocate, then page faults).
+IDLE_SEGMENT_S = 5.0
+
 
 class SlotWriter:
     """A worker's reusable segments: one batch per segment at a time."""
 
-    def __init__(self, prefix: str, cap_bytes: int) -> None:
+    def __init__(self, prefix: str, cap_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.prefix = prefix
+        self._clock = clock
         self.cap_bytes = cap_bytes
         self._maps: dict[str, memoryview] = {}
         # A uint8 tensor over each segment: collation writes into slices of it.
         self._bases: dict[str, torch.Tensor] = {}
-        self._free: list[str] = []
+        self._free: dict[str, float] = {}  # free segment -> when it was freed (in that order)
         self._counter = 0
         self._total = 0
         self._disabled = False
@@ -69,10 +81,12 @@ class SlotWriter:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
         if self._disabled or nbytes < INLINE_BYTES:
             return None
+        self._expire()
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
-            name = min(fitting, key=lambda n: len(self._maps[n]))
-            self._free.remove(name)
+            # Smallest first; among equals, the one freed last (``fitting`` is in the order they were freed).
+            name = min(reversed(fitting), key=lambda n: len(self._maps[n]))
+            del self._free[name]
             return name, self._bases[name]
         size = segment_size(nbytes)
         # Make room by dropping idle segments (smallest first): batch sizes change
@@ -103,17 +117,25 @@ class SlotWriter:
 
     def release(self, name: str) -> None:
         if name in self._maps and name not in self._free:
-            self._free.append(name)
+            self._free[name] = self._clock()
 
     def trim(self) -> None:
         """Remove every idle segment (the worker has been idle a while); the daemon hears of it via ``retired``."""
         for name in list(self._free):
             self._destroy(name)
 
+    def _expire(self) -> None:
+        """Remove the segments free for ``IDLE_SEGMENT_S`` (the oldest come first in ``_free``)."""
+        stale = self._clock() - IDLE_SEGMENT_S
+        for name, freed_at in list(self._free.items()):
+            if freed_at > stale:
+                break
+            self._destroy(name)
+
     def _destroy(self, name: str) -> None:
         """Remove one idle segment to make room; the daemon hears of it via ``retired``."""
         self.retired.append(name)
-        self._free.remove(name)
+        del self._free[name]
         self._total -= len(self._maps[name])
         self._remove(name)
 

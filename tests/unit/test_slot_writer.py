@@ -1,0 +1,71 @@
+"""SlotWriter (server/worker/slot_writer.py): a worker's segments follow what is in flight, not the most ever held."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from loaderd.server.shm.arena import INLINE_BYTES
+from loaderd.server.worker.slot_writer import IDLE_SEGMENT_S, SlotWriter
+from loaderd.wire.limits import SHM_DIR
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def writer(clock: Clock) -> Iterator[SlotWriter]:
+    slots = SlotWriter(f"ld-unit-slots-{os.getpid()}-", 1 << 30, clock=clock)
+    yield slots
+    slots.close(unlink=True)
+
+
+def take(writer: SlotWriter, nbytes: int = INLINE_BYTES) -> str:
+    acquired = writer.acquire(nbytes)
+    assert acquired is not None
+    return acquired[0]
+
+
+def test_a_batch_takes_the_segment_freed_last_so_the_others_stay_unused(writer: SlotWriter, clock: Clock) -> None:
+    a, b, c = take(writer), take(writer), take(writer)
+    for name in (a, b, c):
+        writer.release(name)
+        clock.now += 1
+    assert take(writer) == c
+    writer.release(c)
+    assert take(writer) == c
+
+
+def test_a_segment_unused_for_a_while_goes_while_the_worker_is_busy(writer: SlotWriter, clock: Clock) -> None:
+    a, b = take(writer), take(writer)  # a burst: two batches in flight at once
+    writer.release(a)
+    writer.release(b)
+    for _ in range(int(IDLE_SEGMENT_S) + 2):  # then one at a time, a batch a second
+        clock.now += 1
+        name = take(writer)
+        writer.release(name)
+    assert name == b and writer.retired == [a]
+    assert not os.path.exists(os.path.join(SHM_DIR, a)) and os.path.exists(os.path.join(SHM_DIR, b))
+
+
+def test_a_smaller_free_segment_that_fits_wins_over_a_larger_one_freed_later(writer: SlotWriter, clock: Clock) -> None:
+    small = take(writer, INLINE_BYTES)
+    large = take(writer, 64 * INLINE_BYTES)
+    writer.release(small)
+    clock.now += 1
+    writer.release(large)
+    assert take(writer, INLINE_BYTES) == small
