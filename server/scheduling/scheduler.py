@@ -43,7 +43,6 @@ from loaderd.server.worker.tasks import (
     BatchDone,
     BatchFailed,
     BatchTask,
-    FetchTask,
     Indices,
     IterTask,
     ReleaseStream,
@@ -423,27 +422,17 @@ class Scheduler:
             self._ledger.release(delivery.batch)  # the client left; drop what was still in flight for it
 
     def _count(self, worker_id: int, task: BatchTask, sent_at: float, result: object) -> None:
-        counters = self.counters.setdefault(task.dataset, DatasetCounters())
-        if isinstance(result, BatchFailed):
-            counters.errors += 1
-        elif isinstance(result, BatchDone):
-            counters.batches_computed += 1
-            if result.cache is not None:
-                counters.cache_hits += result.cache.hits
-                counters.cache_misses += result.cache.misses
-                counters.cache_not_stored += result.cache.not_stored
-                counters.cache_miss_cpu_s += result.cache.miss_cpu_s
-                decision = self._caches.add(task.dataset, result.cache) if self._caches is not None else None
-                if decision is not None and decision.mode != MEASURING:
-                    for each in range(self._pool.size):  # a dead worker's replacement (or a joining one) is told when it is ready
-                        self._submit(each, SettleCache(task.dataset, decision.mode == ON))
-            self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
-            if isinstance(task, FetchTask):
-                counters.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1
-            elif isinstance(task, IterTask):
-                counters.samples_fetched += task.batch_size or 1
-            if self._on_batch is not None:
-                self._on_batch(task.dataset, time.monotonic() - sent_at)
+        self.counters.setdefault(task.dataset, DatasetCounters()).count(task, result)
+        if not isinstance(result, BatchDone):
+            return
+        if result.cache is not None and self._caches is not None:
+            decision = self._caches.add(task.dataset, result.cache)
+            if decision is not None and decision.mode != MEASURING:
+                for each in range(self._pool.size):  # a dead worker's replacement (or a joining one) is told when it is ready
+                    self._submit(each, SettleCache(task.dataset, decision.mode == ON))
+        self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
+        if self._on_batch is not None:
+            self._on_batch(task.dataset, time.monotonic() - sent_at)
 
     def _on_death(self, event: WorkerDied) -> None:
         expected = self._supervisor.died(event)

@@ -15,6 +15,7 @@ from loaderd.server.scheduling.lifecycle import SlotView
 from loaderd.server.scheduling.share import SharedJob
 from loaderd.server.scheduling.sizing import PoolView
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
+from loaderd.server.worker.tasks import BatchDone, BatchFailed, BatchTask, FetchTask, IterTask
 from loaderd.v1 import loaderd_pb2 as pb
 
 
@@ -33,6 +34,22 @@ class DatasetCounters:
     cache_misses: int = 0
     cache_not_stored: int = 0
     cache_miss_cpu_s: float = 0.0
+
+    def count(self, task: BatchTask, result: object) -> None:
+        """One batch's result from a worker (a failure, or a batch with its cache's counts)."""
+        if isinstance(result, BatchFailed):
+            self.errors += 1
+        elif isinstance(result, BatchDone):
+            self.batches_computed += 1
+            if result.cache is not None:
+                self.cache_hits += result.cache.hits
+                self.cache_misses += result.cache.misses
+                self.cache_not_stored += result.cache.not_stored
+                self.cache_miss_cpu_s += result.cache.miss_cpu_s
+            if isinstance(task, FetchTask):
+                self.samples_fetched += len(task.indices) if isinstance(task.indices, tuple) else 1
+            elif isinstance(task, IterTask):
+                self.samples_fetched += task.batch_size or 1
 
 
 @dataclass(frozen=True)
