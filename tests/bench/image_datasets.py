@@ -70,6 +70,12 @@ def import_transforms() -> Any:
     return transforms
 
 
+# At import, as a dataset module's ``from torchvision import transforms`` is: a daemon's fork server imports the
+# config's modules once and its workers share them, as torch's workers share what their trainer imported. Imported
+# in the constructor instead, torchvision (~75 MiB of anonymous memory) would be imported again in every pool worker.
+import_transforms()
+
+
 def photo_dir() -> Path:
     """skimage's bundled data folder, found without importing skimage."""
     spec = importlib.util.find_spec("skimage")
