@@ -323,8 +323,20 @@ class WorkerPool:
             buffers = tuple((offset, worker.results.recv_bytes()) for offset in result.buffer_offsets)
         elif isinstance(result, WorkerReady):
             worker.ready = not worker.stopped
+            if not self.datasets and result.imported:  # the pool's first ready worker says it, once
+                self._warn_imported(result.imported)
             self.datasets = self.datasets or result.datasets
         return WorkerMessage(worker.worker_id, worker.generation, result, buffers)
+
+    def _warn_imported(self, packages: tuple[str, ...]) -> None:
+        modules = sorted({spec.factory.partition(":")[0] for spec in self.config.datasets.values()})
+        log.warning(
+            "building the datasets imported %s in each pool worker, after the fork server had imported the config's modules (%s): "
+            "every worker holds its own copy of them (torchvision alone is ~75 MiB). Import them at the top of those modules, "
+            "where the fork server imports them once for every worker, or build the dataset once (build: once)",
+            ", ".join(packages),
+            ", ".join(modules),
+        )
 
     def give_back(self, worker_id: int, generation: int, name: str) -> None:
         """Tell worker process (``worker_id``, ``generation``) it may reuse segment ``name``; no-op if it is gone."""

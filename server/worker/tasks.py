@@ -96,6 +96,9 @@ Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot | SettleCache
 class WorkerReady:
     worker_id: int
     datasets: dict[str, DatasetMeta]
+    # Top-level packages that building the datasets imported in this worker, not in the fork server before it:
+    # every worker holds its own copy of them (server/pool/pool.py says so once).
+    imported: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import signal
+import sys
 import time
 
 import torch
@@ -73,6 +74,14 @@ def _handle(batches: BatchMaker, task: Task, worker_id: int) -> None:
             log.exception("worker %d: %s failed", worker_id, type(task).__name__)
 
 
+def new_packages(before: set[str]) -> tuple[str, ...]:
+    """Top-level packages in ``sys.modules`` now that were not in ``before``: neither the standard library's, nor
+    modules no import made (an extension's runtime module, such as ``cython_runtime``, has no ``__spec__``)."""
+    tops = {name.partition(".")[0] for name in sys.modules if name not in before}
+    found = (top for top in tops if top not in before and top not in sys.stdlib_module_names and not top.startswith("_"))
+    return tuple(sorted(top for top in found if top in sys.modules and sys.modules[top].__spec__ is not None))
+
+
 def _prefer_oom_kill() -> None:
     """Make this worker the kernel OOM killer's first pick among the daemon's processes.
 
@@ -114,10 +123,12 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         try:
             # Every dataset built, and map-style worker_init_fns run, as torch does at worker start.
+            preloaded = set(sys.modules)
             datasets = {name: build_for_worker(ds, spec.worker_id, spec.pool_size) for name, ds in spec.config.datasets.items()}
+            imported = new_packages(preloaded)
             for ds in datasets.values():
                 ds.store = open_store(ds.spec, spec.cache_prefix)  # LMDB: opened here, after the fork, never inherited
-            ready = WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in datasets.items()})
+            ready = WorkerReady(worker_id=spec.worker_id, datasets={n: d.meta() for n, d in datasets.items()}, imported=imported)
         except Exception as exc:  # noqa: BLE001 - a dataset's constructor may raise anything: the pool reports it
             send_result(spec.results, WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
             return

@@ -4,6 +4,7 @@ The tests share one pool and run in file order: the last one shuts it down."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -33,6 +34,28 @@ def squares_config(n: int) -> LoaderConfig:
         },
         TESTS / "pool.yaml",
     )
+
+
+def test_packages_a_dataset_s_constructor_imports_in_each_worker_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The fork server imported the config's module; its constructor then imports yaml in every worker."""
+    config = parse_config(
+        {
+            "python_path": [str(TESTS)],
+            "listen": ["unix:///tmp/loaderd-test-pool-lazy.sock"],
+            "workers": 2,
+            "datasets": {"lazy": {"dataset": "support.datasets:ImportsLazily", "kwargs": {"module": "yaml"}}},
+        },
+        TESTS / "pool.yaml",
+    )
+    lazy = WorkerPool(config, shm_prefix=None)
+    with caplog.at_level(logging.WARNING, logger="loaderd.pool"):
+        try:
+            lazy.start(timeout=90.0)
+        finally:
+            lazy.shutdown()
+    said = [r.getMessage() for r in caplog.records if "in each pool worker" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "imported yaml in each pool worker" in said[0] and "(support.datasets)" in said[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ torch's DataLoader as the oracle.
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import os
 import random
@@ -477,3 +478,11 @@ def double_first(item: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
 def square_x(item: dict[str, int]) -> dict[str, int]:
     """A ``transform:`` for Stream's items: ``x`` squared."""
     return {**item, "x": item["x"] ** 2}
+
+
+class ImportsLazily(Squares):
+    """Squares whose constructor imports ``module`` (as a dataset importing torchvision in ``__init__`` does)."""
+
+    def __init__(self, n: int = 10, module: str = "yaml") -> None:
+        super().__init__(n)
+        importlib.import_module(module)
