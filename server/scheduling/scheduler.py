@@ -225,8 +225,10 @@ class Scheduler:
             stream.fit_window(self._fit)
 
     def _sharing(self) -> int:
-        """Map-style client streams drawing on the pool themselves (a shared job's consumers draw on their job)."""
-        return sum(not s.spec.iterable and s.upstream is None for s in self._streams.values())
+        """Map-style loaders drawing on the pool themselves: their streams by training process and dataset (a loader's
+        next epoch, opened a window before this one ends, is the same loader; a shared job's consumers draw on their job)."""
+        streams = self._streams.values()
+        return len({(s.spec.client or s.spec.peer, s.spec.dataset) for s in streams if not s.spec.iterable and s.upstream is None})
 
     def _pinned(self, worker_id: int) -> int:
         """Iterable replicas placed in slot ``worker_id`` (under the lock): a worker that leaves has them replayed elsewhere."""

@@ -6,8 +6,10 @@ workers). The daemon narrows that, never widens it, in two cases:
 - an elastic pool below its most workers: the stream works the pool's ``share`` of its window
   ahead, but at least ``least`` batches (one more than the pool's workers hold, so that a
   stream the pool cannot keep up with shows it waits, and the pool grows);
-- ``streams`` map-style client streams on the pool at once (DDP ranks, several trainers, a train
-  and a validation loader): each works its part of that, at least ``SHARED_LEAST`` batches.
+- ``streams`` map-style loaders on the pool at once (DDP ranks, several trainers, a train and a
+  validation loader; counted by training process and dataset, so that a loader's next epoch,
+  opened before this one ends, is not a second one): each works its part of that, at least
+  ``SHARED_LEAST`` batches.
   Without it N trainers slower than the pool would hold N windows of batches in shared
   memory, N times what one needs to keep the pool busy.
 
@@ -32,7 +34,7 @@ class WindowFit:
 
     share: float = 1.0  # an elastic pool's workers now over its most; 1.0 for a fixed pool
     least: int = 1  # the fewest batches a stream works ahead for the pool's sake
-    streams: int = 1  # map-style client streams open on the pool
+    streams: int = 1  # map-style loaders drawing on the pool (the scheduler counts them)
 
     def window(self, own: int) -> int:
         """The dispatch window of a stream whose client asked for ``own`` batches."""

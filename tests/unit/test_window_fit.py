@@ -3,11 +3,14 @@ for the streams sharing the pool, and the scheduler applying it as streams open 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
 from loaderd.server.scheduling.scheduler import Scheduler
+from loaderd.server.scheduling.stream import StreamSpec
 from loaderd.server.scheduling.window_fit import SHARED_LEAST, WindowFit
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,13 +35,20 @@ def test_streams_sharing_the_pool_split_it_down_to_the_shared_least() -> None:
     assert WindowFit(share=0.5, least=5, streams=2).window(16) == 4
 
 
-def test_the_scheduler_splits_windows_as_streams_open_and_widens_them_as_they_close() -> None:
+def trainer(name: str, window: int = 16) -> StreamSpec:
+    """A map-style stream of training process ``name``."""
+    return dataclasses.replace(map_spec(window=window), client=name)
+
+
+def test_the_scheduler_splits_windows_as_loaders_open_and_widens_them_as_they_close() -> None:
     pool = FakePool(size=4)
     sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy())
     try:
-        a = sched.open_stream(map_spec(window=16))
-        assert a.dispatch_window == 16
-        b, c = sched.open_stream(map_spec(window=16)), sched.open_stream(map_spec(window=16))
+        a = sched.open_stream(trainer("host:1"))
+        next_epoch = sched.open_stream(trainer("host:1"))  # the same loader's next epoch, opened early: not a second loader
+        assert (a.dispatch_window, next_epoch.dispatch_window) == (16, 16)
+        sched.close_stream(next_epoch)
+        b, c = sched.open_stream(trainer("host:2")), sched.open_stream(trainer("host:3"))
         assert (a.dispatch_window, b.dispatch_window, c.dispatch_window) == (6, 6, 6)
         stream = sched.open_stream(iter_spec(window=16))  # an iterable stream has its own credit: not counted
         assert (a.dispatch_window, b.dispatch_window, c.dispatch_window, stream.dispatch_window) == (6, 6, 6, 16)
