@@ -56,6 +56,12 @@ class DatasetSpec:
     # 1: one item after another, as torch's workers.
     threads: int = 1
 
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules of the callables it names (factory, collate_fn, worker_init_fn, transform)."""
+        named = (self.factory, self.collate_fn, self.worker_init_fn, self.transform)
+        return tuple(dict.fromkeys(value.partition(":")[0] for value in named if value))
+
 
 @dataclass(frozen=True)
 class MetricsConfig:

@@ -84,7 +84,8 @@ class ForkServer:
             except BaseException as exc:  # noqa: BLE001 - reported below, on the daemon's thread
                 failure.append(exc)
 
-        modules = sorted({s.factory.partition(":")[0] for s in self.config.datasets.values()})
+        # Every module the config names: what the fork server imports, its workers share (and need not import again).
+        modules = sorted({module for s in self.config.datasets.values() for module in s.modules})
         tunables = os.environ.get(glibc_tunables.VARIABLE)
         log_setup = (self.config.log_level, self.config.log_format)
         try:

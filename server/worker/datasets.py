@@ -66,16 +66,20 @@ class WorkerDataset:
         return self.transformed([found[n] for n in range(len(indices))])
 
     def _fetched(self, keys: list[Any], transformed: bool) -> Any:
-        """The dataset's items at ``keys``, across the worker's item threads; ``transformed``: each through ``transform``."""
+        """The dataset's items at ``keys``, across the worker's item threads; ``transformed``: each through ``transform``.
+
+        With one thread, as torch: every item fetched (what a ``__getitems__`` returns, untouched), then each
+        transformed, so the random draws come in the same order."""
+        transform = self.transform if transformed else None
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             samples = self.threads.chunks(getitems, keys)
-            return self.transformed(samples) if transformed else samples
-        transform = self.transform if transformed else None
-        if transform is None:
-            return self.threads.map(self.dataset.__getitem__, keys)
-        dataset = self.dataset
-        return self.threads.map(lambda key: transform(dataset[key]), keys)  # one pass per item: the threads balance
+        elif transform is not None and self.threads.count > 1:
+            dataset = self.dataset
+            return self.threads.map(lambda key: transform(dataset[key]), keys)  # one pass per item: the threads balance
+        else:
+            samples = self.threads.map(self.dataset.__getitem__, keys)
+        return samples if transform is None else self.transformed(samples)
 
     def item(self, index: Any) -> Any:
         """The item at ``index`` (no automatic batching: ``dataset[index]``, as torch), transformed."""

@@ -81,13 +81,14 @@ class SlotWriter:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
         if self._disabled or nbytes < INLINE_BYTES:
             return None
-        self._expire()
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
             # Smallest first; among equals, the one freed last (``fitting`` is in the order they were freed).
             name = min(reversed(fitting), key=lambda n: len(self._maps[n]))
             del self._free[name]
+            self._expire()  # after the pick: a worker slower than IDLE_SEGMENT_S a batch keeps its one segment
             return name, self._bases[name]
+        self._expire()
         size = segment_size(nbytes)
         # Make room by dropping idle segments (smallest first): batch sizes change
         # between streams, and idle small segments must not starve big batches.

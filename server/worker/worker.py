@@ -17,6 +17,7 @@ import select
 import signal
 import sys
 import time
+import types
 
 import torch
 
@@ -77,9 +78,11 @@ def _handle(batches: BatchMaker, task: Task, worker_id: int) -> None:
 def new_packages(before: set[str]) -> tuple[str, ...]:
     """Top-level packages in ``sys.modules`` now that were not in ``before``: neither the standard library's, nor
     modules no import made (an extension's runtime module, such as ``cython_runtime``, has no ``__spec__``)."""
-    tops = {name.partition(".")[0] for name in sys.modules if name not in before}
+    modules = dict(sys.modules)
+    tops = {name.partition(".")[0] for name in modules if name not in before}
     found = (top for top in tops if top not in before and top not in sys.stdlib_module_names and not top.startswith("_"))
-    return tuple(sorted(top for top in found if top in sys.modules and sys.modules[top].__spec__ is not None))
+    # ``sys.modules[name] = None`` blocks an import: only modules an import made count.
+    return tuple(sorted(top for top in found if isinstance(modules.get(top), types.ModuleType) and modules[top].__spec__ is not None))
 
 
 def _prefer_oom_kill() -> None:

@@ -458,15 +458,20 @@ class ThreadNames(Squares):
 
 
 class BatchFetch(Squares):
-    """Squares with ``__getitems__``: records each call's indices in ``calls``."""
+    """Squares with ``__getitems__``: records each call's indices in ``calls``; ``returns`` says what it gives back:
+    "list" (torch's contract), "generator" (of the items), or "dict" (a batch of its own: {"i": tensor of indices})."""
 
-    def __init__(self, n: int = 100) -> None:
+    def __init__(self, n: int = 100, returns: str = "list") -> None:
         super().__init__(n)
         self.calls: list[list[int]] = []
+        self.returns = returns
 
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+    def __getitems__(self, indices: list[int]) -> Any:
         self.calls.append(list(indices))
-        return [self[i] for i in indices]
+        if self.returns == "dict":
+            return {"i": torch.tensor(indices)}
+        items = (self[i] for i in indices)
+        return items if self.returns == "generator" else list(items)
 
 
 def double_first(item: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
@@ -486,3 +491,20 @@ class ImportsLazily(Squares):
     def __init__(self, n: int = 10, module: str = "yaml") -> None:
         super().__init__(n)
         importlib.import_module(module)
+
+
+CALLS: list[str] = []  # what CallLog and log_transform did, in order (this process's)
+
+
+class CallLog(Squares):
+    """Squares that appends ``get i`` to ``CALLS`` for each item fetched."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        CALLS.append(f"get {i}")
+        return super().__getitem__(i)
+
+
+def log_transform(item: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    """A ``transform:`` that appends ``transform`` to ``CALLS``."""
+    CALLS.append("transform")
+    return item
