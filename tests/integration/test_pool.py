@@ -4,7 +4,6 @@ The tests share one pool and run in file order: the last one shuts it down."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.daemons import running_daemon
 
 from loaderd.server.config.schema import LoaderConfig, parse_config
 from loaderd.server.pool.pool import PoolEvent, WorkerDied, WorkerMessage, WorkerPool
@@ -36,24 +36,12 @@ def squares_config(n: int) -> LoaderConfig:
     )
 
 
-def test_packages_a_dataset_s_constructor_imports_in_each_worker_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
-    """The fork server imported the config's module; its constructor then imports yaml in every worker."""
-    config = parse_config(
-        {
-            "python_path": [str(TESTS)],
-            "listen": ["unix:///tmp/loaderd-test-pool-lazy.sock"],
-            "workers": 2,
-            "datasets": {"lazy": {"dataset": "support.datasets:ImportsLazily", "kwargs": {"module": "yaml"}}},
-        },
-        TESTS / "pool.yaml",
-    )
-    lazy = WorkerPool(config, shm_prefix=None)
-    with caplog.at_level(logging.WARNING, logger="loaderd.pool"):
-        try:
-            lazy.start(timeout=90.0)
-        finally:
-            lazy.shutdown()
-    said = [r.getMessage() for r in caplog.records if "in each pool worker" in r.getMessage()]
+def test_packages_a_dataset_s_constructor_imports_in_each_worker_are_named_once() -> None:
+    """A real daemon (its own fork server, which imported the config's module): the constructor then imports yaml in
+    each of its 2 workers, and the log says so once, with the module to move the import to."""
+    datasets = {"lazy": {"dataset": "support.datasets:ImportsLazily", "kwargs": {"module": "yaml"}}}
+    with running_daemon(datasets, prefix="ld-lazy-", workers=2) as daemon:
+        said = [line for line in daemon.log().splitlines() if "in each pool worker" in line]
     assert len(said) == 1, said
     assert "imported yaml in each pool worker" in said[0] and "(support.datasets)" in said[0]
 
