@@ -12,6 +12,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+try:  # at the top: the daemon's fork server imports this module once and every worker shares scikit-learn
+    from sklearn.datasets import load_digits
+except ImportError:  # the examples extra is not installed: only Digits needs it
+    load_digits = None
+
 
 class Digits(Dataset):
     """scikit-learn's handwritten digits: 1,797 8x8 grey images of 0-9 (from UCI), as (1x8x8 float, label).
@@ -24,8 +29,8 @@ class Digits(Dataset):
     """
 
     def __init__(self, split: str = "train", val_fraction: float = 0.2, seed: int = 0, noise: float = 0.0) -> None:
-        from sklearn.datasets import load_digits  # the examples extra; imported only where this dataset is used
-
+        if load_digits is None:
+            raise ImportError("Digits needs scikit-learn: pip install -e '.[examples]'")
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         bunch = load_digits()
