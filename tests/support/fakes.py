@@ -228,3 +228,13 @@ def drain(stream: BatchStream, timeout: float = 0.0) -> list[Delivery]:
         out.append(delivery)
         if delivery.seq == -1:
             return out
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand: ``clock.now += 1.5``."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

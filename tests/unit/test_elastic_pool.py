@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
+from support.fakes import FakeClock, FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.server.scheduling.dispatcher import Dispatcher
 from loaderd.server.scheduling.lifecycle import SlotState, WorkerLifecycle
@@ -147,16 +147,9 @@ def test_worker_slots_place_new_work_on_present_slots_and_keep_placed_work() -> 
     assert WorkerSlots(4, leaving=frozenset({0})).owner(4) != 0, "new work avoids a leaving slot"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def test_the_dispatcher_clocks_busy_worker_seconds_and_starved_seconds() -> None:
-    clock = Clock()
+    clock = FakeClock()
     dispatcher = Dispatcher(2, clock)
     pool = FakePool(2)
     sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(), dispatcher=dispatcher)

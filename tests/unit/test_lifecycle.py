@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from support.fakes import FakeClock
 
 import loaderd.server.scheduling.lifecycle as lifecycle_module
 from loaderd.server.scheduling.lifecycle import MAX_RESPAWN_FAILURES, SlotState, WorkerLifecycle
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
 
 
-def test_a_death_plans_a_start_now_and_a_ready_replacement_serves(clock: Clock) -> None:
+def test_a_death_plans_a_start_now_and_a_ready_replacement_serves(clock: FakeClock) -> None:
     slots = WorkerLifecycle(2, clock)
     assert slots.view(0).state is SlotState.SERVING and slots.takes_work(0)
     assert slots.died(0, 1) is False, "not a death the scheduler caused"
@@ -34,7 +27,7 @@ def test_a_death_plans_a_start_now_and_a_ready_replacement_serves(clock: Clock) 
     assert slots.view(1).state is SlotState.SERVING
 
 
-def test_failed_starts_back_off_then_give_the_slot_up(clock: Clock) -> None:
+def test_failed_starts_back_off_then_give_the_slot_up(clock: FakeClock) -> None:
     slots = WorkerLifecycle(1, clock)
     slots.died(0, 1)
     waits = []
@@ -54,7 +47,7 @@ def test_failed_starts_back_off_then_give_the_slot_up(clock: Clock) -> None:
     assert slots.due() == []
 
 
-def test_a_replacement_killed_past_its_start_timeout_stays_a_failed_start(clock: Clock) -> None:
+def test_a_replacement_killed_past_its_start_timeout_stays_a_failed_start(clock: FakeClock) -> None:
     slots = WorkerLifecycle(1, clock)
     slots.died(0, 1)
     slots.respawn(0)
@@ -73,7 +66,7 @@ def test_a_replacement_killed_past_its_start_timeout_stays_a_failed_start(clock:
     assert slots.view(0).state is SlotState.WAITING and slots.view(0).at == clock.now + 0.5
 
 
-def test_recycling_drains_then_asks_once_then_kills_after_the_grace(clock: Clock) -> None:
+def test_recycling_drains_then_asks_once_then_kills_after_the_grace(clock: FakeClock) -> None:
     slots = WorkerLifecycle(1, clock)
     assert [slots.task_done(0) for _ in range(3)] == [1, 2, 3]
     slots.recycle(0)
@@ -90,7 +83,7 @@ def test_recycling_drains_then_asks_once_then_kills_after_the_grace(clock: Clock
     assert slots.task_done(0) == 1, "the replacement counts from zero"
 
 
-def test_a_lost_pool_starts_nothing_again(clock: Clock) -> None:
+def test_a_lost_pool_starts_nothing_again(clock: FakeClock) -> None:
     slots = WorkerLifecycle(2, clock)
     slots.died(0, 1)
     slots.respawn(0)
@@ -101,7 +94,7 @@ def test_a_lost_pool_starts_nothing_again(clock: Clock) -> None:
     assert slots.given_up() == frozenset()
 
 
-def test_a_killed_task_makes_its_workers_death_expected(clock: Clock) -> None:
+def test_a_killed_task_makes_its_workers_death_expected(clock: FakeClock) -> None:
     slots = WorkerLifecycle(1, clock)
     slots.killed(0, 3)
     assert slots.died(0, 2) is False, "another generation"

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+from support.fakes import FakeClock
+
 from loaderd.epoch.outage import OutageClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_it_runs_only_while_no_lane_is_open_and_ends_when_one_answers() -> None:
-    clock = Clock()
+    clock = FakeClock()
     outage = OutageClock(clock)
     assert not outage.active and outage.elapsed() == 0.0
     assert outage.no_lane() is True  # began: the caller warns once
@@ -34,7 +28,7 @@ def test_it_runs_only_while_no_lane_is_open_and_ends_when_one_answers() -> None:
 
 
 def test_a_new_outage_starts_from_zero() -> None:
-    clock = Clock()
+    clock = FakeClock()
     outage = OutageClock(clock)
     outage.no_lane()
     clock.now += 7

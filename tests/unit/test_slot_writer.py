@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from support.fakes import FakeClock
 
 from loaderd.server.shm.arena import INLINE_BYTES
 from loaderd.server.worker.slot_writer import IDLE_SEGMENT_S, SlotWriter
@@ -14,21 +15,14 @@ from loaderd.wire.limits import SHM_DIR
 pytestmark = pytest.mark.timeout(30)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
 
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def writer(clock: Clock) -> Iterator[SlotWriter]:
+def writer(clock: FakeClock) -> Iterator[SlotWriter]:
     slots = SlotWriter(f"ld-unit-slots-{os.getpid()}-", 1 << 30, clock=clock)
     yield slots
     slots.close(unlink=True)
@@ -40,7 +34,7 @@ def take(writer: SlotWriter, nbytes: int = INLINE_BYTES) -> str:
     return acquired[0]
 
 
-def test_a_batch_takes_the_segment_freed_last_so_the_others_stay_unused(writer: SlotWriter, clock: Clock) -> None:
+def test_a_batch_takes_the_segment_freed_last_so_the_others_stay_unused(writer: SlotWriter, clock: FakeClock) -> None:
     a, b, c = take(writer), take(writer), take(writer)
     for name in (a, b, c):
         writer.release(name)
@@ -50,7 +44,7 @@ def test_a_batch_takes_the_segment_freed_last_so_the_others_stay_unused(writer: 
     assert take(writer) == c
 
 
-def test_a_segment_unused_for_a_while_goes_while_the_worker_is_busy(writer: SlotWriter, clock: Clock) -> None:
+def test_a_segment_unused_for_a_while_goes_while_the_worker_is_busy(writer: SlotWriter, clock: FakeClock) -> None:
     a, b = take(writer), take(writer)  # a burst: two batches in flight at once
     writer.release(a)
     writer.release(b)
@@ -62,7 +56,7 @@ def test_a_segment_unused_for_a_while_goes_while_the_worker_is_busy(writer: Slot
     assert not os.path.exists(os.path.join(SHM_DIR, a)) and os.path.exists(os.path.join(SHM_DIR, b))
 
 
-def test_a_smaller_free_segment_that_fits_wins_over_a_larger_one_freed_later(writer: SlotWriter, clock: Clock) -> None:
+def test_a_smaller_free_segment_that_fits_wins_over_a_larger_one_freed_later(writer: SlotWriter, clock: FakeClock) -> None:
     small = take(writer, INLINE_BYTES)
     large = take(writer, 64 * INLINE_BYTES)
     writer.release(small)

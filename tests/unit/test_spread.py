@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from support.fake_lanes import FakeLane, FakeLanes
+from support.fakes import FakeClock
 
 from loaderd.epoch.positions import HEDGE_MIN_S, Positions
 from loaderd.epoch.spread import HEDGE_POLL_S, SpreadPlacement
 from loaderd.stream.stream_call import POLL_S
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def planned(count: int) -> Positions[FakeLane]:
@@ -54,7 +47,7 @@ def test_waiting_positions_go_to_the_lanes_with_most_room_none_beyond_its_window
 
 
 def test_an_idle_answering_lane_hedges_late_positions_of_another() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     spread: SpreadPlacement[FakeLane] = SpreadPlacement(clock)
     positions = planned(2)
     lanes = FakeLanes()
@@ -83,7 +76,7 @@ def test_an_idle_answering_lane_hedges_late_positions_of_another() -> None:
 
 
 def test_no_hedges_with_one_lane_or_while_positions_wait() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     spread: SpreadPlacement[FakeLane] = SpreadPlacement(clock)
     positions = planned(3)
     slow, fast = FakeLane("A", window=2), FakeLane("B", window=2, answered=1)
