@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -64,11 +64,12 @@ def _indices_of(task: FetchTask) -> str:
 class BatchMaker:
     """One worker's batches: its datasets, the iterable replicas it holds, its shared-memory slots."""
 
-    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset]) -> None:
+    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset], freed: Callable[[], list[str]] = list) -> None:
+        """``freed``: the slots the daemon gave back that wait in the task pipe (``TaskInbox.freed``)."""
         self.spec = spec
         self.datasets = datasets
         self.replicas: dict[tuple[int, int], _Replica] = {}
-        self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes) if spec.shm_prefix else None
+        self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes, freed=freed) if spec.shm_prefix else None
 
     def _pool_info(self, ds: WorkerDataset, seed: int) -> torch_worker.WorkerInfo:
         return pool_info(ds, self.spec.worker_id, self.spec.pool_size, seed)

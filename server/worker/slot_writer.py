@@ -8,7 +8,9 @@ A batch takes the smallest free segment that fits it, the one freed last among e
 that segments beyond what the streams keep in flight stay unused; one unused for
 ``IDLE_SEGMENT_S`` goes, even while the worker is busy. The segments held then follow
 what is in flight now rather than the most ever held: a window filled at an epoch's
-start, trainers that joined a shared pool one by one.
+start, trainers that joined a shared pool one by one. Before it picks, it takes the releases
+already on their way (``freed``: the worker's task inbox, server/worker/task_inbox.py), so a
+segment the client gave back during this batch is reused rather than a second one made.
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ IDLE_SEGMENT_S = 5.0
 class SlotWriter:
     """A worker's reusable segments: one batch per segment at a time."""
 
-    def __init__(self, prefix: str, cap_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        cap_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        freed: Callable[[], list[str]] = list,
+    ) -> None:
+        """``freed``: the names of segments the daemon gave back since it was last asked (read without waiting)."""
         self.prefix = prefix
         self._clock = clock
+        self._freed = freed
         self.cap_bytes = cap_bytes
         self._maps: dict[str, memoryview] = {}
         # A uint8 tensor over each segment: collation writes into slices of it.
@@ -81,6 +91,8 @@ class SlotWriter:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
         if self._disabled or nbytes < INLINE_BYTES:
             return None
+        for name in self._freed():
+            self.release(name)
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
             # Smallest first; among equals, the one freed last (``fitting`` is in the order they were freed).

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import select
 import signal
 import sys
 import time
@@ -29,6 +28,7 @@ from loaderd.server.process.multiprocessing_private import drop_fork_server_hand
 from loaderd.server.worker.batches import BatchMaker
 from loaderd.server.worker.datasets import build_for_worker
 from loaderd.server.worker.entry import WorkerSpec
+from loaderd.server.worker.task_inbox import TaskInbox
 from loaderd.server.worker.tasks import (
     FetchTask,
     IterTask,
@@ -135,15 +135,13 @@ def run_worker(spec: WorkerSpec) -> None:
         except Exception as exc:  # noqa: BLE001 - a dataset's constructor may raise anything: the pool reports it
             send_result(spec.results, WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
             return
-        batches = BatchMaker(spec, datasets)
+        inbox = TaskInbox(spec.tasks)
+        batches = BatchMaker(spec, datasets, freed=inbox.freed)
         send_result(spec.results, ready)
         busy_at = time.monotonic()
         heap_trimmed = False
-        # One poll object for the worker's life (``Connection.poll`` builds a selector per call).
-        incoming = select.poll()
-        incoming.register(spec.tasks.fileno(), select.POLLIN)
         while True:
-            if not incoming.poll(_PARENT_CHECK_S * 1000):
+            if not inbox.wait(_PARENT_CHECK_S):
                 if os.getppid() != parent:  # the daemon (and its fork server) went away
                     return
                 if time.monotonic() - busy_at > _TRIM_IDLE_S:
@@ -153,7 +151,7 @@ def run_worker(spec: WorkerSpec) -> None:
                         heap_trimmed = True
                 continue
             try:
-                task = spec.tasks.recv()  # EOFError: the daemon closed our task pipe
+                task = inbox.next()  # EOFError: the daemon closed our task pipe
             except OSError:  # closed in the middle of a message: the daemon is gone
                 return
             if task is None:

@@ -63,3 +63,23 @@ def test_a_smaller_free_segment_that_fits_wins_over_a_larger_one_freed_later(wri
     clock.now += 1
     writer.release(large)
     assert take(writer, INLINE_BYTES) == small
+
+
+def test_a_release_already_on_its_way_is_taken_before_a_new_segment_is_made(clock: FakeClock) -> None:
+    """The client gave the last batch's segment back while the next batch was made: that batch reuses it."""
+    on_the_way: list[str] = []
+
+    def freed() -> list[str]:
+        names = list(on_the_way)
+        on_the_way.clear()
+        return names
+
+    writer = SlotWriter(f"ld-unit-freed-{os.getpid()}-", 1 << 30, clock=clock, freed=freed)
+    try:
+        first = take(writer)
+        on_the_way.append(first)
+        assert take(writer) == first
+        second = take(writer)  # nothing given back meanwhile: a second segment
+        assert second != first
+    finally:
+        writer.close(unlink=True)
