@@ -8,9 +8,9 @@ A batch takes the smallest free segment that fits it, the one freed last among e
 that segments beyond what the streams keep in flight stay unused; one unused for
 ``IDLE_SEGMENT_S`` goes, even while the worker is busy. The segments held then follow
 what is in flight now rather than the most ever held: a window filled at an epoch's
-start, trainers that joined a shared pool one by one. Before it picks, it takes the releases
-already on their way (``freed``: the worker's task inbox, server/worker/task_inbox.py), so a
-segment the client gave back during this batch is reused rather than a second one made.
+start, trainers that joined a shared pool one by one. Before it makes a segment, it takes the
+releases already on their way (``freed``: the worker's task inbox, server/worker/task_inbox.py),
+so a segment the client gave back during this batch is reused rather than a second one made.
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ class SlotWriter:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
         if self._disabled or nbytes < INLINE_BYTES:
             return None
-        for name in self._freed():
-            self.release(name)
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
+        if not fitting:  # before making one: a segment given back may be on its way (no syscall while one is free)
+            for name in self._freed():
+                self.release(name)
+            fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
             # Smallest first; among equals, the one freed last (``fitting`` is in the order they were freed).
             name = min(reversed(fitting), key=lambda n: len(self._maps[n]))

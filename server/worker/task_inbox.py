@@ -7,7 +7,7 @@ every worker would then write its next batch into a second segment while the fir
 read, and a pool holds about two segments per worker where one each is what is in flight (8
 workers of 38.5 MB image batches: ~0.3 GiB more).
 
-So before it picks a segment for a batch, the worker asks ``freed``: every message readable now
+So before it makes a new segment for a batch, the worker asks ``freed``: every message readable now
 is read, without waiting; releases are handed over at once, anything else (tasks, the ``None``
 that ends the worker) keeps its order for ``next``. A release only makes a segment reusable, so
 taking it ahead of the tasks before it changes no batch.
