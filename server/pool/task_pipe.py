@@ -14,9 +14,8 @@ its own, one thread wake-up and one lock round trip per task, and builds a
 sixth of the daemon's CPU per batch on the shared-memory path. Tasks are
 loaderd's own plain dataclasses, so plain ``pickle`` does.
 
-Messages are framed as ``multiprocessing.connection`` frames them (a 4-byte
-big-endian length, then the bytes), so the worker reads them with
-``Connection.recv`` on the other end. Thread-safe: the scheduler sends tasks,
+Messages are framed as ``TASK_FRAME`` says (server/worker/tasks.py; the worker's
+``TaskInbox`` reads them). Thread-safe: the scheduler sends tasks,
 servicer threads and the slot ledger send (closed streams) and defer (slot
 releases).
 """
@@ -25,13 +24,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-_HEADER = struct.Struct("!i")
+from loaderd.server.worker.tasks import TASK_FRAME
 
 
 class TaskPipe:
@@ -57,7 +55,7 @@ class TaskPipe:
             if self._closed:
                 raise ValueError("the task pipe is closed")
             self._take_deferred()
-            self._outbox += _HEADER.pack(len(data))
+            self._outbox += TASK_FRAME.pack(len(data))
             self._outbox += data
             self._write()
 
@@ -73,7 +71,7 @@ class TaskPipe:
                 raise ValueError("the task pipe is closed")
             if not self._deferred:
                 self._deferred_at = time.monotonic()
-            self._deferred += _HEADER.pack(len(data))
+            self._deferred += TASK_FRAME.pack(len(data))
             self._deferred += data
 
     def fileno(self) -> int:

@@ -64,7 +64,7 @@ def _indices_of(task: FetchTask) -> str:
 class BatchMaker:
     """One worker's batches: its datasets, the iterable replicas it holds, its shared-memory slots."""
 
-    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset], freed: Callable[[], list[str]] = list) -> None:
+    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset], freed: Callable[[], list[str]] | None = None) -> None:
         """``freed``: the slots the daemon gave back that wait in the task pipe (``TaskInbox.freed``)."""
         self.spec = spec
         self.datasets = datasets

@@ -8,9 +8,10 @@ A batch takes the smallest free segment that fits it, the one freed last among e
 that segments beyond what the streams keep in flight stay unused; one unused for
 ``IDLE_SEGMENT_S`` goes, even while the worker is busy. The segments held then follow
 what is in flight now rather than the most ever held: a window filled at an epoch's
-start, trainers that joined a shared pool one by one. Before it makes a segment, it takes the
-releases already on their way (``freed``: the worker's task inbox, server/worker/task_inbox.py),
-so a segment the client gave back during this batch is reused rather than a second one made.
+start, trainers that joined a shared pool one by one. Only when no free segment fits does it
+take the releases already in the worker's task pipe (``freed``: server/worker/task_inbox.py), so
+a segment given back while this batch was made, whose news reached the pipe, is reused rather
+than a second one made (a release the daemon still defers is not seen).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ log = logging.getLogger("loaderd.arena")
 IDLE_SEGMENT_S = 5.0
 
 
+def _nothing_freed() -> list[str]:
+    return []
+
+
 class SlotWriter:
     """A worker's reusable segments: one batch per segment at a time."""
 
@@ -42,12 +47,12 @@ class SlotWriter:
         prefix: str,
         cap_bytes: int,
         clock: Callable[[], float] = time.monotonic,
-        freed: Callable[[], list[str]] = list,
+        freed: Callable[[], list[str]] | None = None,
     ) -> None:
         """``freed``: the names of segments the daemon gave back since it was last asked (read without waiting)."""
         self.prefix = prefix
         self._clock = clock
-        self._freed = freed
+        self._freed = freed or _nothing_freed
         self.cap_bytes = cap_bytes
         self._maps: dict[str, memoryview] = {}
         # A uint8 tensor over each segment: collation writes into slices of it.

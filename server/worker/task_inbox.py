@@ -1,74 +1,113 @@
-"""TaskInbox: a worker's end of its task pipe; tasks in order, slot releases as soon as they are readable.
+"""TaskInbox: a worker's end of its task pipe; tasks in order, slot releases as soon as they are there.
 
 The daemon's ``ReleaseSlot`` for a segment rides with the worker's next task, or goes on its own
-once it is ``_DEFER_S`` old (server/pool/task_pipe.py), so it usually sits in the pipe behind
-tasks the worker was given before. Read in turn, it would reach the worker only after those:
-every worker would then write its next batch into a second segment while the first waits to be
-read, and a pool holds about two segments per worker where one each is what is in flight (8
-workers of 38.5 MB image batches: ~0.3 GiB more).
+once it is ``_DEFER_S`` (50 ms) old (server/pool/pool.py, server/pool/task_pipe.py), so it
+usually sits in the pipe behind tasks the worker was given before. Read in turn, it would reach the
+worker only after those: every worker would then write its next batch into a second segment while
+the first waits to be read, and a pool holds about two segments per worker where one each is what
+is in flight (8 workers of 38.5 MB image batches: ~0.3 GiB more).
 
-So before it makes a new segment for a batch, the worker asks ``freed``: every message readable now
-is read, without waiting; releases are handed over at once, anything else (tasks, the ``None``
-that ends the worker) keeps its order for ``next``. A release only makes a segment reusable, so
-taking it ahead of the tasks before it changes no batch.
+So before it makes a new segment for a batch, the worker asks ``freed``: the bytes the pipe holds
+now are read without waiting, releases among the whole messages are handed over at once, and
+everything else (tasks, the ``None`` that ends the worker) keeps its order for ``take``. A release
+only makes a segment reusable, so taking it ahead of the tasks before it changes no batch. A
+release still deferred in the daemon is not seen: batches much faster than 50 ms may still take a
+second segment.
+
+The inbox does the pipe's framing itself (``TASK_FRAME``): the daemon writes without blocking and
+may split a message where the pipe is full, and ``freed`` must not wait for its rest in the middle
+of a batch. Whatever ``freed`` meets that ends the pipe (its end, a message that does not unpickle)
+is raised by ``take`` after the messages before it, in the task loop, as a read there would be.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import select
 from collections import deque
 from multiprocessing.connection import Connection
 
-from loaderd.server.worker.tasks import ReleaseSlot, Task
+from loaderd.server.worker.tasks import TASK_FRAME, ReleaseSlot, Task
 
-# At most this many messages read by one ``freed`` (the pipe holds what the daemon wrote; this bounds the call anyway).
-MAX_READ_AHEAD = 256
+# At most this many bytes read by one ``freed`` (the read-ahead is bounded anyway by the few tasks the
+# scheduler queues per worker; this bounds the call).
+MAX_READ_AHEAD = 1 << 20
+_READ = 1 << 16
 
 
 class TaskInbox:
-    """Reads one worker's task pipe (``conn``; the daemon writes whole messages, as TaskPipe frames them)."""
+    """Reads one worker's task pipe (``conn``: the read end, which the inbox alone reads from then on)."""
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+        self._fd = conn.fileno()
         # One poll object for the worker's life (``Connection.poll`` builds a selector per call).
         self._incoming = select.poll()
-        self._incoming.register(conn.fileno(), select.POLLIN)
-        # Read by ``freed``, not yet handed out by ``next``; an error ``freed`` met is raised by ``next`` in its turn.
-        self._ahead: deque[Task | EOFError | OSError | None] = deque()
+        self._incoming.register(self._fd, select.POLLIN)
+        self._buffer = bytearray()  # bytes read that are no whole message yet
+        # Whole messages read ahead, in order, for ``take``; one that did not unpickle is its exception.
+        self._ahead: deque[Task | Exception | None] = deque()
+        self._end: EOFError | None = None  # the pipe ended: nothing more is read
 
     def wait(self, timeout_s: float) -> bool:
-        """Whether a message is there to take, waiting up to ``timeout_s`` for one."""
-        return bool(self._ahead) or bool(self._incoming.poll(timeout_s * 1000))
+        """Whether ``take`` has something now (a message, or the pipe's end), waiting up to ``timeout_s`` for it."""
+        return bool(self._ahead) or self._end is not None or bool(self._incoming.poll(timeout_s * 1000))
 
-    def next(self) -> Task | None:
-        """The next message in order (blocks until one comes; after ``wait`` said so, it has). None: the worker ends.
+    def take(self) -> Task | None:
+        """The next message in order, blocking until it is whole. None: the worker ends.
 
-        EOFError once the daemon closed the pipe; OSError if it broke in the middle of a message."""
-        if self._ahead:
-            message = self._ahead.popleft()
-            if isinstance(message, (EOFError, OSError)):
-                raise message
-            return message
-        task: Task | None = self._conn.recv()
-        return task
+        EOFError once the daemon closed the pipe (after every whole message before its end); what
+        unpickling a message raised, in its turn."""
+        while not self._ahead:
+            if self._end is not None:
+                raise self._end
+            self._read()
+            self._ahead.extend(self._split())
+        message = self._ahead.popleft()
+        if isinstance(message, Exception):
+            raise message
+        return message
 
     def freed(self) -> list[str]:
-        """The segments the daemon released that are in the pipe now, read without waiting for more.
-
-        Never raises for the pipe: a closed or broken pipe is left for ``next`` to raise after the tasks
-        read before it (the daemon ends a worker with ``None`` and then closes the pipe; the batch being
-        made and the tasks before the ``None`` still run)."""
+        """The segments released by messages that are whole in the pipe now, read without waiting for more."""
+        read = 0
+        while self._end is None and read < MAX_READ_AHEAD and self._incoming.poll(0):
+            read += self._read()
         names: list[str] = []
-        for _ in range(MAX_READ_AHEAD):
-            if (self._ahead and isinstance(self._ahead[-1], (EOFError, OSError))) or not self._incoming.poll(0):
-                break
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                self._ahead.append(exc)
-                break
+        for message in self._split():
             if isinstance(message, ReleaseSlot):
                 names.append(message.name)
             else:
                 self._ahead.append(message)
         return names
+
+    def _read(self) -> int:
+        """Add what the pipe holds to the buffer (blocking until a byte is there); at its end, note it. Bytes read."""
+        try:
+            data = os.read(self._fd, _READ)
+        except OSError as exc:
+            self._end = EOFError(f"the task pipe broke: {exc}")
+            return 0
+        if not data:
+            self._end = EOFError("the daemon closed the task pipe")
+            return 0
+        self._buffer += data
+        return len(data)
+
+    def _split(self) -> list[Task | Exception | None]:
+        """The buffer's whole messages, unpickled, in order (taken out of the buffer)."""
+        messages: list[Task | Exception | None] = []
+        buffer = self._buffer
+        start = 0
+        while len(buffer) - start >= TASK_FRAME.size:
+            (size,) = TASK_FRAME.unpack_from(buffer, start)
+            end = start + TASK_FRAME.size + size
+            if len(buffer) < end:
+                break
+            try:
+                messages.append(pickle.loads(buffer[start + TASK_FRAME.size : end]))
+            except Exception as exc:  # noqa: BLE001 - raised by take() in the task loop, where a read's error would be
+                messages.append(exc)
+            start = end
+        del buffer[:start]
+        return messages

@@ -3,11 +3,14 @@
 These are pickled over the pool's own pipes: both ends are loaderd's code in
 processes the daemon started, never a client. Array bytes of a finished batch
 follow a ``BatchDone`` as raw buffers, not pickle. A worker sends with ``send_result``.
+A task pipe carries ``TASK_FRAME`` frames: the daemon writes them (server/pool/task_pipe.py),
+the worker reads them (server/worker/task_inbox.py).
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -87,6 +90,10 @@ class SettleCache:
 # Work for a batch position (what producers hand out), and everything a worker's task pipe carries.
 BatchTask = FetchTask | IterTask
 Task = FetchTask | IterTask | ReleaseStream | ReleaseSlot | SettleCache
+
+# One message on a task pipe: this header (the pickle's length, 4 bytes big-endian, as
+# ``multiprocessing.connection`` frames short messages), then the pickle of a ``Task`` or ``None`` (the end).
+TASK_FRAME = struct.Struct("!i")
 
 
 # ------------------------------------------------------------- worker -> daemon

@@ -150,10 +150,7 @@ def run_worker(spec: WorkerSpec) -> None:
                         give_back_free_pages()
                         heap_trimmed = True
                 continue
-            try:
-                task = inbox.next()  # EOFError: the daemon closed our task pipe
-            except OSError:  # closed in the middle of a message: the daemon is gone
-                return
+            task = inbox.take()  # EOFError once the daemon closed our task pipe (handled below: the worker ends)
             if task is None:
                 return
             _handle(batches, task, spec.worker_id)

@@ -83,3 +83,21 @@ def test_a_release_already_on_its_way_is_taken_before_a_new_segment_is_made(cloc
         assert second != first
     finally:
         writer.close(unlink=True)
+
+
+def test_the_pipe_is_not_read_while_a_free_segment_fits(clock: FakeClock) -> None:
+    asked: list[int] = []
+
+    def freed() -> list[str]:
+        asked.append(1)
+        return []
+
+    writer = SlotWriter(f"ld-unit-asked-{os.getpid()}-", 1 << 30, clock=clock, freed=freed)
+    try:
+        first = take(writer)
+        assert len(asked) == 1, "no segment yet: the pipe is read before one is made"
+        writer.release(first)
+        assert take(writer) == first
+        assert len(asked) == 1, "a free segment fit: no read"
+    finally:
+        writer.close(unlink=True)
