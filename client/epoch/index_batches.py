@@ -15,7 +15,9 @@ sampler has no generator; then ``num_samples // n`` permutations of ``n``, each
 drawn when the one before runs out, and one more permutation cut to
 ``num_samples % n`` (drawn, even when cut to nothing, when the consumer asks
 past the last full one). ``tests/unit/test_index_batches.py`` compares batches and
-generator states with torch's for every shape of that.
+generator states with torch's for every shape of that. With replacement (and no generator)
+the sampler runs as torch runs it, except for an epoch planned ahead, whose seed comes from
+a copy of the global RNG (``_Draws``: the same draws, chunks of 32 from a private generator).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def index_batches(index_sampler: Any, global_rng: torch.Generator | None = None)
     if global_rng is not None:
         if not plans_ahead(index_sampler):
             raise ValueError(f"{type(index_sampler).__name__} cannot draw from another generator than torch's own")
+        sampler = _sampler(index_sampler)
+        if type(sampler) is RandomSampler and sampler.replacement:
+            draws = _Draws(sampler, global_rng)
+            if type(index_sampler) is BatchSampler:  # torch's own batching, over draws from the copy
+                return iter(BatchSampler(draws, index_sampler.batch_size, index_sampler.drop_last))
+            return iter(draws)
         if type(index_sampler) is RandomSampler:  # unbatched: its first next() draws the seed
             return _unbatched(index_sampler, global_rng)
     return iter(index_sampler)
@@ -54,7 +62,7 @@ def plans_ahead(index_sampler: Any) -> bool:
     """Whether the sampler's draws are all known at its first batch, and any from torch's global RNG.
 
     True for torch's ``SequentialSampler`` (no draws) and ``RandomSampler`` without a
-    generator and without replacement (a seed from the global RNG, the rest from a
+    generator, with replacement or not (a seed from the global RNG, the rest from a
     generator of its own), batched by a ``BatchSampler`` or not: the next epoch of such
     a sampler can be planned on a copy of the global RNG and adopted if the RNG is
     still where the copy started (``loaderd.epoch.next_epoch``).
@@ -62,7 +70,7 @@ def plans_ahead(index_sampler: Any) -> bool:
     sampler = _sampler(index_sampler)
     if type(sampler) is SequentialSampler:
         return True
-    return type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement
+    return type(sampler) is RandomSampler and sampler.generator is None
 
 
 def first_batch_draws(index_sampler: Any) -> bool:
@@ -123,6 +131,24 @@ def _permutations(sampler: RandomSampler, global_rng: torch.Generator | None = N
     for _ in range(num_samples // n):
         yield torch.randperm(n, generator=generator)
     yield torch.randperm(n, generator=generator)[: num_samples % n]
+
+
+class _Draws:
+    """A ``RandomSampler`` with replacement and no generator, its seed drawn from ``global_rng`` (torch 2.13's
+    ``RandomSampler.__iter__``: the seed at the first ``next()``, then chunks of 32 indices, then the rest)."""
+
+    def __init__(self, sampler: RandomSampler, global_rng: torch.Generator) -> None:
+        self._n = len(sampler.data_source)
+        self._num_samples = sampler.num_samples
+        self._global_rng = global_rng
+
+    def __iter__(self) -> Iterator[int]:
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._global_rng).item())
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        for _ in range(self._num_samples // 32):
+            yield from torch.randint(high=self._n, size=(32,), dtype=torch.int64, generator=generator).tolist()
+        yield from torch.randint(high=self._n, size=(self._num_samples % 32,), dtype=torch.int64, generator=generator).tolist()
 
 
 def _listed(permutations: Iterator[torch.Tensor], chunk: int) -> Iterator[list[int]]:

@@ -19,7 +19,7 @@ import torch
 from support import datasets
 from support.compare import assert_same_batches
 from support.daemons import RunningDaemon, daemon_status, running_daemon, wait_for
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from loaderd import RemoteDataLoader
 from loaderd.shm.session import ShmSession
@@ -125,6 +125,20 @@ def test_planned_epochs_match_torch(
     else:  # over gRPC it is not planned ahead (a second call costs more than it saves)
         wait_for(lambda: not streams(daemon), 10.0, "the last epoch's stream to end")
         assert computed(daemon) - before == 4 * batches
+
+
+def test_a_sampler_with_replacement_is_planned_ahead_too(remote: Any, daemon: RunningDaemon, transport: str) -> None:
+    """``RandomSampler(replacement=True)`` draws as the default shuffle does (a seed from the global RNG at its first
+    batch, then a private generator): its epochs are planned ahead and match torch's, RNG included."""
+    before = computed(daemon)
+    loader = remote(batch_size=8, sampler=RandomSampler(range(N), replacement=True))
+    expected, rand_torch = epochs(oracle(batch_size=8, sampler=RandomSampler(range(N), replacement=True)), 4)
+    got, rand_remote = epochs(loader, 4)
+    for epoch in range(4):
+        assert_same_batches(got[epoch], expected[epoch])
+    assert torch.equal(rand_remote, rand_torch), "the global RNG was left elsewhere than torch leaves it"
+    if transport == "shm":  # the fifth epoch's first window is made already: it was planned ahead
+        wait_for(lambda: computed(daemon) - before == 4 * 13 + WINDOW, 10.0, "the fifth epoch's first window")
 
 
 def test_a_draw_between_epochs_cancels_the_plan(remote: Any, daemon: RunningDaemon) -> None:

@@ -196,7 +196,9 @@ AHEAD = [
     (RandomSampler(range(10)), True),
     (RandomSampler(range(10), num_samples=25), True),
     (BatchSampler(RandomSampler(range(10), generator=torch.Generator()), 3, False), False),
-    (BatchSampler(RandomSampler(range(10), replacement=True), 3, False), False),
+    (BatchSampler(RandomSampler(range(10), replacement=True), 3, False), True),
+    (RandomSampler(range(10), replacement=True, num_samples=25), True),
+    (BatchSampler(RandomSampler(range(10), replacement=True, generator=torch.Generator()), 3, False), False),
     (BatchSampler(SubsetRandomSampler(range(10)), 3, False), False),
     (SubsetRandomSampler(range(10)), False),
 ]
@@ -215,6 +217,10 @@ def test_plans_ahead(index_sampler: Any, expected: bool) -> None:
         RandomSampler(range(30)),
         RandomSampler(range(30), num_samples=70),
         BatchSampler(SequentialSampler(range(20)), 6, False),
+        BatchSampler(RandomSampler(range(100), replacement=True), 7, False),
+        BatchSampler(RandomSampler(range(100), replacement=True, num_samples=250), 8, True),
+        BatchSampler(RandomSampler(range(100), replacement=True, num_samples=64), 8, False),
+        RandomSampler(range(30), replacement=True, num_samples=70),
     ],
 )
 def test_a_copy_of_the_global_rng_draws_what_the_global_rng_would(index_sampler: Any) -> None:
@@ -248,6 +254,7 @@ def test_a_sampler_that_draws_elsewhere_refuses_a_copy() -> None:
         (SequentialSampler(range(10)), False),
         (BatchSampler(RandomSampler(range(10)), 3, False), True),
         (RandomSampler(range(10)), True),
+        (BatchSampler(RandomSampler(range(10), replacement=True), 3, False), True),
     ],
 )
 def test_first_batch_draws(index_sampler: Any, draws: bool) -> None:
