@@ -3,12 +3,10 @@ pipe written by the daemon's TaskPipe (or by hand, where a test needs a message 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
@@ -21,15 +19,6 @@ from loaderd.server.worker.tasks import TASK_FRAME, FetchTask, ReleaseSlot, Rele
 pytestmark = pytest.mark.timeout(20)
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[TaskPipe, Connection]]:
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    tasks = TaskPipe(writer)
-    yield tasks, reader
-    tasks.close()
-    reader.close()
-
-
 def task(seq: int, width: int = 1) -> FetchTask:
     return FetchTask(stream_id=1, seq=seq, dataset="d", indices=tuple(range(width)), auto_collation=True, seed=seq)
 
@@ -39,8 +28,8 @@ def framed(message: object) -> bytes:
     return TASK_FRAME.pack(len(data)) + data
 
 
-def test_releases_are_taken_at_once_and_every_other_message_keeps_its_order(pipe: tuple[TaskPipe, Connection]) -> None:
-    tasks, reader = pipe
+def test_releases_are_taken_at_once_and_every_other_message_keeps_its_order(pipe: tuple[Connection, TaskPipe]) -> None:
+    reader, tasks = pipe
     inbox = TaskInbox(reader)
     for message in (task(1), ReleaseSlot("ld-a"), ReleaseStream(7), task(2), ReleaseSlot("ld-b"), None):
         tasks.send(message)
@@ -51,8 +40,8 @@ def test_releases_are_taken_at_once_and_every_other_message_keeps_its_order(pipe
     assert not inbox.wait(0.0)
 
 
-def test_what_is_read_ahead_comes_before_what_arrives_later(pipe: tuple[TaskPipe, Connection]) -> None:
-    tasks, reader = pipe
+def test_what_is_read_ahead_comes_before_what_arrives_later(pipe: tuple[Connection, TaskPipe]) -> None:
+    reader, tasks = pipe
     inbox = TaskInbox(reader)
     tasks.send(task(1))
     assert inbox.freed() == []
@@ -63,11 +52,11 @@ def test_what_is_read_ahead_comes_before_what_arrives_later(pipe: tuple[TaskPipe
     assert inbox.take() == task(2)
 
 
-def test_a_message_split_by_a_full_pipe_is_not_waited_for_and_take_completes_it(pipe: tuple[TaskPipe, Connection]) -> None:
+def test_a_message_split_by_a_full_pipe_is_not_waited_for_and_take_completes_it(pipe: tuple[Connection, TaskPipe]) -> None:
     """The daemon writes without blocking and splits a message where the pipe is full: ``freed`` (inside a
     batch) takes the whole messages before it and returns; ``take`` then waits for the rest."""
-    _, reader = pipe
-    write_end = pipe[0].fileno()
+    reader, tasks = pipe
+    write_end = tasks.fileno()
     inbox = TaskInbox(reader)
     big = framed(task(2, width=3000))
     os.write(write_end, framed(ReleaseSlot("ld-a")) + framed(task(1)) + big[: len(big) // 2])
@@ -83,10 +72,10 @@ def test_a_message_split_by_a_full_pipe_is_not_waited_for_and_take_completes_it(
         later.join()
 
 
-def test_the_end_of_the_pipe_is_raised_after_every_message_before_it(pipe: tuple[TaskPipe, Connection]) -> None:
+def test_the_end_of_the_pipe_is_raised_after_every_message_before_it(pipe: tuple[Connection, TaskPipe]) -> None:
     """The daemon ends a worker with None and closes the pipe: the batch being made finishes, and what came
     before the end still runs."""
-    tasks, reader = pipe
+    reader, tasks = pipe
     inbox = TaskInbox(reader)
     tasks.send(task(1))
     tasks.send(ReleaseSlot("ld-a"))
@@ -101,8 +90,8 @@ def test_the_end_of_the_pipe_is_raised_after_every_message_before_it(pipe: tuple
     assert inbox.wait(0.0), "the end is there to take: the task loop does not wait on a closed pipe"
 
 
-def test_a_pipe_closed_in_the_middle_of_a_message_ends_after_the_whole_ones(pipe: tuple[TaskPipe, Connection]) -> None:
-    tasks, reader = pipe
+def test_a_pipe_closed_in_the_middle_of_a_message_ends_after_the_whole_ones(pipe: tuple[Connection, TaskPipe]) -> None:
+    reader, tasks = pipe
     inbox = TaskInbox(reader)
     os.write(tasks.fileno(), framed(task(1)) + framed(task(2))[:5])
     tasks.close()
@@ -112,9 +101,9 @@ def test_a_pipe_closed_in_the_middle_of_a_message_ends_after_the_whole_ones(pipe
         inbox.take()
 
 
-def test_a_message_that_does_not_unpickle_is_raised_by_take_in_its_turn(pipe: tuple[TaskPipe, Connection]) -> None:
+def test_a_message_that_does_not_unpickle_is_raised_by_take_in_its_turn(pipe: tuple[Connection, TaskPipe]) -> None:
     """Not inside the batch that read it ahead (where the client would see it as its dataset's failure)."""
-    tasks, reader = pipe
+    reader, tasks = pipe
     inbox = TaskInbox(reader)
     os.write(tasks.fileno(), framed(task(1)) + TASK_FRAME.pack(3) + b"xyz" + framed(ReleaseSlot("ld-a")))
     assert inbox.freed() == ["ld-a"]
@@ -123,10 +112,10 @@ def test_a_message_that_does_not_unpickle_is_raised_by_take_in_its_turn(pipe: tu
         inbox.take()
 
 
-def test_one_call_reads_a_bounded_amount(pipe: tuple[TaskPipe, Connection], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_call_reads_a_bounded_amount(pipe: tuple[Connection, TaskPipe], monkeypatch: pytest.MonkeyPatch) -> None:
     """However much the pipe holds, one ``freed`` reads at most MAX_READ_AHEAD bytes (here 16 of each message's ~60);
     the rest waits for the next call, whole messages in order."""
-    tasks, reader = pipe
+    reader, tasks = pipe
     monkeypatch.setattr(task_inbox, "MAX_READ_AHEAD", 16)
     monkeypatch.setattr(task_inbox, "_READ", 16)
     inbox = TaskInbox(reader)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
@@ -14,15 +12,6 @@ from loaderd.server.pool.task_pipe import TaskPipe
 from loaderd.server.worker.tasks import FetchTask, ReleaseSlot
 
 pytestmark = pytest.mark.timeout(20)
-
-
-@pytest.fixture
-def pipe() -> Iterator[tuple[Connection, TaskPipe]]:
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    tasks = TaskPipe(writer)
-    yield reader, tasks
-    tasks.close()
-    reader.close()
 
 
 def task(seq: int, width: int = 256) -> FetchTask:
