@@ -138,17 +138,18 @@ class _Draws:
     ``RandomSampler.__iter__``: the seed at the first ``next()``, then chunks of 32 indices, then the rest)."""
 
     def __init__(self, sampler: RandomSampler, global_rng: torch.Generator) -> None:
-        self._n = len(sampler.data_source)
-        self._num_samples = sampler.num_samples
+        self._sampler = sampler
         self._global_rng = global_rng
 
     def __iter__(self) -> Iterator[int]:
+        n = len(self._sampler.data_source)  # read at the first next(), as torch reads them
+        num_samples = self._sampler.num_samples
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._global_rng).item())
         generator = torch.Generator()
         generator.manual_seed(seed)
-        for _ in range(self._num_samples // 32):
-            yield from torch.randint(high=self._n, size=(32,), dtype=torch.int64, generator=generator).tolist()
-        yield from torch.randint(high=self._n, size=(self._num_samples % 32,), dtype=torch.int64, generator=generator).tolist()
+        for _ in range(num_samples // 32):
+            yield from torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator).tolist()
+        yield from torch.randint(high=n, size=(num_samples % 32,), dtype=torch.int64, generator=generator).tolist()
 
 
 def _listed(permutations: Iterator[torch.Tensor], chunk: int) -> Iterator[list[int]]:

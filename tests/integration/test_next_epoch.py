@@ -82,11 +82,16 @@ def oracle(**kw: Any) -> DataLoader:
 Run = Callable[[Any], tuple[list[list[Any]], torch.Tensor]]
 
 
-def assert_runs_alike(run: Run, remote: Any, batch_size: int) -> None:
-    """``run(loader)`` with torch's DataLoader and with a RemoteDataLoader (shuffled, ``batch_size``): the
-    same epochs, and the global RNG left alike (``run`` returns its epochs and torch.rand(1) after)."""
-    expected, rand_torch = run(oracle(batch_size=batch_size, shuffle=True))
-    got, rand_remote = run(remote(batch_size=batch_size, shuffle=True))
+def assert_runs_alike(run: Run, remote: Any, batch_size: int, replacement: bool = False) -> None:
+    """``run(loader)`` with torch's DataLoader and with a RemoteDataLoader (shuffled, ``batch_size``; with
+    ``replacement``, by a ``RandomSampler(replacement=True)`` of their own): the same epochs, and the global RNG
+    left alike (``run`` returns its epochs and torch.rand(1) after)."""
+
+    def order() -> dict[str, Any]:
+        return {"sampler": RandomSampler(range(N), replacement=True)} if replacement else {"shuffle": True}
+
+    expected, rand_torch = run(oracle(batch_size=batch_size, **order()))
+    got, rand_remote = run(remote(batch_size=batch_size, **order()))
     assert len(got) == len(expected)
     for got_epoch, expected_epoch in zip(got, expected):
         assert_same_batches(got_epoch, expected_epoch)
@@ -155,7 +160,8 @@ def test_a_draw_between_epochs_cancels_the_plan(remote: Any, daemon: RunningDaem
     wait_for(lambda: not streams(daemon), 10.0, "the cancelled epoch's stream to end")
 
 
-def test_a_draw_before_the_first_batch_replans(remote: Any) -> None:
+@pytest.mark.parametrize("replacement", [False, True])
+def test_a_draw_before_the_first_batch_replans(remote: Any, replacement: bool) -> None:
     """iter(), then a draw, then next(): the sampler's seed comes after the draw, as in torch."""
 
     def run(loader: Any) -> tuple[list[list[Any]], torch.Tensor]:
@@ -167,7 +173,7 @@ def test_a_draw_before_the_first_batch_replans(remote: Any) -> None:
         got.append(list(loader))
         return got, torch.rand(1)
 
-    assert_runs_alike(run, remote, batch_size=16)
+    assert_runs_alike(run, remote, batch_size=16, replacement=replacement)
 
 
 def test_a_break_then_the_next_epoch(remote: Any) -> None:

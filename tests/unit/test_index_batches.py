@@ -92,6 +92,24 @@ def test_nothing_is_drawn_before_the_first_batch() -> None:
     assert not torch.equal(torch.default_generator.get_state(), before)
 
 
+@pytest.mark.parametrize(
+    "index_sampler",
+    [
+        BatchSampler(RandomSampler(range(100), replacement=True), 7, False),
+        RandomSampler(range(100), replacement=True, num_samples=20),
+    ],
+)
+def test_a_copy_is_drawn_from_at_the_first_batch_not_before(index_sampler: Any) -> None:
+    """Planned ahead, the sampler's seed comes from the copy at the first next(), as torch draws it: the base
+    seed, drawn from the same copy between iter() and next(), comes first."""
+    copy = torch.Generator().manual_seed(4)
+    before = copy.get_state()
+    iterator = index_batches(index_sampler, copy)
+    assert torch.equal(copy.get_state(), before)
+    next(iterator)
+    assert not torch.equal(copy.get_state(), before)
+
+
 class _MySampler(RandomSampler):
     def __iter__(self) -> Iterator[int]:
         yield from reversed(range(len(self.data_source)))
@@ -220,7 +238,10 @@ def test_plans_ahead(index_sampler: Any, expected: bool) -> None:
         BatchSampler(RandomSampler(range(100), replacement=True), 7, False),
         BatchSampler(RandomSampler(range(100), replacement=True, num_samples=250), 8, True),
         BatchSampler(RandomSampler(range(100), replacement=True, num_samples=64), 8, False),
+        BatchSampler(RandomSampler(range(100), replacement=True, num_samples=5), 8, False),
+        BatchSampler(RandomSampler(range(100), replacement=True, num_samples=5), 8, True),
         RandomSampler(range(30), replacement=True, num_samples=70),
+        RandomSampler(range(30), replacement=True, num_samples=20),
     ],
 )
 def test_a_copy_of_the_global_rng_draws_what_the_global_rng_would(index_sampler: Any) -> None:
@@ -255,6 +276,7 @@ def test_a_sampler_that_draws_elsewhere_refuses_a_copy() -> None:
         (BatchSampler(RandomSampler(range(10)), 3, False), True),
         (RandomSampler(range(10)), True),
         (BatchSampler(RandomSampler(range(10), replacement=True), 3, False), True),
+        (RandomSampler(range(10), replacement=True), True),
     ],
 )
 def test_first_batch_draws(index_sampler: Any, draws: bool) -> None:
