@@ -85,7 +85,7 @@ class ForkServer:
                 failure.append(exc)
 
         # Every module the config names: what the fork server imports, its workers share (and need not import again).
-        modules = sorted({module for s in self.config.datasets.values() for module in s.modules})
+        modules = self.config.modules
         tunables = os.environ.get(glibc_tunables.VARIABLE)
         log_setup = (self.config.log_level, self.config.log_format)
         try:

@@ -329,7 +329,7 @@ class WorkerPool:
         return WorkerMessage(worker.worker_id, worker.generation, result, buffers)
 
     def _warn_imported(self, packages: tuple[str, ...]) -> None:
-        modules = sorted({module for spec in self.config.datasets.values() for module in spec.modules})
+        modules = self.config.modules
         log.warning(
             "building the datasets imported %s in each pool worker, after the fork server had imported the config's modules (%s): "
             "every worker holds its own copy of them (torchvision alone is ~75 MiB). Import them at the top of those modules, "

@@ -3,7 +3,7 @@
 One thread owns the pool's pipes. Each round (``step``) the dispatcher hands
 out tasks (server/scheduling/dispatcher.py: round-robin over producers, a few
 queued per worker), the thread waits for the pool, routes results back to their
-producers, fails batches past their timeout, and lets the supervisor replace
+producers, fails batches past their timeout (server/scheduling/task_deadlines.py), and lets the supervisor replace
 dead workers (server/scheduling/supervision.py) while what they held runs
 again. Producers are client streams and shared jobs (the contract is in
 server/scheduling/producer.py); a finished shared-memory batch is held through
@@ -36,7 +36,8 @@ from loaderd.server.scheduling.sizing import PoolSizer
 from loaderd.server.scheduling.snapshot import DatasetCounters, JobRow, SchedulerSnapshot, StreamRow
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.scheduling.supervision import WorkerSupervisor
-from loaderd.server.scheduling.task_errors import crash_error, timeout_error
+from loaderd.server.scheduling.task_deadlines import TaskDeadlines
+from loaderd.server.scheduling.task_errors import crash_error
 from loaderd.server.scheduling.wake_pipe import WakePipe
 from loaderd.server.scheduling.window_fit import WindowFit
 from loaderd.server.worker.tasks import (
@@ -44,7 +45,6 @@ from loaderd.server.worker.tasks import (
     BatchFailed,
     BatchTask,
     Indices,
-    IterTask,
     ReleaseStream,
     ReplicaExhausted,
     Result,
@@ -112,6 +112,7 @@ class Scheduler:
         self.started_at = time.monotonic()
         self._ids = itertools.count(1)
         self._supervisor = WorkerSupervisor(pool, policy, self._lock, self._fatal)
+        self._deadlines = TaskDeadlines(policy.task_timeouts, self._dispatcher, self._supervisor, self.counters, self._lock)
         self._elastic: ElasticPool | None = None  # an elastic pool's sizing (server/scheduling/sizing.py)
         # What map-style streams' dispatch windows follow: an elastic pool's size, the streams sharing the pool.
         self._fit = WindowFit()
@@ -350,7 +351,7 @@ class Scheduler:
                 log.exception("handling %s failed", type(event).__name__)
                 if isinstance(event, WorkerMessage):
                     self._fail_producer(_stream_of(event.result), exc)
-        self._check_timeouts()
+        self._deadlines.check(time.monotonic())
         if self._elastic is not None:
             self._elastic.tick()  # before the supervisor's: slots that join start this round (it never raises)
         self._supervisor.tick()
@@ -445,37 +446,3 @@ class Scheduler:
         # Its segments go once no client holds a batch it made.
         self._ledger.retire(event.worker_id, event.generation, event.shm_prefix)
         self._supervisor.respawn(event.worker_id)
-
-    # ------------------------------------------------------------ task timeouts
-
-    def _check_timeouts(self) -> None:
-        """Kill a worker whose running batch is past its dataset's ``task_timeout``; that batch fails."""
-        timeouts = self._policy.task_timeouts
-        if not timeouts:
-            return
-        now = time.monotonic()
-        with self._lock:
-            overdue = []
-            for worker_id, key, record in self._dispatcher.running():
-                limit = timeouts.get(record.task.dataset)
-                if limit is not None and record.started_at is not None and now - record.started_at > limit:
-                    overdue.append((worker_id, key, record, limit, now - record.started_at))
-            for worker_id, key, record, limit, ran in overdue:
-                # Killed before its batch fails: a client that saw the error finds the worker gone
-                # from the ready ones (its death and replacement come through the pool's poll).
-                self._supervisor.kill(worker_id)
-                self._dispatcher.dropped(worker_id, key)
-                self.counters.setdefault(record.task.dataset, DatasetCounters()).errors += 1
-                producer = self._dispatcher.producer(key[0])
-                if producer is not None:
-                    error = timeout_error(record.task, limit, worker_id, ran)
-                    # An iterable replica that hung cannot be replayed past the hang: it ends there.
-                    producer.resolve(Delivery(seq=record.task.seq, error=error, exhausted=isinstance(record.task, IterTask)))
-        for worker_id, _, record, limit, _ in overdue:
-            log.warning(
-                "batch %d of dataset %r ran past its task_timeout of %gs in worker %d; killed the worker",
-                record.task.seq,
-                record.task.dataset,
-                limit,
-                worker_id,
-            )
