@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -26,8 +27,9 @@ from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.server.cache.usage import CacheDelta
 from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
 from loaderd.server.worker.entry import WorkerSpec
+from loaderd.server.worker.item_threads import ItemsJob
 from loaderd.server.worker.seeding import derive_seed, seed_everything
-from loaderd.server.worker.slot_collate import SlotArea, SlotFull, collate_into, estimate_bytes
+from loaderd.server.worker.slot_collate import SlotArea, SlotFull, collate_into, collate_private, estimate_bytes
 from loaderd.server.worker.slot_writer import SlotWriter
 from loaderd.server.worker.tasks import (
     BatchDone,
@@ -36,10 +38,13 @@ from loaderd.server.worker.tasks import (
     IterTask,
     ReplicaExhausted,
     SlotsRetired,
+    Task,
     send_result,
 )
 from loaderd.wire.batch_encoder import encode_batch
 from loaderd.wire.limits import MAX_HEADER_BYTES
+
+log = logging.getLogger("loaderd.worker")
 
 # What a replica's ``next()`` returns past its end (a sample may be None itself).
 _END = object()
@@ -55,6 +60,15 @@ class _Replica:
 
 
 
+@dataclass(frozen=True)
+class _Started:
+    """A task whose items ``BatchMaker._run_ahead`` started before the task loop took it."""
+
+    task: FetchTask
+    job: ItemsJob[Any]
+    info: torch_worker.WorkerInfo
+
+
 def _indices_of(task: FetchTask) -> str:
     """A map-style batch's indices as its failure names them (bounded), as a timed-out batch's are."""
     if not task.auto_collation:
@@ -64,11 +78,20 @@ def _indices_of(task: FetchTask) -> str:
 class BatchMaker:
     """One worker's batches: its datasets, the iterable replicas it holds, its shared-memory slots."""
 
-    def __init__(self, spec: WorkerSpec, datasets: dict[str, WorkerDataset], freed: Callable[[], list[str]] | None = None) -> None:
-        """``freed``: the slots the daemon gave back that wait in the task pipe (``TaskInbox.freed``)."""
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        datasets: dict[str, WorkerDataset],
+        freed: Callable[[], list[str]] | None = None,
+        ahead: Callable[[], Task | None] | None = None,
+    ) -> None:
+        """``freed``: the slots the daemon gave back that wait in the task pipe (``TaskInbox.freed``); ``ahead``: the
+        task the worker takes next, if it is in the pipe now (``TaskInbox.peek``)."""
         self.spec = spec
         self.datasets = datasets
         self.replicas: dict[tuple[int, int], _Replica] = {}
+        self._ahead = ahead
+        self._started: _Started | None = None  # the next task's items, started by _run_ahead
         self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes, freed=freed) if spec.shm_prefix else None
 
     def _pool_info(self, ds: WorkerDataset, seed: int) -> torch_worker.WorkerInfo:
@@ -78,18 +101,20 @@ class BatchMaker:
 
     def _collate(self, ds: WorkerDataset, samples: list[Any], inline: bool) -> tuple[Any, tuple[str, SlotArea] | None]:
         """Collate a batch; with torch's default collation (and not ``inline``), straight into a shared-memory slot."""
-        if self.slots is None or inline or ds.collate is not default_collate or not samples:
+        if ds.collate is not default_collate:
             return ds.collate(samples), None
+        if self.slots is None or inline or not samples:
+            return collate_private(samples), None
         acquired = self.slots.acquire(estimate_bytes(samples[0], len(samples)))
         if acquired is None:
-            return ds.collate(samples), None
+            return collate_private(samples), None
         name, base = acquired
         area = SlotArea(base)
         try:
             return collate_into(samples, area), (name, area)
         except SlotFull:  # items of different sizes: collate normally, copy afterwards
             self.slots.release(name)
-            return ds.collate(samples), None
+            return collate_private(samples), None
         except BaseException:
             self.slots.release(name)
             raise
@@ -160,27 +185,77 @@ class BatchMaker:
         ds = self.datasets[task.dataset]
         position = task.seq if task.position < 0 else task.position
         where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
-        seed_everything(task.seed)
-        set_worker_info(self._pool_info(ds, task.seed))
+        job = self._take_started(task)  # its items started while the batch before it was finished: seeded then
+        if job is None:
+            seed_everything(task.seed)
+            set_worker_info(self._pool_info(ds, task.seed))
         try:
             if task.auto_collation:
-                indices = cast(tuple[int, ...], task.indices)  # a batch's, with auto-collation
-                # From the item cache where the dataset has one, then each through its transform (server/worker/datasets.py).
-                samples = ds.items(list(indices))
-                # Collate without worker info: torch's default_collate would
-                # otherwise put every batch in a fresh shared-memory segment.
-                set_worker_info(None)
+                indices = list(cast(tuple[int, ...], task.indices))  # a batch's, with auto-collation
+                if job is None:
+                    job = ds.start_items(indices)  # on the item threads (None: made by ds.items below)
+                if job is None:
+                    # From the item cache where the dataset has one, then each through its transform (server/worker/datasets.py).
+                    samples = ds.items(indices)
+                else:
+                    job.wait_taken()
+                    if job.helped:
+                        # Now, as the threads turn free, not before: this batch's items draw from its own seeds, and
+                        # the next task is in the pipe by then (the daemon queues it when the batch before returns).
+                        self._run_ahead()
+                    samples = job.result()
+                # Collate without worker info: torch's default_collate would otherwise put every batch in a fresh
+                # shared-memory segment. Where the next batch's items run they keep theirs, and _collate stacks
+                # without looking at it.
+                set_worker_info(self._running_info())
                 batch, placed = self._collate(ds, samples, task.inline)
             else:
                 sample = ds.item(task.indices)
-                set_worker_info(None)
+                set_worker_info(self._running_info())
                 batch, placed = ds.convert(sample), None
         except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
             self.fail(task.stream_id, task.seq, exc, f"{where} ({_indices_of(task)})")  # worded only on failure
             return
         finally:
-            set_worker_info(None)
+            set_worker_info(self._running_info())
         self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
+
+    def _take_started(self, task: FetchTask) -> ItemsJob[Any] | None:
+        """The job ``_run_ahead`` started for ``task`` (None if it started none)."""
+        started, self._started = self._started, None
+        if started is None:
+            return None
+        if started.task == task:
+            return started.job
+        # Not the task peeked at (the inbox hands tasks over in order, so this is a bug): drop it, not make it twice.
+        started.job.cancel()
+        log.warning("worker %d: batch %d's items were started ahead, but batch %d came first", self.spec.worker_id, started.task.seq, task.seq)
+        return None
+
+    def _run_ahead(self) -> None:
+        """Start the next task's items behind this batch's, on the item threads, where it is a batch made item by item
+        on threads and is whole in the task pipe now: the threads move on to it as this batch's last items run, rather
+        than wait for its collation and the next task (server/worker/item_threads.py). One batch ahead at most; its
+        seeds and worker info are set as its items start, as for any batch."""
+        if self._ahead is None or self._started is not None:
+            return
+        task = self._ahead()
+        if not isinstance(task, FetchTask) or not task.auto_collation:
+            return
+        ds = self.datasets.get(task.dataset)
+        indices = list(cast(tuple[int, ...], task.indices))
+        if ds is None or not ds.items_on_threads(len(indices)):
+            return
+        seed_everything(task.seed)
+        info = self._pool_info(ds, task.seed)
+        set_worker_info(info)
+        job = ds.start_items(indices)
+        if job is not None and job.helped:  # else it would run in its turn anyway (no helper thread could start)
+            self._started = _Started(task=task, job=job, info=info)
+
+    def _running_info(self) -> torch_worker.WorkerInfo | None:
+        """The worker info of the batch whose items run ahead (None if none does): what its items see."""
+        return None if self._started is None else self._started.info
 
     def _send_encoded(
         self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""
@@ -291,7 +366,10 @@ class BatchMaker:
 
     def close(self, unlink: bool) -> None:
         """Join the datasets' item threads; drop the slots' mappings; with ``unlink``, remove their segments too."""
+        self._started = None
         for ds in self.datasets.values():
-            ds.threads.close()
+            stuck = ds.threads.close()
+            if stuck:
+                log.warning("worker %d: item threads %s still inside an item at the worker's end", self.spec.worker_id, ", ".join(stuck))
         if self.slots is not None:
             self.slots.close(unlink=unlink)

@@ -22,7 +22,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from loaderd.errors import clip
 from loaderd.server.cache.item_store import ItemStore
 from loaderd.server.config.schema import DatasetSpec
-from loaderd.server.worker.item_threads import ItemThreads
+from loaderd.server.worker.item_threads import ItemsJob, ItemThreads
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.tasks import DatasetMeta
@@ -65,6 +65,26 @@ class WorkerDataset:
             found.update(zip(missing, store.put_many(keys, list(computed))))
         return self.transformed([found[n] for n in range(len(indices))])
 
+    def items_on_threads(self, count: int) -> bool:
+        """Whether ``count`` items are made one by one on the item threads (``start_items``): more than one thread and
+        one item, no item cache, no ``__getitems__``."""
+        return self.threads.count > 1 and count > 1 and self.store is None and getattr(self.dataset, "__getitems__", None) is None
+
+    def start_items(self, indices: list[Any]) -> ItemsJob[Any] | None:
+        """The items at ``indices``, each transformed, started on the item threads behind those started before
+        (``ItemsJob.result()`` has them); None where they are not made item by item on threads (one thread, an item
+        cache, a ``__getitems__``), and ``items`` makes them."""
+        if not self.items_on_threads(len(indices)):
+            return None
+        return self.threads.start(self._item(self.transform), indices)
+
+    def _item(self, transform: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+        """``dataset[key]``, through ``transform`` in the same pass where there is one (the threads balance whole items)."""
+        dataset = self.dataset
+        if transform is None:
+            return dataset.__getitem__
+        return lambda key: transform(dataset[key])
+
     def _fetched(self, keys: list[Any], transformed: bool) -> Any:
         """The dataset's items at ``keys``, across the worker's item threads; ``transformed``: each through ``transform``.
 
@@ -75,8 +95,7 @@ class WorkerDataset:
         if getitems is not None:
             samples = self.threads.chunks(getitems, keys)
         elif transform is not None and self.threads.count > 1:
-            dataset = self.dataset
-            return self.threads.map(lambda key: transform(dataset[key]), keys)  # one pass per item: the threads balance
+            return self.threads.map(self._item(transform), keys)
         else:
             samples = self.threads.map(self.dataset.__getitem__, keys)
         return samples if transform is None else self.transformed(samples)

@@ -1,94 +1,159 @@
-"""ItemThreads: a worker's threads that fetch and transform one batch's items side by side (a dataset's ``threads:``).
+"""ItemThreads: a worker's threads that fetch and transform batches' items side by side (a dataset's ``threads:``).
 
 The rules:
 - A worker makes one per dataset after its fork; the threads start at the first batch that
   needs them (the fork server never runs one: no thread may cross a fork).
-- ``map(fn, items)`` returns ``fn``'s results in ``items``' order. The calling thread works
-  too, so ``threads: 2`` is the worker's own thread and one more.
-- Items are taken in order from one counter, each by whichever thread is free (items of
-  different costs balance). Once a call has failed no thread starts another item; those
-  already started run to their end. Then the exception of the *first* item that failed, by
-  position, is raised: the item a one-thread worker would have failed on, with no thread
-  still running user code for the batch.
+- ``start(fn, items)`` queues one call (an ``ItemsJob``) and returns at once; its
+  ``result()`` returns ``fn``'s results in ``items``' order. ``count`` helper threads make the
+  items; the worker's own thread waits for them, and collates a batch while they make the
+  next one's (below). ``map(fn, items)`` is ``start(fn, items).result()``. With ``count`` 1 there is no
+  helper: the caller makes the items, in order, as torch's worker does.
+- Items are taken in order from one counter per call, each by whichever thread is free (items
+  of different costs balance). The helpers take the calls in the order they were started: once
+  every item of one call is taken (``ItemsJob.wait_taken`` returns then), a helper that turns
+  free starts on the next call's. So a batch started behind the one being finished keeps them
+  busy through that batch's last items, its collation and the next task's arrival
+  (server/worker/batches.py starts the next batch's items that way).
+- Once an item of a call has failed no thread starts an item of that call past it; those already
+  started run to their end. Then ``result()`` raises the exception of the *first* item that
+  failed, by position: the item a one-thread worker would have failed on, with no thread still
+  running user code for that call.
 - ``chunks(fn, items)`` calls ``fn`` once per thread with a contiguous share of ``items``
   (a dataset's ``__getitems__``) and joins the lists it returns (one item per index, or a
   TypeError); with one thread it returns ``fn(items)`` as it is.
-- A thread that cannot start (a limit on the process's threads) leaves the batch to those
-  that did.
-- No wait here has a timeout of its own: every wait is for user code, which the dataset's
-  ``task_timeout`` bounds by replacing the whole worker, as with one thread.
-- ``get_worker_info()`` reads a module global, so the threads see the batch's. The batch's
-  seeds are set once, before the threads start on it: they draw from the same generators in
-  whatever order they run, so random augmentation is not reproducible run to run with more
-  than one thread (what is deterministic stays so).
-- ``close()`` joins the threads; the worker calls it at its end.
+- A thread that cannot start (a limit on the process's threads) leaves the items to those
+  that did; with none, the thread that asks for the result makes them all.
+- ``result()`` and ``wait_taken()`` have no timeout of their own: every wait there is for user code, which the
+  dataset's ``task_timeout`` bounds by replacing the whole worker, as with one thread. An
+  idle helper re-checks its stop signal every ``_IDLE_CHECK_S``.
+- ``get_worker_info()`` reads a module global, so the threads see the one the worker set
+  last. A batch's seeds are set once, before its items start: the threads draw from the same
+  generators in whatever order they run, so random augmentation is not reproducible run to
+  run with more than one thread (what is deterministic stays so).
+- ``close()`` stops the helpers once their current item ends (items of calls nobody waits for
+  any more are not started) and joins them, for a bounded time: an orphaned worker's daemon is
+  gone, and with it ``task_timeout``. The worker calls it at its end.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
+# How often an idle helper thread re-checks that it should stop.
+_IDLE_CHECK_S = 1.0
+
+
+class ItemsJob(Generic[R]):
+    """One call's items on a worker's threads (``ItemThreads.start``)."""
+
+    def __init__(self, fn: Callable[[Any], R], items: Sequence[Any], helped: bool) -> None:
+        """``helped``: helper threads make the items (else the thread that asks for the result makes them all)."""
+        self._fn = fn
+        self._items = items
+        self._n = len(items)
+        self.helped = helped
+        self._results: list[Any] = [None] * self._n
+        self._errors: dict[int, BaseException] = {}
+        self._first_failed = self._n  # the lowest position that failed (n: none); no item past it starts
+        self._cancelled = False
+        # itertools.count's __next__ is one C call under the GIL: each index goes to exactly one thread.
+        self._take = itertools.count().__next__
+        self._lock = threading.Lock()
+        self._left = self._n  # items not finished (run or skipped after a failure)
+        self._taken = threading.Event()  # every item taken: the threads turn free as their items end
+        self._done = threading.Event()
+        if not self._n:
+            self._taken.set()
+            self._done.set()
+
+    def work_one(self) -> bool:
+        """Run the next item nobody took yet, in the calling thread; False once every item is taken."""
+        i = self._take()
+        if i >= self._n:
+            return False
+        if i == self._n - 1:
+            self._taken.set()
+        # Checked after taking too: no item past a failed one starts (one before it still runs, as one thread would
+        # have run it first).
+        if i < self._first_failed and not self._cancelled:
+            try:
+                self._results[i] = self._fn(self._items[i])
+            except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything: re-raised by result(), in order
+                with self._lock:
+                    self._errors[i] = exc
+                    self._first_failed = min(self._first_failed, i)
+        with self._lock:
+            self._left -= 1
+            if not self._left:
+                self._done.set()
+        return True
+
+    def cancel(self) -> None:
+        """Start none of the items not started yet (those running end as they do); nobody will ask for the result."""
+        self._cancelled = True
+
+    def wait_taken(self) -> None:
+        """Return once every item is taken, when the helpers are about to turn free (without helpers, once this
+        thread has made them all)."""
+        if self.helped:
+            self._taken.wait()  # for the helpers to reach the last item: user code, bounded by task_timeout
+        else:
+            while self.work_one():
+                pass
+
+    def result(self) -> list[R]:
+        """The results in order, once every item ended."""
+        self.wait_taken()
+        self._done.wait()  # for items other threads are running: user code, bounded by task_timeout
+        if self._errors:
+            first = self._errors[min(self._errors)]
+            self._errors.clear()  # the traceback holds this job's frames: no cycle keeps the items alive
+            raise first
+        return self._results
+
 
 class ItemThreads:
-    """``count`` threads (the caller's among them) for one dataset's items in one worker."""
+    """``count`` helper threads (none for 1: the caller makes the items) for one dataset's items in one worker."""
 
     def __init__(self, count: int, name: str = "") -> None:
+        """``name`` goes into the threads' names (the dataset's)."""
         if count < 1:
             raise ValueError(f"threads must be at least 1, got {count}")
         self.count = count
         self._name = f"loaderd-items-{name}" if name else "loaderd-items"
-        self._helpers: ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()  # guards _jobs
+        self._jobs: deque[ItemsJob[Any]] = deque()  # started, with items not all taken yet; oldest first
+        # The running helpers' stop signal: each generation of helpers has its own, so that one still inside user
+        # code when ``close`` gave up on it never serves the next generation's calls.
+        self._stop = threading.Event()
+        self._helpers: list[threading.Thread] = []
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._helpers is None:
-            self._helpers = ThreadPoolExecutor(self.count - 1, thread_name_prefix=self._name)
-        return self._helpers
+    def start(self, fn: Callable[[T], R], items: Iterable[T]) -> ItemsJob[R]:
+        """Queue ``fn`` over ``items`` for the helper threads, behind the calls started before; returns at once."""
+        items = items if isinstance(items, Sequence) else list(items)
+        if self.count > 1 and len(items) > 1:
+            self._start_helpers()
+        helped = bool(self._helpers) and len(items) > 0
+        job: ItemsJob[R] = ItemsJob(fn, items, helped)
+        if helped:
+            with self._cond:
+                self._jobs.append(job)
+                self._cond.notify_all()
+        return job
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``[fn(item) for item in items]``, across the threads (the module docstring's rules)."""
         if self.count == 1:
             return [fn(item) for item in items]
-        items = items if isinstance(items, Sequence) else list(items)
-        n = len(items)
-        if n < 2:
-            return [fn(item) for item in items]
-        results: list[Any] = [None] * n
-        errors: dict[int, BaseException] = {}
-        # itertools.count's __next__ is one C call under the GIL: each index goes to exactly one thread.
-        take = itertools.count().__next__
-
-        def drain() -> None:
-            while True:
-                i = take()
-                if i >= n or errors:  # checked after taking too: no item starts once one has failed
-                    return
-                try:
-                    results[i] = fn(items[i])
-                except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything: re-raised below, in order
-                    errors[i] = exc
-
-        helpers: list[Future[None]] = []
-        try:
-            for _ in range(min(self.count, n) - 1):
-                helpers.append(self._pool().submit(drain))
-        except RuntimeError:  # no thread may start (a pids limit): the ones that did, and this one, do the batch
-            pass
-        try:
-            drain()
-        finally:
-            for helper in helpers:
-                helper.result()  # drain() itself never raises
-        if errors:
-            first = errors[min(errors)]
-            errors.clear()  # the traceback holds drain's frame, which holds ``errors``: no cycle to keep the items alive
-            raise first
-        return results
+        return self.start(fn, items).result()
 
     def chunks(self, fn: Callable[[list[T]], Any], items: Sequence[T]) -> Any:
         """``fn`` called once per thread on a contiguous share of ``items``; the lists it returns joined in order.
@@ -113,8 +178,46 @@ class ItemThreads:
             joined.extend(result)
         return joined
 
-    def close(self) -> None:
-        """Join the threads (idempotent); a later ``map`` starts them again."""
-        helpers, self._helpers = self._helpers, None
-        if helpers is not None:
-            helpers.shutdown(wait=True)
+    def close(self, timeout_s: float = 5.0) -> list[str]:
+        """Stop the helper threads and join them, each for at most ``timeout_s`` (idempotent); a later ``start``
+        starts new ones. Returns the names of those still inside an item then: the daemon may be gone (an orphaned
+        worker), so nothing bounds user code any more. They are daemon threads, and end with the process."""
+        stop, self._stop = self._stop, threading.Event()
+        with self._cond:
+            stop.set()
+            self._jobs.clear()
+            self._cond.notify_all()
+        helpers, self._helpers = self._helpers, []
+        deadline = time.monotonic() + timeout_s
+        for helper in helpers:
+            helper.join(max(0.0, deadline - time.monotonic()))
+        return [helper.name for helper in helpers if helper.is_alive()]
+
+    def _start_helpers(self) -> None:
+        """The ``count`` helpers, once; those that cannot start are left out."""
+        if self._helpers:
+            return
+        for k in range(self.count):
+            helper = threading.Thread(target=self._serve, args=(self._stop,), name=f"{self._name}_{k}", daemon=True)
+            try:
+                helper.start()
+            except RuntimeError:  # no thread may start (a pids limit): the ones that did, and result()'s caller, do the items
+                break
+            self._helpers.append(helper)
+
+    def _serve(self, stop: threading.Event) -> None:
+        """A helper's loop: the oldest started call's items, until ``stop`` (its generation's) is set."""
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    if stop.is_set():
+                        return
+                    self._cond.wait(_IDLE_CHECK_S)
+                if stop.is_set():
+                    return
+                job = self._jobs[0]
+            while not stop.is_set() and job.work_one():
+                pass
+            with self._cond:
+                if self._jobs and self._jobs[0] is job:  # every item taken: the next call's turn
+                    self._jobs.popleft()

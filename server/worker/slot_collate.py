@@ -55,6 +55,20 @@ class SlotArea:
         return self.base[offset : offset + nbytes].view(dtype).view(shape)
 
 
+def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return collate_tensor_fn(batch)  # torch's own error
+    return torch.stack(batch, 0)
+
+
+def collate_private(samples: list[Any]) -> Any:
+    """default_collate(samples), its tensors stacked in the process's own memory whatever ``get_worker_info()`` says
+    (torch's puts them in a fresh shared-memory segment inside a worker, a cost a batch that is copied out anyway
+    need not pay; a worker whose item threads run the next batch's items keeps that batch's worker info set)."""
+    return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: _stack})
+
+
 def collate_into(samples: list[Any], area: SlotArea) -> Any:
     """default_collate(samples), with every stacked tensor placed in ``area``."""
 

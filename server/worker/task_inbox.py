@@ -14,6 +14,13 @@ only makes a segment reusable, so taking it ahead of the tasks before it changes
 release still deferred in the daemon is not seen: batches much faster than 50 ms may still take a
 second segment.
 
+``peek`` shows the message ``take`` returns next, if it is whole in the pipe now, without waiting
+and without taking it: a worker with item threads starts that batch's items while it finishes the one
+before (server/worker/batches.py).
+
+Releases are handed over as soon as they are read, by whichever comes first: ``freed``, or ``take``
+ahead of the other messages read with them.
+
 The inbox does the pipe's framing itself (``TASK_FRAME``): the daemon writes without blocking and
 may split a message where the pipe is full, and ``freed`` must not wait for its rest in the middle
 of a batch. Whatever ``freed`` meets that ends the pipe (its end, a message that does not unpickle)
@@ -47,39 +54,60 @@ class TaskInbox:
         self._buffer = bytearray()  # bytes read that are no whole message yet
         # Whole messages read ahead, in order, for ``take``; one that did not unpickle is its exception.
         self._ahead: deque[Task | Exception | None] = deque()
+        self._released: deque[ReleaseSlot] = deque()  # releases read, not handed over yet
         self._end: EOFError | None = None  # the pipe ended: nothing more is read
 
     def wait(self, timeout_s: float) -> bool:
         """Whether ``take`` has something now (a message, or the pipe's end), waiting up to ``timeout_s`` for it."""
-        return bool(self._ahead) or self._end is not None or bool(self._incoming.poll(timeout_s * 1000))
+        return bool(self._ahead or self._released) or self._end is not None or bool(self._incoming.poll(timeout_s * 1000))
 
     def take(self) -> Task | None:
-        """The next message in order, blocking until it is whole. None: the worker ends.
+        """The next message, blocking until it is whole: a release read already, else the next in order. None: the
+        worker ends.
 
         EOFError once the daemon closed the pipe (after every whole message before its end); what
         unpickling a message raised, in its turn."""
-        while not self._ahead:
+        while not self._ahead and not self._released:
             if self._end is not None:
                 raise self._end
             self._read()
-            self._ahead.extend(self._split())
+            self._sort(self._split())
+        if self._released:
+            return self._released.popleft()
         message = self._ahead.popleft()
         if isinstance(message, Exception):
             raise message
         return message
 
     def freed(self) -> list[str]:
-        """The segments released by messages that are whole in the pipe now, read without waiting for more."""
+        """The segments released by messages read so far (by this call without waiting, or by ``peek`` or ``take``
+        before) and not handed over yet."""
+        self._read_ready()
+        names = [release.name for release in self._released]
+        self._released.clear()
+        return names
+
+    def peek(self) -> Task | None:
+        """The message ``take`` returns next after the releases, if it is whole in the pipe now (read without
+        waiting); it stays for ``take``. None if there is none yet, or it is the worker's end or an error."""
+        self._read_ready()
+        message = self._ahead[0] if self._ahead else None
+        return None if isinstance(message, Exception) else message
+
+    def _read_ready(self) -> None:
+        """Read what the pipe holds now, up to ``MAX_READ_AHEAD`` bytes, without waiting; sort its whole messages."""
         read = 0
         while self._end is None and read < MAX_READ_AHEAD and self._incoming.poll(0):
             read += self._read()
-        names: list[str] = []
-        for message in self._split():
+        self._sort(self._split())
+
+    def _sort(self, messages: list[Task | Exception | None]) -> None:
+        """Releases to ``_released``, every other message to ``_ahead`` in its order."""
+        for message in messages:
             if isinstance(message, ReleaseSlot):
-                names.append(message.name)
+                self._released.append(message)
             else:
                 self._ahead.append(message)
-        return names
 
     def _read(self) -> int:
         """Add what the pipe holds to the buffer (blocking until a byte is there); at its end, note it. Bytes read."""

@@ -136,7 +136,7 @@ def run_worker(spec: WorkerSpec) -> None:
             send_result(spec.results, WorkerStartFailed(worker_id=spec.worker_id, message=clip(str(exc), 4000)))
             return
         inbox = TaskInbox(spec.tasks)
-        batches = BatchMaker(spec, datasets, freed=inbox.freed)
+        batches = BatchMaker(spec, datasets, freed=inbox.freed, ahead=inbox.peek)
         send_result(spec.results, ready)
         busy_at = time.monotonic()
         heap_trimmed = False

@@ -457,6 +457,28 @@ class ThreadNames(Squares):
         return super().__getitem__(i)
 
 
+class CrossBatch(Squares):
+    """Squares whose item ``hold`` waits (up to ``timeout`` s) until item ``until`` has started, and raises if it
+    never does; each item records the seed ``get_worker_info()`` shows it (``seeds``). With ``until`` in the batch
+    after ``hold``'s, only a worker that starts the next batch's items while it finishes one gets through (the unit
+    tests of a worker's run-ahead)."""
+
+    def __init__(self, n: int = 100, hold: int = 0, until: int = -1, timeout: float = 10.0) -> None:
+        super().__init__(n)
+        self.hold, self.until, self.timeout = hold, until, timeout
+        self.reached = threading.Event()
+        self.seeds: dict[int, list[int | None]] = collections.defaultdict(list)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        info = get_worker_info()
+        self.seeds[i].append(None if info is None else info.seed)
+        if i == self.until:
+            self.reached.set()
+        if i == self.hold and not self.reached.wait(self.timeout):
+            raise TimeoutError(f"item {self.until} never started while item {i} waited")
+        return super().__getitem__(i)
+
+
 class BatchFetch(Squares):
     """Squares with ``__getitems__``: records each call's indices in ``calls``; ``returns`` says what it gives back:
     "list" (torch's contract), "generator" (of the items), or "dict" (a batch of its own: {"i": tensor of indices})."""

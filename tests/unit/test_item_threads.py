@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.utils.data._utils.worker as torch_worker
 from support import datasets
+from torch.utils.data import default_collate
 
 from loaderd.server.config.schema import DatasetSpec
-from loaderd.server.worker.datasets import build_dataset
+from loaderd.server.worker.datasets import build_dataset, set_worker_info
 from loaderd.server.worker.item_threads import ItemThreads
+from loaderd.server.worker.slot_collate import collate_private
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,8 +38,7 @@ def test_map_keeps_the_items_order_and_runs_them_side_by_side(threads: ItemThrea
     results = threads.map(fn, list(range(9)))
     assert [r for r, _ in results] == [i * i for i in range(9)]
     names = {name for _, name in results}
-    assert len(names) == 3 and threading.current_thread().name in names  # the caller is one of the three
-    assert all(name.startswith("loaderd-items-unit") for name in names - {threading.current_thread().name})
+    assert len(names) == 3 and all(name.startswith("loaderd-items-unit") for name in names)  # the caller makes none
 
 
 def test_the_first_failure_by_position_is_raised_after_every_taken_item_ended(threads: ItemThreads) -> None:
@@ -134,7 +136,6 @@ def test_an_items_error_is_the_first_failing_index_s_as_with_one_thread() -> Non
         ds.threads.close()
 
 
-
 def test_one_thread_hands_a_getitems_result_to_collation_as_it_is() -> None:
     as_dict = build_dataset(spec("support.datasets:BatchFetch", 1, kwargs={"returns": "dict"}))
     batch = as_dict.items([3, 1, 2])
@@ -165,6 +166,108 @@ def test_a_thread_that_cannot_start_leaves_the_batch_to_the_others(monkeypatch: 
     def refuse(*_: Any) -> Any:
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", refuse)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
     assert pool.map(lambda i: i * 2, list(range(5))) == [0, 2, 4, 6, 8]
     pool.close()
+
+
+def test_helpers_move_on_to_the_next_call_while_one_s_last_item_runs(threads: ItemThreads) -> None:
+    """Call A's item 0 waits until call B, started behind it, is done: B's items are made by the helpers that are free,
+    without waiting for A's end; A's result then comes in order."""
+    b_done = threading.Event()
+
+    def slow_first(i: int) -> int:
+        if i == 0 and not b_done.wait(10):
+            raise TimeoutError("call B was not made while call A's item 0 ran")
+        return i
+
+    a = threads.start(slow_first, [0, 1])
+    b = threads.start(lambda i: i * 10, list(range(6)))
+    assert b.result() == [0, 10, 20, 30, 40, 50]
+    b_done.set()
+    assert a.result() == [0, 1]
+
+
+def test_start_returns_at_once_and_one_thread_makes_the_items_in_result(threads: ItemThreads) -> None:
+    ran: list[int] = []
+    single = ItemThreads(1)
+    job = single.start(ran.append, [1, 2])
+    assert ran == []  # no helper: the caller of result() makes them
+    assert job.result() == [None, None] and ran == [1, 2]
+    assert threads.start(lambda i: i, []).result() == []
+
+
+def test_a_failed_call_leaves_the_next_call_whole(threads: ItemThreads) -> None:
+    def fail_on_two(i: int) -> int:
+        if i == 2:
+            raise KeyError(i)
+        return i
+
+    failing = threads.start(fail_on_two, list(range(8)))
+    after = threads.start(lambda i: -i, list(range(8)))
+    with pytest.raises(KeyError):
+        failing.result()
+    assert after.result() == [-i for i in range(8)]
+
+
+def test_close_gives_up_on_a_helper_stuck_in_an_item_and_new_helpers_serve_later_calls() -> None:
+    """An orphaned worker's daemon is gone, and with it task_timeout: close() waits a bounded time, names the thread it
+    left, and that thread, once its item ends, takes no item of a later call."""
+    pool = ItemThreads(2, "stuck")
+    entered, release = threading.Event(), threading.Event()
+    ran: list[threading.Thread] = []
+    holder: list[threading.Thread] = []
+
+    def hold(i: int) -> int:
+        if i == 0:
+            holder.append(threading.current_thread())
+            entered.set()
+            release.wait(10)
+        return i
+
+    pool.start(hold, [0, 1])
+    assert entered.wait(10)
+    started = time.monotonic()
+    stuck = pool.close(timeout_s=0.2)
+    assert len(stuck) == 1 and stuck[0].startswith("loaderd-items-stuck") and time.monotonic() - started < 5
+    release.set()
+
+    def record(i: int) -> int:
+        ran.append(threading.current_thread())
+        return i * 3
+
+    assert pool.map(record, list(range(20))) == [i * 3 for i in range(20)]
+    assert holder[0] not in ran  # (the new helpers have the same names)
+    assert pool.close() == []
+
+
+def test_a_cancelled_call_starts_no_more_items(threads: ItemThreads) -> None:
+    entered, release = threading.Event(), threading.Event()
+    made: list[int] = []
+
+    def slow(i: int) -> int:
+        made.append(i)
+        entered.set()
+        release.wait(10)
+        return i
+
+    job = threads.start(slow, list(range(30)))
+    assert entered.wait(10)
+    job.cancel()
+    release.set()
+    assert threads.map(lambda i: i, [1, 2, 3]) == [1, 2, 3]  # the helpers moved on: every item of the call was taken
+    assert len(made) <= 3  # only those already running when it was cancelled
+
+
+def test_a_batch_collated_while_worker_info_is_set_stays_in_private_memory() -> None:
+    """While the next batch's items run, the worker info stays theirs: torch's default_collate would then stack the
+    batch in a fresh shared-memory segment; loaderd's collation outside a slot does not (server/worker/slot_collate.py)."""
+    samples = [(torch.full((4,), float(i)), np.full(2, i), i) for i in range(3)]
+    set_worker_info(torch_worker.WorkerInfo(id=0, num_workers=1, seed=1, dataset=None))
+    try:
+        theirs, ours = default_collate(samples), collate_private(samples)
+    finally:
+        set_worker_info(None)
+    assert theirs[0].is_shared()
+    assert not any(t.is_shared() for t in ours)
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))

@@ -126,3 +126,35 @@ def test_one_call_reads_a_bounded_amount(pipe: tuple[Connection, TaskPipe], monk
     for _ in range(100):
         names += inbox.freed()
     assert names == ["ld-0", "ld-1", "ld-2"]
+
+
+def test_peek_shows_the_next_message_and_leaves_it_for_take(pipe: tuple[Connection, TaskPipe]) -> None:
+    """A worker with item threads starts the next batch's items early: ``peek`` never waits, never takes, and releases
+    read on the way are handed over first (by ``take`` or ``freed``)."""
+    reader, tasks = pipe
+    inbox = TaskInbox(reader)
+    assert inbox.peek() is None  # nothing there: no wait
+    tasks.send(task(1))
+    tasks.send(ReleaseSlot("ld-a"))
+    tasks.send(task(2))
+    assert inbox.peek() == task(1)
+    assert inbox.peek() == task(1)
+    assert inbox.take() == ReleaseSlot("ld-a")
+    assert inbox.take() == task(1)
+    assert inbox.peek() == task(2)
+    tasks.send(ReleaseSlot("ld-b"))
+    assert inbox.take() == task(2)
+    assert inbox.peek() is None
+    assert inbox.freed() == ["ld-b"]
+    tasks.send(None)
+    assert inbox.peek() is None  # the worker's end is for take
+    assert inbox.take() is None
+
+
+def test_peek_leaves_an_unpicklable_message_to_take(pipe: tuple[Connection, TaskPipe]) -> None:
+    reader, tasks = pipe
+    inbox = TaskInbox(reader)
+    os.write(tasks.fileno(), TASK_FRAME.pack(3) + b"xyz")
+    assert inbox.peek() is None
+    with pytest.raises(pickle.UnpicklingError):
+        inbox.take()
