@@ -27,7 +27,7 @@ from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.server.cache.usage import CacheDelta
 from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
 from loaderd.server.worker.entry import WorkerSpec
-from loaderd.server.worker.item_threads import ItemsJob
+from loaderd.server.worker.run_ahead import RunAhead
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.slot_collate import SlotArea, SlotFull, collate_into, collate_private, estimate_bytes
 from loaderd.server.worker.slot_writer import SlotWriter
@@ -60,15 +60,6 @@ class _Replica:
 
 
 
-@dataclass(frozen=True)
-class _Started:
-    """A task whose items ``BatchMaker._run_ahead`` started before the task loop took it."""
-
-    task: FetchTask
-    job: ItemsJob[Any]
-    info: torch_worker.WorkerInfo
-
-
 def _indices_of(task: FetchTask) -> str:
     """A map-style batch's indices as its failure names them (bounded), as a timed-out batch's are."""
     if not task.auto_collation:
@@ -90,12 +81,16 @@ class BatchMaker:
         self.spec = spec
         self.datasets = datasets
         self.replicas: dict[tuple[int, int], _Replica] = {}
-        self._ahead = ahead
-        self._started: _Started | None = None  # the next task's items, started by _run_ahead
+        # The next task's items, started while a batch of item threads is finished (server/worker/run_ahead.py).
+        self._run_ahead = RunAhead(ahead, datasets, self._pool_info, spec.worker_id) if ahead is not None else None
         self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes, freed=freed) if spec.shm_prefix else None
 
     def _pool_info(self, ds: WorkerDataset, seed: int) -> torch_worker.WorkerInfo:
         return pool_info(ds, self.spec.worker_id, self.spec.pool_size, seed)
+
+    def _ahead_info(self) -> torch_worker.WorkerInfo | None:
+        """What ``get_worker_info()`` says outside a batch's own code: the batch started ahead's, else None."""
+        return None if self._run_ahead is None else self._run_ahead.info
 
     # ------------------------------------------------------------ results
 
@@ -185,7 +180,7 @@ class BatchMaker:
         ds = self.datasets[task.dataset]
         position = task.seq if task.position < 0 else task.position
         where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
-        job = self._take_started(task)  # its items started while the batch before it was finished: seeded then
+        job = None if self._run_ahead is None else self._run_ahead.take(task)  # seeded when its items started
         if job is None:
             seed_everything(task.seed)
             set_worker_info(self._pool_info(ds, task.seed))
@@ -199,63 +194,24 @@ class BatchMaker:
                     samples = ds.items(indices)
                 else:
                     job.wait_taken()
-                    if job.helped:
-                        # Now, as the threads turn free, not before: this batch's items draw from its own seeds, and
-                        # the next task is in the pipe by then (the daemon queues it when the batch before returns).
-                        self._run_ahead()
+                    if job.helped and self._run_ahead is not None:
+                        self._run_ahead.start_next()  # as the threads turn free (server/worker/run_ahead.py)
                     samples = job.result()
                 # Collate without worker info: torch's default_collate would otherwise put every batch in a fresh
                 # shared-memory segment. Where the next batch's items run they keep theirs, and _collate stacks
                 # without looking at it.
-                set_worker_info(self._running_info())
+                set_worker_info(self._ahead_info())
                 batch, placed = self._collate(ds, samples, task.inline)
             else:
                 sample = ds.item(task.indices)
-                set_worker_info(self._running_info())
+                set_worker_info(self._ahead_info())
                 batch, placed = ds.convert(sample), None
         except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: it goes back to the client as data
             self.fail(task.stream_id, task.seq, exc, f"{where} ({_indices_of(task)})")  # worded only on failure
             return
         finally:
-            set_worker_info(self._running_info())
+            set_worker_info(self._ahead_info())
         self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
-
-    def _take_started(self, task: FetchTask) -> ItemsJob[Any] | None:
-        """The job ``_run_ahead`` started for ``task`` (None if it started none)."""
-        started, self._started = self._started, None
-        if started is None:
-            return None
-        if started.task == task:
-            return started.job
-        # Not the task peeked at (the inbox hands tasks over in order, so this is a bug): drop it, not make it twice.
-        started.job.cancel()
-        log.warning("worker %d: batch %d's items were started ahead, but batch %d came first", self.spec.worker_id, started.task.seq, task.seq)
-        return None
-
-    def _run_ahead(self) -> None:
-        """Start the next task's items behind this batch's, on the item threads, where it is a batch made item by item
-        on threads and is whole in the task pipe now: the threads move on to it as this batch's last items run, rather
-        than wait for its collation and the next task (server/worker/item_threads.py). One batch ahead at most; its
-        seeds and worker info are set as its items start, as for any batch."""
-        if self._ahead is None or self._started is not None:
-            return
-        task = self._ahead()
-        if not isinstance(task, FetchTask) or not task.auto_collation:
-            return
-        ds = self.datasets.get(task.dataset)
-        indices = list(cast(tuple[int, ...], task.indices))
-        if ds is None or not ds.items_on_threads(len(indices)):
-            return
-        seed_everything(task.seed)
-        info = self._pool_info(ds, task.seed)
-        set_worker_info(info)
-        job = ds.start_items(indices)
-        if job is not None and job.helped:  # else it would run in its turn anyway (no helper thread could start)
-            self._started = _Started(task=task, job=job, info=info)
-
-    def _running_info(self) -> torch_worker.WorkerInfo | None:
-        """The worker info of the batch whose items run ahead (None if none does): what its items see."""
-        return None if self._started is None else self._started.info
 
     def _send_encoded(
         self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""
@@ -366,7 +322,8 @@ class BatchMaker:
 
     def close(self, unlink: bool) -> None:
         """Join the datasets' item threads; drop the slots' mappings; with ``unlink``, remove their segments too."""
-        self._started = None
+        if self._run_ahead is not None:
+            self._run_ahead.clear()
         for ds in self.datasets.values():
             stuck = ds.threads.close()
             if stuck:
