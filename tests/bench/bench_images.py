@@ -3,7 +3,7 @@
     pip install -e '.[bench]'
     python tests/bench/bench_images.py [--pipeline resized-crop|cached] [--images 512] [--epoch 65536] [--workers 2]
         [--trainers 4] [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4]
-        [--prefetch N] [--no-cache] [--only A|B] [--threads T] [--latency-ms L] [--quick]
+        [--prefetch N] [--no-cache] [--only A|B] [--threads T] [--thread-workers N] [--latency-ms L] [--quick]
 
 Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
 ``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
@@ -26,7 +26,7 @@ Scenario B: T trainers; T DataLoaders with W_total/T workers each vs T RemoteDat
 daemon with W_total workers: the same number of worker processes either way.
 ``--threads T`` adds a third group to each: a daemon with W / T workers whose dataset has
 ``threads: T`` (each worker fetches a batch's items with T threads), so as many threads in all
-as torch has worker processes. ``--latency-ms L`` makes each JPEG's read wait L ms first, as
+as torch has worker processes (``--thread-workers N``: N workers of T threads instead). ``--latency-ms L`` makes each JPEG's read wait L ms first, as
 from network storage, where torch's users add workers to hide the wait.
 
 Every trainer is its own process (this file run with --agent, bench_tenancy's protocol) that
@@ -209,10 +209,14 @@ class Scenario:
     trainers: int
     workers: int  # in all: the daemon's pool; torch's num_workers summed over trainers
     threads: int = 1  # --threads: the THREADS kind's item threads per worker
+    thread_workers: int = 0  # --thread-workers: the THREADS kind's pool (0: workers / threads)
 
     def pool(self, kind: str) -> int:
-        """The daemon's workers for ``kind``: as many threads in all as torch has worker processes."""
-        return max(1, self.workers // self.threads) if kind == THREADS else self.workers
+        """The daemon's workers for ``kind``: as many threads in all as torch has worker processes, unless
+        ``--thread-workers`` says how many workers of ``threads`` threads."""
+        if kind != THREADS:
+            return self.workers
+        return self.thread_workers or max(1, self.workers // self.threads)
 
     def describe(self, kind: str) -> str:
         times = f"{self.trainers} x " if self.trainers > 1 else ""
@@ -464,7 +468,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> int:
     JpegImages(args.images, args.seed)  # builds the /tmp cache once, before any worker needs it
     stages = stage_times(args.images, args.pipeline)
     pairs = (("A", 1, args.workers), ("B", args.trainers, args.total_workers))
-    scenarios = [Scenario(key, trainers, workers, args.threads) for key, trainers, workers in pairs if key in args.only]
+    scenarios = [Scenario(key, trainers, workers, args.threads, args.thread_workers) for key, trainers, workers in pairs if key in args.only]
     cells = {(s.key, kind): Cell() for s in scenarios for kind in args.kinds}
     for rnd in range(args.rounds):
         for scenario in scenarios:
@@ -675,14 +679,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "long, as from network storage (the dataset's latency_ms)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="T > 1 adds a third group: the daemon's pool has "
                         "workers / T workers, each fetching a batch's items with T threads (the dataset's threads:)")  # fmt: skip
+    parser.add_argument("--thread-workers", type=int, default=0, help="with --threads T: the third group's pool has this "
+                        "many workers of T threads (default: workers / T)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.rounds, args.seconds, args.warmup, args.tries = 128, 1, 3.0, 2, 1
     if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
         parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
-    if args.threads < 1 or args.latency_ms < 0:
-        parser.error("--threads must be >= 1, --latency-ms >= 0")
+    if args.threads < 1 or args.latency_ms < 0 or args.thread_workers < 0:
+        parser.error("--threads must be >= 1, --latency-ms and --thread-workers >= 0")
     if args.latency_ms and args.pipeline == "cached":
         parser.error("--latency-ms goes with --pipeline resized-crop")
     args.kinds = KINDS + ((THREADS,) if args.threads > 1 else ())
