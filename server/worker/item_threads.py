@@ -31,8 +31,9 @@ The rules:
   generators in whatever order they run, so random augmentation is not reproducible run to
   run with more than one thread (what is deterministic stays so).
 - ``close()`` stops the helpers once their current item ends (items of calls nobody waits for
-  any more are not started) and joins them, for a bounded time: an orphaned worker's daemon is
-  gone, and with it ``task_timeout``. The worker calls it at its end.
+  any more are not started: one still waited on raises rather than hangs) and joins them, for a
+  bounded time: an orphaned worker's daemon is gone, and with it ``task_timeout``. The worker
+  calls it at its end.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class ItemsJob(Generic[R]):
         i = self._take()
         if i >= self._n:
             return False
+        self._run(i)
+        return True
+
+    def _run(self, i: int) -> None:
+        """Make item ``i`` (taken by this thread), unless the call failed before it or was cancelled."""
         if i == self._n - 1:
             self._taken.set()
         # Checked after taking too: no item past a failed one starts (one before it still runs, as one thread would
@@ -94,11 +100,23 @@ class ItemsJob(Generic[R]):
             self._left -= 1
             if not self._left:
                 self._done.set()
-        return True
 
     def cancel(self) -> None:
         """Start none of the items not started yet (those running end as they do); nobody will ask for the result."""
         self._cancelled = True
+
+    def abandon(self, reason: BaseException) -> None:
+        """No thread will make the items not taken yet: skip them here, so that ``result()`` returns once the running
+        ones end, raising ``reason`` (or an item's own earlier failure)."""
+        self._cancelled = True
+        i = self._take()
+        if i >= self._n:
+            return  # every item was taken: the threads that took them finish them
+        with self._lock:  # before the last item is counted, so result() sees it
+            self._errors.setdefault(self._n, reason)  # past every item: an item's own failure comes first
+        self._run(i)
+        while self.work_one():
+            pass
 
     def wait_taken(self) -> None:
         """Return once every item is taken, when the helpers are about to turn free (without helpers, once this
@@ -185,8 +203,11 @@ class ItemThreads:
         stop, self._stop = self._stop, threading.Event()
         with self._cond:
             stop.set()
+            dropped = list(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
+        for job in dropped:  # whoever still waits on one gets an error, not a hang
+            job.abandon(RuntimeError("the item threads were closed before every item was made"))
         helpers, self._helpers = self._helpers, []
         deadline = time.monotonic() + timeout_s
         for helper in helpers:

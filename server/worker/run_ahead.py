@@ -4,7 +4,8 @@ A dataset's ``threads:`` makes a batch's items on helper threads (server/worker/
 threads would wait at every batch's end: for its last items, its collation, its sending and the next task. So:
 
 - ``start_next()`` is called once every item of the current batch is taken, as its threads turn free (not
-  before: the batch's items draw from its own seeds). It looks at the task the worker takes next (``ahead``:
+  before, so that the batch's items draw from its own seeds: all but those still running then, at most one per
+  thread, which may draw from the next batch's). It looks at the task the worker takes next (``ahead``:
   ``TaskInbox.peek``, what is whole in the task pipe now, never waiting). The daemon queues a worker's next task
   when the batch before the current one returned, so by then it is there.
 - Where that task is a map-style batch whose items are made one by one on threads
@@ -78,7 +79,15 @@ class RunAhead:
         return None
 
     def start_next(self) -> None:
-        """Start the next task's items behind the current batch's, where the rules say so."""
+        """Start the next task's items behind the current batch's, where the rules say so. Never raises: the
+        current batch is not to fail for the next one (which is then made in its turn, as without threads ahead)."""
+        try:
+            self._start_next()
+        except Exception:  # logged; the next batch is made in its turn
+            self._started = None
+            log.exception("worker %d: starting the next batch's items ahead failed", self._worker_id)
+
+    def _start_next(self) -> None:
         if self._started is not None:
             return
         task = self._ahead()

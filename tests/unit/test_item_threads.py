@@ -228,7 +228,7 @@ def test_close_gives_up_on_a_helper_stuck_in_an_item_and_new_helpers_serve_later
     pool.start(hold, [0, 1])
     assert entered.wait(10)
     started = time.monotonic()
-    stuck = pool.close(timeout_s=0.2)
+    stuck = pool.close(timeout_s=2.0)
     assert len(stuck) == 1 and stuck[0].startswith("loaderd-items-stuck") and time.monotonic() - started < 5
     release.set()
 
@@ -271,3 +271,24 @@ def test_a_batch_collated_while_worker_info_is_set_stays_in_private_memory() -> 
     assert theirs[0].is_shared()
     assert not any(t.is_shared() for t in ours)
     assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def test_a_call_waited_on_when_the_threads_close_raises_rather_than_hangs() -> None:
+    """Both helpers hold an item of the first call; the second waits behind it. close() gives up on the helpers and
+    drops the second call: its result raises, the first call's (every item taken) comes whole."""
+    pool = ItemThreads(2, "closing")
+    entered, release = threading.Barrier(3), threading.Event()
+
+    def hold(i: int) -> int:
+        entered.wait(10)
+        release.wait(10)
+        return i
+
+    first = pool.start(hold, [0, 1])
+    entered.wait(10)  # both helpers are inside an item
+    queued = pool.start(lambda i: i, list(range(50)))
+    assert len(pool.close(timeout_s=0.3)) == 2
+    release.set()
+    assert first.result() == [0, 1]
+    with pytest.raises(RuntimeError, match="closed before every item was made"):
+        queued.result()
