@@ -186,7 +186,8 @@ class DatasetEntry(Section):
     threads: Threads = Field(
         1,
         description="Threads in each worker that fetch and transform a batch's items side by side: for items whose heavy "
-        "calls release the GIL (image decoding, torch ops, reads); random draws then interleave between threads.",
+        "calls release the GIL (image decoding, torch ops, reads); random draws then interleave between threads. auto: each "
+        "worker starts at 1 and doubles them while that raises its items/s (items that wait on storage).",
     )
 
 

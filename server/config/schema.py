@@ -53,8 +53,9 @@ class DatasetSpec:
     transform: str | None = None
     cache: CacheSpec | None = None  # None: every item computed every time
     # Threads in each worker that fetch and transform one batch's items side by side (server/worker/item_threads.py);
-    # 1: one item after another, as torch's workers.
-    threads: int = 1
+    # 1: one item after another, as torch's workers; "auto": each worker sizes it from the items/s it measures
+    # (server/worker/thread_sizer.py).
+    threads: int | str = 1
 
     @property
     def modules(self) -> tuple[str, ...]:

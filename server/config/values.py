@@ -24,8 +24,22 @@ AtLeast0 = Annotated[int, Field(ge=0), says("an integer", greater_than_equal=_AT
 AtLeast1 = Annotated[int, Field(ge=1), says("an integer", greater_than_equal=_AT_LEAST)]
 # A worker's item threads: past a few dozen, threads only contend for the GIL and the batch's memory.
 MAX_THREADS = 64
+
+
+def _a_count_or_auto(value: Any) -> Any:
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(f"expected an integer or 'auto', got {type(value).__name__} {value!r}")
+    if not 1 <= value <= MAX_THREADS:
+        fail(f"must be from 1 to {MAX_THREADS}, or 'auto', got {value}")
+    return value
+
+
+# A count, or "auto": the worker sizes it from the items/s it measures (server/worker/thread_sizer.py).
 Threads = Annotated[
-    int, Field(ge=1, le=MAX_THREADS), says("an integer", greater_than_equal=_AT_LEAST, less_than_equal="at most {le}, got {input}")
+    int | Literal["auto"],
+    BeforeValidator(_a_count_or_auto, json_schema_input_type=Annotated[int, Field(ge=1, le=MAX_THREADS)] | Literal["auto"]),
 ]
 ChunkBytes = Annotated[
     int, Field(ge=1, le=MAX_CHUNK_BYTES), says("an integer", greater_than_equal=_AT_LEAST, less_than_equal="at most {le} (16 MiB), got {input}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -177,6 +178,7 @@ class BatchMaker:
 
     def fetch(self, task: FetchTask) -> None:
         """Make and send a map-style batch (or its failure)."""
+        started = time.perf_counter()
         ds = self.datasets[task.dataset]
         position = task.seq if task.position < 0 else task.position
         where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
@@ -212,6 +214,23 @@ class BatchMaker:
         finally:
             set_worker_info(self._ahead_info())
         self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
+        if task.auto_collation and ds.sizer is not None:
+            self._sized(ds, len(cast(tuple[int, ...], task.indices)), time.perf_counter() - started)
+
+    def _sized(self, ds: WorkerDataset, items: int, seconds: float) -> None:
+        """Tell a ``threads: auto`` dataset's sizer what a batch took (server/worker/thread_sizer.py); log a change."""
+        before = ds.threads.count
+        count = ds.made(items, seconds)
+        if count is not None:
+            assert ds.sizer is not None
+            log.info(
+                "worker %d: dataset %r now runs %d item threads (threads: auto; %d made %.0f items/s)",
+                self.spec.worker_id,
+                ds.spec.name,
+                count,
+                before,
+                ds.sizer.last_rate,
+            )
 
     def _send_encoded(
         self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""

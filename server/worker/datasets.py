@@ -26,6 +26,7 @@ from loaderd.server.worker.item_threads import ItemsJob, ItemThreads
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.tasks import DatasetMeta
+from loaderd.server.worker.thread_sizer import ThreadSizer
 from loaderd.server.worker.user_code import resolve, user_error
 
 
@@ -42,6 +43,17 @@ class WorkerDataset:
     transform: Callable[[Any], Any] | None = None  # each item's, after the fetch (or the cache), before collation
     store: ItemStore | None = None  # the item cache, opened in the worker (server/cache/item_store.py)
     threads: ItemThreads = field(default_factory=lambda: ItemThreads(1))  # the spec's ``threads:`` (started at first use)
+    sizer: ThreadSizer | None = None  # ``threads: auto``: sizes ``threads`` from the worker's measures (``made``)
+
+    def made(self, items: int, seconds: float) -> int | None:
+        """A map-style batch of ``items`` took the worker ``seconds``: with ``threads: auto``, the thread count to
+        run from now on where it changes (the item threads are resized), else None."""
+        if self.sizer is None:
+            return None
+        count = self.sizer.record(items, seconds)
+        if count is not None:
+            self.threads.resize(count)
+        return count
 
     @property
     def iterable(self) -> bool:
@@ -171,7 +183,8 @@ def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
         convert=collate_fn or default_convert,
         worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
         transform=resolve(spec.transform) if spec.transform else None,
-        threads=ItemThreads(spec.threads, spec.name),
+        threads=ItemThreads(1 if spec.threads == "auto" else int(spec.threads), spec.name),
+        sizer=ThreadSizer() if spec.threads == "auto" else None,
     )
 
 

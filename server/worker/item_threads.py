@@ -152,7 +152,11 @@ class ItemThreads:
         # The running helpers' stop signal: each generation of helpers has its own, so that one still inside user
         # code when ``close`` gave up on it never serves the next generation's calls.
         self._stop = threading.Event()
-        self._helpers: list[threading.Thread] = []
+        self._helpers: list[threading.Thread] = []  # those serving calls now
+        self._retire: dict[threading.Thread, threading.Event] = {}  # each helper's own signal to leave (``resize``)
+        self._leaving: list[threading.Thread] = []  # helpers told to leave, joined by ``close``
+        self._started_for = 0  # the count helpers were last started for (``_start_helpers``)
+        self._names = itertools.count()
 
     def start(self, fn: Callable[[T], R], items: Iterable[T]) -> ItemsJob[R]:
         """Queue ``fn`` over ``items`` for the helper threads, behind the calls started before; returns at once."""
@@ -166,6 +170,23 @@ class ItemThreads:
                 self._jobs.append(job)
                 self._cond.notify_all()
         return job
+
+    def resize(self, count: int) -> None:
+        """Run ``count`` threads from now on (``threads: auto``, server/worker/thread_sizer.py). Helpers beyond it leave
+        between calls, once no call they were serving depends on them: with none left serving, the calls already
+        queued are theirs to finish. Helpers for a larger count start with the next call that needs them."""
+        if count < 1:
+            raise ValueError(f"threads must be at least 1, got {count}")
+        self.count = count
+        self._started_for = 0
+        keep = count if count > 1 else 0  # one thread: the caller makes the items, no helper
+        with self._cond:
+            self._leaving = [helper for helper in self._leaving if helper.is_alive()]
+            for helper in self._helpers[keep:]:
+                self._retire.pop(helper).set()
+                self._leaving.append(helper)
+            del self._helpers[keep:]
+            self._cond.notify_all()
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``[fn(item) for item in items]``, across the threads (the module docstring's rules)."""
@@ -208,33 +229,41 @@ class ItemThreads:
             self._cond.notify_all()
         for job in dropped:  # whoever still waits on one gets an error, not a hang
             job.abandon(RuntimeError("the item threads were closed before every item was made"))
-        helpers, self._helpers = self._helpers, []
+        with self._cond:
+            helpers, self._helpers, self._leaving = self._helpers + self._leaving, [], []
+            self._retire.clear()
+            self._started_for = 0
         deadline = time.monotonic() + timeout_s
         for helper in helpers:
             helper.join(max(0.0, deadline - time.monotonic()))
         return [helper.name for helper in helpers if helper.is_alive()]
 
     def _start_helpers(self) -> None:
-        """The ``count`` helpers, once; those that cannot start are left out."""
-        if self._helpers:
+        """Helpers up to ``count``, once for each count; those that cannot start are left out."""
+        if self._started_for == self.count:
             return
-        for k in range(self.count):
-            helper = threading.Thread(target=self._serve, args=(self._stop,), name=f"{self._name}_{k}", daemon=True)
-            try:
-                helper.start()
-            except RuntimeError:  # no thread may start (a pids limit): the ones that did, and result()'s caller, do the items
-                break
-            self._helpers.append(helper)
+        self._started_for = self.count
+        with self._cond:
+            for _ in range(len(self._helpers), self.count):
+                retire = threading.Event()
+                helper = threading.Thread(target=self._serve, args=(self._stop, retire), name=f"{self._name}_{next(self._names)}", daemon=True)
+                try:
+                    helper.start()
+                except RuntimeError:  # no thread may start (a pids limit): the ones that did, and result()'s caller, do the items
+                    break
+                self._helpers.append(helper)
+                self._retire[helper] = retire
 
-    def _serve(self, stop: threading.Event) -> None:
-        """A helper's loop: the oldest started call's items, until ``stop`` (its generation's) is set."""
+    def _serve(self, stop: threading.Event, retire: threading.Event) -> None:
+        """A helper's loop: the oldest started call's items, until ``stop`` (its generation's) is set, or ``retire``
+        (its own) between calls where other helpers serve them (``resize``)."""
         while True:
             with self._cond:
                 while not self._jobs:
-                    if stop.is_set():
+                    if stop.is_set() or retire.is_set():
                         return
                     self._cond.wait(_IDLE_CHECK_S)
-                if stop.is_set():
+                if stop.is_set() or (retire.is_set() and self._helpers):
                     return
                 job = self._jobs[0]
             while not stop.is_set() and job.work_one():

@@ -3,7 +3,8 @@
     pip install -e '.[bench]'
     python tests/bench/bench_images.py [--pipeline resized-crop|cached] [--images 512] [--epoch 65536] [--workers 2]
         [--trainers 4] [--total-workers 4] [--rounds 3] [--seconds 12] [--quiet 0.25] [--tries 3] [--warmup 4]
-        [--prefetch N] [--no-cache] [--only A|B] [--threads T] [--thread-workers N] [--latency-ms L] [--quick]
+        [--prefetch N] [--no-cache] [--only A|B] [--threads T] [--thread-workers N] [--auto-threads]
+        [--auto-warmup N] [--latency-ms L] [--quick]
 
 Needs the ``bench`` extra (torchvision, scikit-image). The data set (image_datasets.py) is
 ``--images`` JPEGs made from scikit-image's colour photographs at ImageNet-like sizes; each item
@@ -26,7 +27,9 @@ Scenario B: T trainers; T DataLoaders with W_total/T workers each vs T RemoteDat
 daemon with W_total workers: the same number of worker processes either way.
 ``--threads T`` adds a third group to each: a daemon with W / T workers whose dataset has
 ``threads: T`` (each worker fetches a batch's items with T threads), so as many threads in all
-as torch has worker processes (``--thread-workers N``: N workers of T threads instead). ``--latency-ms L`` makes each JPEG's read wait L ms first, as
+as torch has worker processes (``--thread-workers N``: N workers of T threads instead). ``--auto-threads``
+adds one more: that pool with ``threads: auto`` (warmed up for ``--auto-warmup`` batches, while its
+workers climb from 1 thread). ``--latency-ms L`` makes each JPEG's read wait L ms first, as
 from network storage, where torch's users add workers to hide the wait.
 
 Every trainer is its own process (this file run with --agent, bench_tenancy's protocol) that
@@ -45,6 +48,7 @@ import argparse
 import contextlib
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -100,6 +104,8 @@ DATASET = "images"
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("torch", "loaderd")
 THREADS = "loaderd threads"  # with --threads T: a pool of W / T workers, each fetching a batch's items with T threads
+AUTO = "loaderd threads auto"  # with --auto-threads: the THREADS group's pool, its dataset with threads: auto
+CLIMB = re.compile(r"worker (\d+): dataset '" + "images" + r"' now runs (\d+) item threads")
 PIPELINES = ("resized-crop", "cached")
 CACHE_ROOM = 1.2  # cached: the memory tier's bound, x the items' bytes (records carry a head and alignment)
 
@@ -213,8 +219,8 @@ class Scenario:
 
     def pool(self, kind: str) -> int:
         """The daemon's workers for ``kind``: as many threads in all as torch has worker processes, unless
-        ``--thread-workers`` says how many workers of ``threads`` threads."""
-        if kind != THREADS:
+        ``--thread-workers`` says how many workers of ``threads`` threads (AUTO: the same pool as THREADS)."""
+        if kind not in (THREADS, AUTO):
             return self.workers
         return self.thread_workers or max(1, self.workers // self.threads)
 
@@ -224,6 +230,8 @@ class Scenario:
             return f"{times}DataLoader(num_workers={self.workers // self.trainers})"
         if kind == THREADS:
             return f"{times}RemoteDataLoader, daemon workers: {self.pool(kind)} x threads: {self.threads}"
+        if kind == AUTO:
+            return f"{times}RemoteDataLoader, daemon workers: {self.pool(kind)} x threads: auto"
         return f"{times}RemoteDataLoader, daemon workers: {self.workers}"
 
 
@@ -238,6 +246,7 @@ class Sample:
     others: float  # cores that other processes on the machine kept busy meanwhile (noise)
     epoch1: list[dict[str, float]] = field(default_factory=list)  # cached: op_run's replies, one per trainer
     cache: dict[str, float] = field(default_factory=dict)  # cached, loaderd: the item cache over the window
+    threads: dict[int, int] = field(default_factory=dict)  # AUTO: each worker's item threads after the window
 
     @property
     def cpu_per_1k(self) -> float:
@@ -368,6 +377,8 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                         datasets[DATASET]["cache"] = {"memory": cache_bytes(args.images)}
                 if kind == THREADS:
                     datasets[DATASET]["threads"] = scenario.threads
+                if kind == AUTO:
+                    datasets[DATASET]["threads"] = "auto"
                 daemon = state["daemon"] = stack.enter_context(serving(datasets, scenario.pool(kind), findings))
                 roots[daemon.process.pid] = "daemon"
             agents: list[Agent] = [ImageAgent(f"{kind.replace(' ', '-')}-{scenario.key}{i}", args.tmp) for i in range(scenario.trainers)]
@@ -386,8 +397,9 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                 call_all(agents, "remote", name="img", dataset=DATASET, loader=loader)
             if cached:
                 epoch1 = call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup, per_epoch=args.images // BATCH)
-            else:
-                call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=args.warmup)
+            else:  # threads: auto climbs first (server/worker/thread_sizer.py): its group warms up for longer
+                warmup = args.auto_warmup if kind == AUTO else args.warmup
+                call_all(agents, "run", WARMUP_TIMEOUT_S, name="img", warmup=warmup)
             best: Sample | None = None
             for attempt in range(args.tries):
                 sample = measure_window(args, agents, roots, daemon, shmem_before_kb)
@@ -396,6 +408,8 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                 if sample.others <= args.quiet:
                     break
                 log(f"  window {attempt + 1}: other processes kept {sample.others:.2f} cores busy; measuring again")
+            if kind == AUTO and daemon is not None and best is not None:
+                best.threads = {int(w): int(n) for w, n in CLIMB.findall(daemon.log_path.read_text())}  # the last line wins
             call_all(agents, "halt")
     finally:
         state.pop("agents", None)
@@ -588,6 +602,10 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
       "machine meanwhile (noise from outside the benchmark). Ratio rows: ratio of the medians; last column, the "
       "ratio within each round (the two groups measured back to back, so the host's drift in speed mostly "
       "cancels) and its median.\n")  # fmt: skip
+    if AUTO in args.kinds:
+        for s in scenarios:
+            ends = [" ".join(f"w{w}: {n}" for w, n in sorted(x.threads.items())) or "1 (no change)" for x in cells[(s.key, AUTO)].samples]
+            p(f"threads: auto, {s.key}: each worker's item threads at the end of the measured window, per round: {'; '.join(ends)}.\n")
     if cached:
         print_cached(p, args.kinds, scenarios, cells)
 
@@ -681,6 +699,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "workers / T workers, each fetching a batch's items with T threads (the dataset's threads:)")  # fmt: skip
     parser.add_argument("--thread-workers", type=int, default=0, help="with --threads T: the third group's pool has this "
                         "many workers of T threads (default: workers / T)")  # fmt: skip
+    parser.add_argument("--auto-threads", action="store_true", help="adds a group: the --threads group's pool with the "
+                        "dataset's threads: auto (each worker sizes its threads from its items/s)")  # fmt: skip
+    parser.add_argument("--auto-warmup", type=int, default=24, help="--auto-threads: that group's warm-up batches per "
+                        "trainer (its workers climb from 1 thread first)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:
@@ -691,7 +713,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--threads must be >= 1, --latency-ms and --thread-workers >= 0")
     if args.latency_ms and args.pipeline == "cached":
         parser.error("--latency-ms goes with --pipeline resized-crop")
-    args.kinds = KINDS + ((THREADS,) if args.threads > 1 else ())
+    args.kinds = KINDS + ((THREADS,) if args.threads > 1 else ()) + ((AUTO,) if args.auto_threads else ())
     if args.total_workers < args.trainers or args.total_workers % args.trainers:
         parser.error("--total-workers must be a multiple of --trainers (torch's workers are split evenly)")
     if args.pipeline == "cached":

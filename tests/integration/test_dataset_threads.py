@@ -3,6 +3,8 @@ yields what torch's DataLoader yields (batches, order, errors)."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +29,8 @@ DATASETS = {
     "failing": {"dataset": "support.datasets:Failing", "kwargs": {"n": 30, "bad": [17, 11]}, "threads": 3},
     # An iterable dataset: its iterator runs on the worker's thread, its transform across the threads.
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 50}, "transform": "support.datasets:square_x"},
+    # Items that wait 4 ms (storage): threads: auto doubles a worker's threads while that pays (server/worker/thread_sizer.py).
+    "waits": {"dataset": "support.datasets:Slow", "kwargs": {"n": 2048, "delay": 0.004}, "threads": "auto"},
     "stream-threads": {"dataset": "support.datasets:Stream", "kwargs": {"n": 50}, "transform": "support.datasets:square_x", "threads": 3},
 }
 
@@ -79,3 +83,17 @@ def test_an_iterable_dataset_s_transform_across_threads_changes_nothing(daemon: 
     threaded = list(RemoteDataLoader("stream-threads", **kw))
     assert_same_batches(threaded, serial, "stream, threads: 3")
     assert sorted(x for batch in threaded for x in batch["x"].tolist()) == [i * i for i in range(50)]
+
+
+def test_threads_auto_climbs_for_items_that_wait_and_changes_no_batch(daemon: RunningDaemon) -> None:
+    kw = {"batch_size": 16, "shuffle": True}
+    want = list(oracle_loader(datasets.Slow(2048, delay=0.0), generator=torch.Generator().manual_seed(5), **kw))
+    climbed = re.compile(r"dataset 'waits' now runs (4|8|16|32) item threads")
+    deadline = time.monotonic() + 60
+    epochs = 0
+    while not climbed.search(daemon.log()):
+        assert time.monotonic() < deadline, f"no worker climbed to 4 threads:\n{daemon.log()}"
+        loader = RemoteDataLoader("waits", address=daemon.address, generator=torch.Generator().manual_seed(5), **kw)
+        assert_same_batches(list(loader), want, f"waits, threads: auto, loader {epochs}")
+        epochs += 1
+    assert epochs >= 1

@@ -135,6 +135,24 @@ def test_bad_build(tmp_path: Path, value: str) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize(("value", "want"), [("1", 1), ("16", 16), ("64", 64), ("auto", "auto")])
+def test_threads(tmp_path: Path, value: str, want: int | str) -> None:
+    config = load_config(write(tmp_path, f"datasets:\n  a:\n    dataset: m:A\n    threads: {value}\n"))
+    assert config.datasets["a"].threads == want
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [("0", "must be from 1 to 64, or 'auto', got 0"), ("65", "got 65"), ("Auto", "expected an integer or 'auto', got str 'Auto'"),
+     ("true", "got bool True"), ("2.5", "got float 2.5")],
+)  # fmt: skip
+def test_bad_threads(tmp_path: Path, value: str, expect: str) -> None:
+    message = entry_error(tmp_path, "threads", value)
+    assert "datasets.train.threads" in message and expect in message
+
+
+@pytest.mark.timeout(30)
 def test_parse_config_directly() -> None:
     config = parse_config(minimal(workers=5, listen=["127.0.0.1:1"]), Path("/etc/loaderd/ds.yaml"))
     assert config.workers == 5

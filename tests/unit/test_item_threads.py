@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.utils.data._utils.worker as torch_worker
 from support import datasets
+from support.daemons import wait_for
 from torch.utils.data import default_collate
 
 from loaderd.server.config.schema import DatasetSpec
@@ -237,7 +238,7 @@ def test_close_gives_up_on_a_helper_stuck_in_an_item_and_new_helpers_serve_later
         return i * 3
 
     assert pool.map(record, list(range(20))) == [i * 3 for i in range(20)]
-    assert holder[0] not in ran  # (the new helpers have the same names)
+    assert holder[0] not in ran  # compared as threads: a name says nothing of which generation a helper is of
     assert pool.close() == []
 
 
@@ -292,3 +293,55 @@ def test_a_call_waited_on_when_the_threads_close_raises_rather_than_hangs() -> N
     assert first.result() == [0, 1]
     with pytest.raises(RuntimeError, match="closed before every item was made"):
         queued.result()
+
+
+def live(name: str) -> int:
+    return sum(t.name.startswith(f"loaderd-items-{name}") and t.is_alive() for t in threading.enumerate())
+
+
+def test_resize_grows_and_shrinks_the_helpers_between_calls() -> None:
+    """threads: auto (server/worker/thread_sizer.py) resizes a worker's threads between batches: more helpers start with
+    the next call, those beyond a smaller count leave once idle, and every call's results stay whole and in order."""
+    pool = ItemThreads(2, "resize")
+    try:
+        assert pool.map(lambda i: i * 2, list(range(8))) == [i * 2 for i in range(8)]
+        assert live("resize") == 2
+        pool.resize(6)
+        seen: set[str] = set()
+        barrier = threading.Barrier(6, timeout=10)
+
+        def meet(i: int) -> int:  # six items at once: only six helpers get there
+            seen.add(threading.current_thread().name)
+            barrier.wait()
+            return i
+
+        assert pool.map(meet, list(range(6))) == list(range(6))
+        assert len(seen) == 6 and live("resize") == 6
+        pool.resize(3)
+        wait_for(lambda: live("resize") == 3, 5.0, "the helpers beyond 3 to leave", poll=0.01)
+        assert pool.map(lambda i: i + 1, list(range(20))) == list(range(1, 21))
+        pool.resize(1)  # the caller makes the items: no helper
+        wait_for(lambda: live("resize") == 0, 5.0, "every helper to leave", poll=0.01)
+        caller = threading.current_thread().name
+        assert pool.map(lambda _: threading.current_thread().name, [0, 1, 2]) == [caller] * 3
+        pool.resize(2)
+        assert pool.map(lambda i: i, list(range(10))) == list(range(10)) and live("resize") == 2
+    finally:
+        assert pool.close() == []
+    assert live("resize") == 0
+
+
+def test_shrinking_to_one_thread_finishes_the_calls_already_queued_on_helpers() -> None:
+    """A call started on helpers is theirs to finish: shrinking to one thread while it waits must not leave it to
+    nobody (its waiter would hang)."""
+    pool = ItemThreads(3, "drain")
+    gate = threading.Event()
+    try:
+        first = pool.start(lambda i: gate.wait(10) and i, list(range(3)))
+        queued = pool.start(lambda i: i * 5, list(range(12)))  # behind the first, on the helpers too
+        pool.resize(1)
+        gate.set()
+        assert first.result() == [0, 1, 2] and queued.result() == [i * 5 for i in range(12)]
+    finally:
+        assert pool.close() == []
+    assert live("drain") == 0

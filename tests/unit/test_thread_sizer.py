@@ -1,0 +1,96 @@
+"""ThreadSizer (threads: auto): the climb by doubling, the way back, the settling and the climb again after a drift."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from loaderd.server.worker.thread_sizer import SizerRules, ThreadSizer
+
+pytestmark = pytest.mark.timeout(30)
+
+RULES = SizerRules(most=32, min_batches=2, min_s=0.5, warm=1, gain=1.3, drift=1.6)
+ITEMS = 32
+
+
+def run(sizer: ThreadSizer, items_per_s: Callable[[int], float], batches: int) -> list[int]:
+    """Feed ``batches`` batches of ITEMS items made at ``items_per_s(count)``; the counts the sizer chose, in order."""
+    chosen = []
+    for _ in range(batches):
+        count = sizer.record(ITEMS, ITEMS / items_per_s(sizer.count))
+        if count is not None:
+            chosen.append(count)
+    return chosen
+
+
+def waiting_items(count: int) -> float:
+    """Items that wait 20 ms on storage and take 1.5 ms of CPU, on a worker with one core's share: threads pay
+    until the core is busy (~13 threads)."""
+    return min(count / 0.0215, 1 / 0.0015)
+
+
+def test_it_starts_at_one_thread_and_waits_for_the_warm_batches_and_a_whole_window() -> None:
+    sizer = ThreadSizer(RULES)
+    assert sizer.count == 1 and sizer.last_rate == 0.0
+    assert sizer.record(ITEMS, 0.1) is None  # warm: not measured
+    assert sizer.record(ITEMS, 0.1) is None  # 1 batch, 0.1 s: not a window yet
+    assert sizer.record(ITEMS, 0.1) is None  # 2 batches, 0.2 s: still under min_s
+    assert sizer.record(ITEMS, 0.3) == 2  # 3 batches, 0.5 s: measured, and it tries twice as many
+    assert sizer.last_rate == pytest.approx(3 * ITEMS / 0.5)
+
+
+def test_items_that_wait_climb_while_doubling_pays_and_settle_on_the_last_count_that_did() -> None:
+    sizer = ThreadSizer(RULES)
+    chosen = run(sizer, waiting_items, 400)
+    # 1 -> 2 -> 4 -> 8 -> 16 each nearly double; 16 -> 32 gains nothing (the core is busy): back to 16.
+    assert chosen == [2, 4, 8, 16, 32, 16]
+    assert sizer.count == 16
+
+
+def test_items_that_keep_a_core_busy_stay_at_one_thread() -> None:
+    sizer = ThreadSizer(RULES)
+    chosen = run(sizer, lambda count: 600.0 * (1.1 if count > 1 else 1.0), 200)  # a second thread: +10% at best
+    assert chosen == [2, 1] and sizer.count == 1
+
+
+def test_the_climb_stops_at_most() -> None:
+    sizer = ThreadSizer(SizerRules(most=4, min_batches=2, min_s=0.5, warm=0))
+    assert run(sizer, lambda count: 100.0 * count, 200) == [2, 4]
+    assert sizer.count == 4
+
+
+def test_noise_below_the_gain_does_not_climb() -> None:
+    sizer = ThreadSizer(RULES)
+    rates = iter([1000.0, 1000.0, 1150.0, 1150.0] + [1000.0] * 400)
+    for _ in range(100):
+        sizer.record(ITEMS, ITEMS / next(rates))
+    assert sizer.count == 1
+
+
+def test_after_a_drift_it_halves_while_half_do_as_well_and_climbs_again_when_items_wait_more() -> None:
+    sizer = ThreadSizer(RULES)
+    run(sizer, waiting_items, 400)
+    assert sizer.count == 16
+    # The storage got fast: items keep the core busy at any count, ~1.9x the settled rate (past the drift).
+    assert run(sizer, lambda count: 1 / 0.0008, 400) == [8, 4, 2, 1]
+    # Slower storage than at first (40 ms): it climbs from 1, this time to the most (the window that straddles the
+    # change reads as neither rate, and may cost a false start).
+    assert run(sizer, lambda count: min(count / 0.0415, 1 / 0.0015), 400)[-5:] == [2, 4, 8, 16, 32]
+    assert sizer.count == 32
+
+
+def test_after_a_drift_where_half_do_worse_it_tries_more() -> None:
+    sizer = ThreadSizer(RULES)
+    run(sizer, waiting_items, 400)
+    assert sizer.count == 16
+    # Storage twice as slow, and the core no longer the limit: halving loses, doubling pays.
+    assert run(sizer, lambda count: count / 0.0415, 400) == [8, 32]
+    assert sizer.count == 32
+
+
+def test_a_settled_count_within_the_drift_stays() -> None:
+    sizer = ThreadSizer(RULES)
+    run(sizer, waiting_items, 400)
+    assert run(sizer, lambda count: waiting_items(count) * 1.3, 400) == []
+    assert sizer.count == 16
