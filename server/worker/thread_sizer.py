@@ -38,13 +38,14 @@ class SizerRules:
 
     most: int = AUTO_MOST_THREADS
     # Batches of items that wait are long (64 reads of 20 ms: ~1.4 s a batch on one thread) and each a fair sample:
-    # two of them and a second at least make a window, so that the climb to 16 threads takes ~10 s, not a minute.
-    min_batches: int = 2
-    min_s: float = 1.0
+    # three of them and two seconds at least make a window, so that the climb to 16 threads takes ~20 s, not minutes.
+    min_batches: int = 3
+    min_s: float = 2.0
     warm: int = 1
-    # A doubling must give this much more items/s to be kept: above a 2-core host's run-to-run noise (+-10-20% over
-    # a window of a few seconds), below what a doubling gives items that wait (1.6-1.9x measured).
-    gain: float = 1.3
+    # A doubling must give this much more items/s to be kept: above the noise of a 2-s window on a busy 2-core host
+    # (a CPU-bound worker's doubling reads 1.0x +- ~7%), below what the last useful doubling gives items that wait
+    # (8 -> 16 threads, reads of 20 ms, 2 cores: 1.3-1.45x; 1.3 as the bar settled at 8 in one round of three).
+    gain: float = 1.15
     # After a drift, half the threads are kept if they make this share of the items/s: as good, within noise.
     keep_down: float = 0.93
     drift: float = 1.6
