@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import queue
 import re
@@ -105,7 +106,7 @@ CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("torch", "loaderd")
 THREADS = "loaderd threads"  # with --threads T: a pool of W / T workers, each fetching a batch's items with T threads
 AUTO = "loaderd threads auto"  # with --auto-threads: the THREADS group's pool, its dataset with threads: auto
-CLIMB = re.compile(r"worker (\d+): dataset '" + "images" + r"' now runs (\d+) item threads")
+CLIMB = re.compile(r"^(\S+ \S+) loaderd.worker INFO: worker (\d+): dataset 'images' now runs (\d+) item threads", re.M)
 PIPELINES = ("resized-crop", "cached")
 CACHE_ROOM = 1.2  # cached: the memory tier's bound, x the items' bytes (records carry a head and alignment)
 
@@ -247,6 +248,7 @@ class Sample:
     epoch1: list[dict[str, float]] = field(default_factory=list)  # cached: op_run's replies, one per trainer
     cache: dict[str, float] = field(default_factory=dict)  # cached, loaderd: the item cache over the window
     threads: dict[int, int] = field(default_factory=dict)  # AUTO: each worker's item threads after the window
+    climb_s: float = 0.0  # AUTO: from the first change of a worker's threads to the last
 
     @property
     def cpu_per_1k(self) -> float:
@@ -409,7 +411,10 @@ def measure_group(args: argparse.Namespace, scenario: Scenario, kind: str, state
                     break
                 log(f"  window {attempt + 1}: other processes kept {sample.others:.2f} cores busy; measuring again")
             if kind == AUTO and daemon is not None and best is not None:
-                best.threads = {int(w): int(n) for w, n in CLIMB.findall(daemon.log_path.read_text())}  # the last line wins
+                changes = CLIMB.findall(daemon.log_path.read_text())
+                best.threads = {int(w): int(n) for _, w, n in changes}  # the last line wins
+                stamps = [datetime.datetime.strptime(at, "%Y-%m-%d %H:%M:%S,%f") for at, _, _ in changes]
+                best.climb_s = (stamps[-1] - stamps[0]).total_seconds() if stamps else 0.0
             call_all(agents, "halt")
     finally:
         state.pop("agents", None)
@@ -604,7 +609,10 @@ def print_report(args: argparse.Namespace, scenarios: list[Scenario], cells: dic
       "cancels) and its median.\n")  # fmt: skip
     if AUTO in args.kinds:
         for s in scenarios:
-            ends = [" ".join(f"w{w}: {n}" for w, n in sorted(x.threads.items())) or "1 (no change)" for x in cells[(s.key, AUTO)].samples]
+            ends = [
+                (" ".join(f"w{w}: {n}" for w, n in sorted(x.threads.items())) or "1 (no change)") + f" (last change {x.climb_s:.0f} s after the first)"
+                for x in cells[(s.key, AUTO)].samples
+            ]
             p(f"threads: auto, {s.key}: each worker's item threads at the end of the measured window, per round: {'; '.join(ends)}.\n")
     if cached:
         print_cached(p, args.kinds, scenarios, cells)
@@ -701,12 +709,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "many workers of T threads (default: workers / T)")  # fmt: skip
     parser.add_argument("--auto-threads", action="store_true", help="adds a group: the --threads group's pool with the "
                         "dataset's threads: auto (each worker sizes its threads from its items/s)")  # fmt: skip
-    parser.add_argument("--auto-warmup", type=int, default=24, help="--auto-threads: that group's warm-up batches per "
+    parser.add_argument("--auto-warmup", type=int, default=120, help="--auto-threads: that group's warm-up batches per "
                         "trainer (its workers climb from 1 thread first)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 1 round, one 3 s window, 2 warm-up batches")
     args = parser.parse_args(argv)
     if args.quick:
-        args.images, args.rounds, args.seconds, args.warmup, args.tries = 128, 1, 3.0, 2, 1
+        args.images, args.rounds, args.seconds, args.warmup, args.tries, args.auto_warmup = 128, 1, 3.0, 2, 1, 4
     if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
         parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
     if args.threads < 1 or args.latency_ms < 0 or args.thread_workers < 0:
