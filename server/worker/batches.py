@@ -26,6 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from loaderd.errors import TransportError, capture_exception, clip
 from loaderd.server.cache.usage import CacheDelta
+from loaderd.server.process.heap import give_back_free_pages
 from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
 from loaderd.server.worker.entry import WorkerSpec
 from loaderd.server.worker.run_ahead import RunAhead
@@ -223,6 +224,10 @@ class BatchMaker:
         count = ds.made(items, seconds)
         if count is not None:
             assert ds.sizer is not None
+            if count < before:
+                # The heap keeps what the larger count's items in flight took (server/process/heap.py): a try of 32
+                # threads left ~60 MiB there for good (bench_images, reads of 20 ms).
+                give_back_free_pages()
             log.info(
                 "worker %d: dataset %r now runs %d item threads (threads: auto; %d made %.0f items/s)",
                 self.spec.worker_id,

@@ -30,6 +30,10 @@ The rules:
   last. A batch's seeds are set once, before its items start: the threads draw from the same
   generators in whatever order they run, so random augmentation is not reproducible run to
   run with more than one thread (what is deterministic stays so).
+- ``resize(count)`` (``threads: auto``, server/worker/thread_sizer.py) changes the count between batches: helpers
+  for a larger one start with the next call that needs them; those beyond a smaller one leave between calls,
+  once the helpers left serve the calls queued (with none left, the leaving ones finish those calls first, so no
+  waiter is left with items nobody takes).
 - ``close()`` stops the helpers once their current item ends (items of calls nobody waits for
   any more are not started: one still waited on raises rather than hangs) and joins them, for a
   bounded time: an orphaned worker's daemon is gone, and with it ``task_timeout``. The worker
