@@ -225,9 +225,12 @@ class BatchMaker:
         if count is not None:
             assert ds.sizer is not None
             if count < before:
-                # The heap keeps what the larger count's items in flight took (server/process/heap.py): a try of 32
-                # threads left ~60 MiB there for good (bench_images, reads of 20 ms).
+                # What the larger count had in flight stays otherwise: the heap keeps freed blocks (server/process/heap.py),
+                # and a segment once made stays in rotation while each batch finds one free (server/worker/slot_writer.py).
+                # A try of 32 threads left ~60 MiB of heap and a third 38.5 MB segment for good (bench_images, reads of
+                # 20 ms). The free segments go now; the next batch reuses one given back, or makes one.
                 give_back_free_pages()
+                self.trim()
             log.info(
                 "worker %d: dataset %r now runs %d item threads (threads: auto; %d made %.0f items/s)",
                 self.spec.worker_id,
