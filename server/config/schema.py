@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loaderd.wire.addresses import DEFAULT_ADDRESS, is_loopback
 
@@ -55,7 +55,7 @@ class DatasetSpec:
     # Threads in each worker that fetch and transform one batch's items side by side (server/worker/item_threads.py);
     # 1: one item after another, as torch's workers; "auto": each worker sizes it from the items/s it measures
     # (server/worker/thread_sizer.py).
-    threads: int | str = 1
+    threads: int | Literal["auto"] = 1
 
     @property
     def modules(self) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
-from loaderd.server.config.messages import fail, refuse_unknown_keys, says
+from loaderd.server.config.messages import expected, fail, refuse_unknown_keys, says
 from loaderd.wire.limits import MAX_CHUNK_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -30,9 +30,9 @@ def _a_count_or_auto(value: Any) -> Any:
     if value == "auto":
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        fail(f"expected an integer or 'auto', got {type(value).__name__} {value!r}")
+        fail(expected("an integer or 'auto'", value), value=value)
     if not 1 <= value <= MAX_THREADS:
-        fail(f"must be from 1 to {MAX_THREADS}, or 'auto', got {value}")
+        fail(f"must be from 1 to {MAX_THREADS}, or 'auto', got {value}", value=value)
     return value
 
 

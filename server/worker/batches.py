@@ -216,7 +216,10 @@ class BatchMaker:
             set_worker_info(self._ahead_info())
         self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
         if task.auto_collation and ds.sizer is not None:
-            self._sized(ds, len(cast(tuple[int, ...], task.indices)), time.perf_counter() - started)
+            try:
+                self._sized(ds, len(cast(tuple[int, ...], task.indices)), time.perf_counter() - started)
+            except Exception:  # the batch went out already: a failure here must not answer it a second time
+                log.exception("worker %d: sizing dataset %r's item threads failed", self.spec.worker_id, ds.spec.name)
 
     def _sized(self, ds: WorkerDataset, items: int, seconds: float) -> None:
         """Tell a ``threads: auto`` dataset's sizer what a batch took (server/worker/thread_sizer.py); log a change."""
@@ -226,11 +229,12 @@ class BatchMaker:
             assert ds.sizer is not None
             if count < before:
                 # What the larger count had in flight stays otherwise: the heap keeps freed blocks (server/process/heap.py),
-                # and a segment once made stays in rotation while each batch finds one free (server/worker/slot_writer.py).
-                # A try of 32 threads left ~60 MiB of heap and a third 38.5 MB segment for good (bench_images, reads of
-                # 20 ms). The free segments go now; the next batch reuses one given back, or makes one.
+                # and a segment once made stays in rotation while each batch finds one free, since the worker reads the
+                # releases in its pipe only when none is (server/worker/slot_writer.py). A try of 32 threads left ~60 MiB
+                # of heap and a third 38.5 MB segment for good (bench_images, reads of 20 ms). The free segments but the
+                # one freed last go now: the batch after next reuses one given back by then, or makes one.
                 give_back_free_pages()
-                self.trim()
+                self.trim(keep=1)
             log.info(
                 "worker %d: dataset %r now runs %d item threads (threads: auto; %d made %.0f items/s)",
                 self.spec.worker_id,
@@ -328,11 +332,12 @@ class BatchMaker:
             return
         self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline)
 
-    def trim(self) -> None:
-        """Idle: remove idle segments and tell the daemon, which unmaps them (and tells its clients)."""
+    def trim(self, keep: int = 0) -> None:
+        """Remove free segments (all but the ``keep`` freed last) and tell the daemon, which unmaps them (and tells its
+        clients)."""
         if self.slots is None:
             return
-        self.slots.trim()
+        self.slots.trim(keep)
         retired = self._take_retired()
         if retired:
             send_result(self.spec.results, SlotsRetired(retired))

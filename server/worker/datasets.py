@@ -183,9 +183,18 @@ def build_dataset(spec: DatasetSpec, prebuilt: bool = True) -> WorkerDataset:
         convert=collate_fn or default_convert,
         worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
         transform=resolve(spec.transform) if spec.transform else None,
-        threads=ItemThreads(1 if spec.threads == "auto" else int(spec.threads), spec.name),
-        sizer=ThreadSizer() if spec.threads == "auto" else None,
+        threads=ItemThreads(1 if spec.threads == "auto" else spec.threads, spec.name),
+        sizer=_sizer(spec, dataset),
     )
+
+
+def _sizer(spec: DatasetSpec, dataset: Any) -> ThreadSizer | None:
+    """``threads: auto``'s sizer (server/worker/thread_sizer.py), for a map-style dataset without ``__getitems__``: one
+    thread hands a ``__getitems__``'s result to collation as it is, more need a list of one item per index (a dataset
+    that returns anything else would fail once the sizer climbed), and an iterable's batches are not measured."""
+    if spec.threads != "auto" or isinstance(dataset, IterableDataset) or getattr(dataset, "__getitems__", None) is not None:
+        return None
+    return ThreadSizer()
 
 
 def pool_info(ds: WorkerDataset, worker_id: int, pool_size: int, seed: int) -> torch_worker.WorkerInfo:

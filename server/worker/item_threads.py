@@ -243,10 +243,10 @@ class ItemThreads:
         return [helper.name for helper in helpers if helper.is_alive()]
 
     def _start_helpers(self) -> None:
-        """Helpers up to ``count``, once for each count; those that cannot start are left out."""
+        """Helpers up to ``count``, once for each count; those that cannot start are left out (the next call tries
+        again)."""
         if self._started_for == self.count:
             return
-        self._started_for = self.count
         with self._cond:
             for _ in range(len(self._helpers), self.count):
                 retire = threading.Event()
@@ -254,9 +254,10 @@ class ItemThreads:
                 try:
                     helper.start()
                 except RuntimeError:  # no thread may start (a pids limit): the ones that did, and result()'s caller, do the items
-                    break
+                    return  # tried again at the next call
                 self._helpers.append(helper)
                 self._retire[helper] = retire
+        self._started_for = self.count
 
     def _serve(self, stop: threading.Event, retire: threading.Event) -> None:
         """A helper's loop: the oldest started call's items, until ``stop`` (its generation's) is set, or ``retire``

@@ -139,9 +139,11 @@ class SlotWriter:
         if name in self._maps and name not in self._free:
             self._free[name] = self._clock()
 
-    def trim(self) -> None:
-        """Remove every idle segment (the worker has been idle a while); the daemon hears of it via ``retired``."""
-        for name in list(self._free):
+    def trim(self, keep: int = 0) -> None:
+        """Remove every free segment but the ``keep`` freed last (the worker has been idle a while, or needs fewer
+        now); the daemon hears of it via ``retired``."""
+        free = list(self._free)
+        for name in free[: max(0, len(free) - keep)]:
             self._destroy(name)
 
     def _expire(self) -> None:

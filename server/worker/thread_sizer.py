@@ -13,10 +13,11 @@ The rules:
   back and settles. Items that wait (network storage, object stores, reads) nearly double their rate with each
   doubling until the cores or the GIL are the limit; items that keep a core busy gain little from a second
   thread in one process, and nothing where other workers already hold the cores, so they stay at 1.
-- Settled, it goes on measuring; a window whose rate moved by more than ``drift`` times either way from the
-  settled one means the items changed (a storage's latency, the pool's size, other work on the host). That window
-  is the new rate of the count kept, and the sizer tries half the threads: kept if they make at least
-  ``keep_down`` of it (and it halves again), else it goes back and climbs from there as at the start.
+- Settled, it goes on measuring; ``drifts`` windows in a row whose rate moved by more than ``drift`` times either
+  way from the settled one mean the items changed (a storage's latency, the pool's size, other work on the host).
+  The last of them is the new rate of the count kept, and the sizer tries half the threads. Half are kept if they
+  make at least ``keep_down`` of it, and it halves again, until a halving does not hold: then it goes back one
+  step and settles. If not even the first halving holds, it climbs from the count kept as at the start.
 
 ``record`` returns the count to run from now on when it changes, else None; the worker resizes the dataset's
 ``ItemThreads`` (server/worker/item_threads.py). Pure bookkeeping: no clock, no threads.
@@ -49,6 +50,7 @@ class SizerRules:
     # After a drift, half the threads are kept if they make this share of the items/s: as good, within noise.
     keep_down: float = 0.93
     drift: float = 1.6
+    drifts: int = 2  # windows in a row off by ``drift`` before the sizer moves
 
 
 class _Phase(enum.Enum):
@@ -68,6 +70,7 @@ class ThreadSizer:
         self._kept_rate = 0.0
         self._phase = _Phase.BASE
         self._went_down = False  # a halving held since the last drift
+        self._drifted = 0  # settled windows in a row whose rate is off by ``drift``
         self._skip = rules.warm
         self._items = 0
         self._batches = 0
@@ -111,10 +114,15 @@ class ThreadSizer:
             if self._went_down:
                 return self._settle()
             return self._try(2 * self._kept)  # not even one halving held: try more instead
-        if rate > rules.drift * self._kept_rate or rate * rules.drift < self._kept_rate:  # settled, and the items changed
-            self._kept_rate, self._went_down = rate, False
-            return self._try(self._kept // 2) if self._kept > 1 else self._try(2)
-        return None
+        if not (rate > rules.drift * self._kept_rate or rate * rules.drift < self._kept_rate):
+            self._drifted = 0
+            return None
+        self._drifted += 1
+        if self._drifted < rules.drifts:  # one window off may be noise (a burst of slow reads, a busy host)
+            return None
+        self._drifted = 0  # settled, and the items changed: this window is the kept count's rate now
+        self._kept_rate, self._went_down = rate, False
+        return self._try(self._kept // 2) if self._kept > 1 else self._try(2)
 
     def _try(self, count: int) -> int | None:
         """Measure ``count`` threads next (twice or half the kept count, within 1 and ``most``); settle where that is the

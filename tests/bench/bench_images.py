@@ -715,8 +715,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.rounds, args.seconds, args.warmup, args.tries, args.auto_warmup = 128, 1, 3.0, 2, 1, 4
-    if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
-        parser.error("--workers, --trainers, --rounds, --warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
+    if min(args.workers, args.trainers, args.rounds, args.warmup, args.tries, args.auto_warmup) < 1 or args.seconds <= 0 or min(args.images, args.epoch) < BATCH:
+        parser.error("--workers, --trainers, --rounds, --warmup, --auto-warmup, --tries must be >= 1, --seconds > 0, --images and --epoch >= 64")
     if args.threads < 1 or args.latency_ms < 0 or args.thread_workers < 0:
         parser.error("--threads must be >= 1, --latency-ms and --thread-workers >= 0")
     if args.latency_ms and args.pipeline == "cached":

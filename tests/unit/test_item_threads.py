@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -97,7 +97,7 @@ def test_close_joins_the_threads_is_idempotent_and_a_later_map_starts_them_again
     assert threads.map(lambda i: i + 1, [0, 1, 2]) == [1, 2, 3]
 
 
-def spec(factory: str, count: int, **kw: Any) -> DatasetSpec:
+def spec(factory: str, count: int | Literal["auto"], **kw: Any) -> DatasetSpec:
     return DatasetSpec(name="ds", factory=factory, threads=count, **kw)
 
 
@@ -345,3 +345,17 @@ def test_shrinking_to_one_thread_finishes_the_calls_already_queued_on_helpers() 
     finally:
         assert pool.close() == []
     assert live("drain") == 0
+
+
+def test_threads_auto_sizes_map_style_datasets_without_getitems_only() -> None:
+    """One thread hands a __getitems__'s result to collation as it is, more need a list per index: a sizer that
+    climbed would break a dataset that returns anything else; an iterable's batches are not measured."""
+    squares = build_dataset(spec("support.datasets:Squares", "auto"))
+    fetches = build_dataset(spec("support.datasets:BatchFetch", "auto", kwargs={"returns": "dict"}))
+    stream = build_dataset(spec("support.datasets:Stream", "auto"))
+    assert squares.threads.count == fetches.threads.count == stream.threads.count == 1
+    assert squares.sizer is not None and fetches.sizer is None and stream.sizer is None
+    assert fetches.made(64, 10.0) is None and fetches.threads.count == 1
+    counts = [squares.made(64, 1.0 / squares.threads.count) for _ in range(10)]  # each doubling doubles the items/s
+    assert [c for c in counts if c is not None] == [2, 4] and squares.threads.count == 4
+    squares.threads.close()

@@ -101,3 +101,17 @@ def test_the_pipe_is_not_read_while_a_free_segment_fits(clock: FakeClock) -> Non
         assert len(asked) == 1, "a free segment fit: no read"
     finally:
         writer.close(unlink=True)
+
+
+def test_trim_keeps_the_segments_freed_last_and_those_in_use(writer: SlotWriter, clock: FakeClock) -> None:
+    """threads: auto trims when its count goes down, keeping the free segment freed last for the next batch."""
+    a, b, c, d = take(writer), take(writer), take(writer), take(writer)
+    for name in (a, b, c):
+        writer.release(name)
+        clock.now += 1
+    writer.trim(keep=1)
+    assert writer.retired == [a, b]
+    assert [os.path.exists(os.path.join(SHM_DIR, n)) for n in (a, b, c, d)] == [False, False, True, True]  # d: in use
+    assert take(writer) == c
+    writer.trim()  # nothing free: nothing goes
+    assert writer.retired == [a, b]

@@ -62,10 +62,38 @@ def test_the_climb_stops_at_most() -> None:
 
 def test_noise_below_the_gain_does_not_climb() -> None:
     sizer = ThreadSizer(RULES)
-    rates = iter([1000.0, 1000.0, 1150.0, 1150.0] + [1000.0] * 400)
-    for _ in range(100):
-        sizer.record(ITEMS, ITEMS / next(rates))
-    assert sizer.count == 1
+    # Windows of 16 batches here (0.5 s at 1,000 items/s): each window's rate is off by up to +-12%, whatever the count.
+    noise = iter([1.12, 0.9, 1.05, 0.88, 1.1, 0.95] * 100)
+    chosen = []
+    for _ in range(60):
+        factor = next(noise)
+        for _ in range(16):
+            count = sizer.record(ITEMS, ITEMS / (1000.0 * factor))
+            if count is not None:
+                chosen.append(count)
+    assert chosen == [2, 1] and sizer.count == 1  # one try, undone; settled windows within the drift move nothing
+
+
+def test_the_shipped_rules_climb_for_items_that_wait_and_not_for_a_cpu_bound_worker() -> None:
+    """The defaults (windows of 3 batches and 2 s, a doubling kept from 1.15x) on batches of 64 items."""
+    waits = ThreadSizer()
+    for _ in range(600):
+        waits.record(64, 64 / waiting_items(waits.count))
+    assert waits.count == 16
+    busy = ThreadSizer()
+    for _ in range(600):
+        busy.record(64, 64 / (500.0 * (1.05 if busy.count > 1 else 1.0)))
+    assert busy.count == 1
+
+
+def test_one_window_off_the_settled_rate_moves_nothing_two_in_a_row_do() -> None:
+    sizer = ThreadSizer(SizerRules(min_batches=1, min_s=0.0, warm=0))  # every batch a window
+    run(sizer, waiting_items, 100)
+    assert sizer.count == 16
+    assert sizer.record(ITEMS, 0.5) is None  # one slow window (64 items/s: past the drift)
+    assert run(sizer, waiting_items, 10) == []  # then as before: nothing moved
+    assert sizer.record(ITEMS, 0.5) is None
+    assert sizer.record(ITEMS, 0.5) == 8  # two in a row: half the threads tried
 
 
 def test_after_a_drift_it_halves_while_half_do_as_well_and_climbs_again_when_items_wait_more() -> None:
