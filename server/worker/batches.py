@@ -179,8 +179,8 @@ class BatchMaker:
 
     def fetch(self, task: FetchTask) -> None:
         """Make and send a map-style batch (or its failure)."""
-        started = time.perf_counter()
         ds = self.datasets[task.dataset]
+        started = time.perf_counter() if ds.sizer is not None else 0.0  # threads: auto measures the batch
         position = task.seq if task.position < 0 else task.position
         where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
         job = None if self._run_ahead is None else self._run_ahead.take(task)  # seeded when its items started
