@@ -10,7 +10,8 @@ The rules:
   have started under the count before), are not measured.
 - Climbing: once a count's window is measured, the sizer tries twice as many threads (at most ``most``). Kept if
   that window's rate is at least ``gain`` times the rate before, and the climb goes on; else the sizer goes
-  back and settles. Items that wait (network storage, object stores, reads) nearly double their rate with each
+  back and settles. A window within ``confirm`` times of that bar either way is too near to tell from noise:
+  the mean of it and the next window decides. Items that wait (network storage, object stores, reads) nearly double their rate with each
   doubling until the cores or the GIL are the limit; items that keep a core busy gain little from a second
   thread in one process, and nothing where other workers already hold the cores, so they stay at 1.
 - Settled, it goes on measuring; ``drifts`` windows in a row whose rate moved by more than ``drift`` times either
@@ -49,6 +50,9 @@ class SizerRules:
     gain: float = 1.15
     # After a drift, half the threads are kept if they make this share of the items/s: as good, within noise.
     keep_down: float = 0.93
+    # A doubling whose window reads within this factor of the bar either way is measured over a second window too
+    # (their mean decides): 8 -> 16 threads read under the bar in one round of three, 16 -> 32 over it in another.
+    confirm: float = 1.15
     drift: float = 1.6
     drifts: int = 2  # windows in a row off by ``drift`` before the sizer moves
 
@@ -71,6 +75,7 @@ class ThreadSizer:
         self._phase = _Phase.BASE
         self._went_down = False  # a halving held since the last drift
         self._drifted = 0  # settled windows in a row whose rate is off by ``drift``
+        self._held: float | None = None  # a doubling's first window, near the bar, while a second is measured
         self._skip = rules.warm
         self._items = 0
         self._batches = 0
@@ -103,6 +108,12 @@ class ThreadSizer:
             self._kept_rate = rate
             return self._try(2 * self._kept)
         if phase is _Phase.UP:
+            near = 1 / rules.confirm <= rate / (rules.gain * self._kept_rate) < rules.confirm
+            if near and self._held is None:  # too near the bar to tell from noise: one more window at this count
+                self._held = rate
+                return None
+            if self._held is not None:
+                rate, self._held = (rate + self._held) / 2, None
             if rate >= rules.gain * self._kept_rate:  # the doubling paid: keep it and climb on
                 self._kept, self._kept_rate = self.count, rate
                 return self._try(2 * self._kept)

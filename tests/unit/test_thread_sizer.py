@@ -122,3 +122,24 @@ def test_a_settled_count_within_the_drift_stays() -> None:
     run(sizer, waiting_items, 400)
     assert run(sizer, lambda count: waiting_items(count) * 1.3, 400) == []
     assert sizer.count == 16
+
+
+def test_a_doubling_near_the_bar_is_decided_on_two_windows() -> None:
+    rules = SizerRules(min_batches=1, min_s=0.0, warm=0, gain=1.15, confirm=1.15)  # every batch a window
+
+    def window(sizer: ThreadSizer, items_per_s: float) -> int | None:
+        return sizer.record(100, 100 / items_per_s)
+
+    lucky = ThreadSizer(rules)
+    assert window(lucky, 100.0) == 2
+    assert lucky.record(1, 1.0) is None  # the batch after a change is not measured
+    assert window(lucky, 120.0) is None  # 1.2x: near the bar, one more window
+    assert window(lucky, 90.0) == 1  # mean 1.05x: not kept
+    real = ThreadSizer(rules)
+    assert window(real, 100.0) == 2
+    real.record(1, 1.0)
+    assert window(real, 125.0) is None and window(real, 125.0) == 4  # 1.25x twice: kept, and the climb goes on
+    clear = ThreadSizer(rules)
+    assert window(clear, 100.0) == 2
+    clear.record(1, 1.0)
+    assert window(clear, 180.0) == 4  # far from the bar: one window decides
