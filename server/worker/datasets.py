@@ -22,11 +22,12 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from loaderd.errors import clip
 from loaderd.server.cache.item_store import ItemStore
 from loaderd.server.config.schema import DatasetSpec
+from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.worker.item_threads import ItemsJob, ItemThreads
 from loaderd.server.worker.prebuilt import BuildFailed, take
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.tasks import DatasetMeta
-from loaderd.server.worker.thread_sizer import ThreadSizer
+from loaderd.server.worker.thread_sizer import SizerRules, ThreadSizer, auto_most_threads
 from loaderd.server.worker.user_code import resolve, user_error
 
 
@@ -194,7 +195,7 @@ def _sizer(spec: DatasetSpec, dataset: Any) -> ThreadSizer | None:
     that returns anything else would fail once the sizer climbed), and an iterable's batches are not measured."""
     if spec.threads != "auto" or isinstance(dataset, IterableDataset) or getattr(dataset, "__getitems__", None) is not None:
         return None
-    return ThreadSizer()
+    return ThreadSizer(SizerRules(most=auto_most_threads(usable_cpus())))
 
 
 def pool_info(ds: WorkerDataset, worker_id: int, pool_size: int, seed: int) -> torch_worker.WorkerInfo:

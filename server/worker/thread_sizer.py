@@ -29,9 +29,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# threads: auto's most threads per worker. Past ~16 on two cores the GIL's share stopped paying (HISTORY.md,
-# issue 42's fourth session); the climb stops by itself where doubling stops paying, this bounds its last try.
+# threads: auto's most threads per worker: 8 per CPU the process may use, 32 at most. Past ~16 on two cores the GIL's
+# share stopped paying (HISTORY.md, issue 42's fourth session), and a try of 32 there left the worker slower and
+# larger once back at 16 (fifth session); the climb stops by itself where doubling stops paying, this bounds its
+# last try. A dataset that wants more sets threads: N (up to 64).
 AUTO_MOST_THREADS = 32
+AUTO_THREADS_PER_CPU = 8
+
+
+def auto_most_threads(cpus: int) -> int:
+    """The most threads ``threads: auto`` tries on a host where the process may use ``cpus`` CPUs."""
+    return max(2, min(AUTO_MOST_THREADS, AUTO_THREADS_PER_CPU * cpus))
 
 
 @dataclass(frozen=True)
