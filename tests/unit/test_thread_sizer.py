@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from loaderd.server.worker.thread_sizer import SizerRules, ThreadSizer
+from loaderd.server.worker.thread_sizer import SizerRules, ThreadSizer, auto_most_threads
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,3 +143,7 @@ def test_a_doubling_near_the_bar_is_decided_on_two_windows() -> None:
     assert window(clear, 100.0) == 2
     clear.record(1, 1.0)
     assert window(clear, 180.0) == 4  # far from the bar: one window decides
+
+
+def test_the_most_threads_follow_the_cpus() -> None:
+    assert [auto_most_threads(cpus) for cpus in (1, 2, 3, 4, 64)] == [8, 16, 24, 32, 32]
