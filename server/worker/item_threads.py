@@ -244,7 +244,7 @@ class ItemThreads:
 
     def _start_helpers(self) -> None:
         """Helpers up to ``count``, once for each count; those that cannot start are left out (the next call tries
-        again)."""
+        again while none runs)."""
         if self._started_for == self.count:
             return
         with self._cond:
@@ -254,7 +254,9 @@ class ItemThreads:
                 try:
                     helper.start()
                 except RuntimeError:  # no thread may start (a pids limit): the ones that did, and result()'s caller, do the items
-                    return  # tried again at the next call
+                    if self._helpers:  # tried again at the next call only while none runs
+                        self._started_for = self.count
+                    return
                 self._helpers.append(helper)
                 self._retire[helper] = retire
         self._started_for = self.count

@@ -10,15 +10,16 @@ The rules:
   have started under the count before), are not measured.
 - Climbing: once a count's window is measured, the sizer tries twice as many threads (at most ``most``). Kept if
   that window's rate is at least ``gain`` times the rate before, and the climb goes on; else the sizer goes
-  back and settles. A window within ``confirm`` times of that bar either way is too near to tell from noise:
-  the mean of it and the next window decides. Items that wait (network storage, object stores, reads) nearly double their rate with each
+  back and settles. A window between 1 / ``confirm`` and ``confirm`` times that bar is too near to tell from
+  noise: the mean of it and the next window decides. Items that wait (network storage, object stores, reads) nearly double their rate with each
   doubling until the cores or the GIL are the limit; items that keep a core busy gain little from a second
   thread in one process, and nothing where other workers already hold the cores, so they stay at 1.
 - Settled, it goes on measuring; ``drifts`` windows in a row whose rate moved by more than ``drift`` times either
   way from the settled one mean the items changed (a storage's latency, the pool's size, other work on the host).
-  The last of them is the new rate of the count kept, and the sizer tries half the threads. Half are kept if they
-  make at least ``keep_down`` of it, and it halves again, until a halving does not hold: then it goes back one
-  step and settles. If not even the first halving holds, it climbs from the count kept as at the start.
+  The last of them is the new rate of the count kept, and the sizer tries half the threads (at 1 thread, 2). Half
+  are kept if they make at least ``keep_down`` of that rate, and it halves again, each halving held to the same
+  rate, until one does not hold: then it goes back one step and settles. If not even the first halving holds, it
+  climbs from the count kept as at the start.
 
 ``record`` returns the count to run from now on when it changes, else None; the worker resizes the dataset's
 ``ItemThreads`` (server/worker/item_threads.py). Pure bookkeeping: no clock, no threads.
@@ -39,7 +40,7 @@ AUTO_THREADS_PER_CPU = 8
 
 def auto_most_threads(cpus: int) -> int:
     """The most threads ``threads: auto`` tries on a host where the process may use ``cpus`` CPUs."""
-    return max(2, min(AUTO_MOST_THREADS, AUTO_THREADS_PER_CPU * cpus))
+    return min(AUTO_MOST_THREADS, AUTO_THREADS_PER_CPU * max(1, cpus))
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class SizerRules:
 
     most: int = AUTO_MOST_THREADS
     # Batches of items that wait are long (64 reads of 20 ms: ~1.4 s a batch on one thread) and each a fair sample:
-    # three of them and two seconds at least make a window, so that the climb to 16 threads takes ~20 s, not minutes.
+    # three of them and two seconds at least make a window, so that the climb to 16 threads takes ~10-15 s, not minutes.
     min_batches: int = 3
     min_s: float = 2.0
     warm: int = 1
@@ -84,6 +85,7 @@ class ThreadSizer:
         self._went_down = False  # a halving held since the last drift
         self._drifted = 0  # settled windows in a row whose rate is off by ``drift``
         self._held: float | None = None  # a doubling's first window, near the bar, while a second is measured
+        self._down_bar = 0.0  # after a drift: the rate each halving must keep ``keep_down`` of
         self._skip = rules.warm
         self._items = 0
         self._batches = 0
@@ -107,6 +109,8 @@ class ThreadSizer:
             return None
         rate = self._last_rate = self._items / self._seconds
         self._items, self._batches, self._seconds = 0, 0, 0.0
+        if rate <= 0:  # a window of empty batches says nothing (and would be no bar to compare with)
+            return None
         return self._decide(rate)
 
     def _decide(self, rate: float) -> int | None:
@@ -121,13 +125,15 @@ class ThreadSizer:
                 self._held = rate
                 return None
             if self._held is not None:
-                rate, self._held = (rate + self._held) / 2, None
+                rate = self._last_rate = (rate + self._held) / 2
+                self._held = None
             if rate >= rules.gain * self._kept_rate:  # the doubling paid: keep it and climb on
                 self._kept, self._kept_rate = self.count, rate
                 return self._try(2 * self._kept)
             return self._settle()  # it did not: back to the count before
         if phase is _Phase.DOWN:
-            if rate >= rules.keep_down * self._kept_rate:  # half the threads do as well: keep them and go on down
+            # Each halving against the drift's window, not the step before: small losses must not add up.
+            if rate >= rules.keep_down * self._down_bar:  # half the threads do as well: keep them and go on down
                 self._kept, self._kept_rate, self._went_down = self.count, rate, True
                 return self._try(self._kept // 2)
             if self._went_down:
@@ -140,7 +146,8 @@ class ThreadSizer:
         if self._drifted < rules.drifts:  # one window off may be noise (a burst of slow reads, a busy host)
             return None
         self._drifted = 0  # settled, and the items changed: this window is the kept count's rate now
-        self._kept_rate, self._went_down = rate, False
+        self._kept_rate = self._down_bar = rate
+        self._went_down = False
         return self._try(self._kept // 2) if self._kept > 1 else self._try(2)
 
     def _try(self, count: int) -> int | None:

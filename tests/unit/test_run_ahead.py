@@ -4,6 +4,8 @@ its results read from a real pipe."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import multiprocessing
 import pickle
 import time
@@ -21,6 +23,7 @@ from loaderd.server.worker.datasets import build_dataset
 from loaderd.server.worker.entry import WorkerSpec
 from loaderd.server.worker.task_inbox import TaskInbox
 from loaderd.server.worker.tasks import BatchDone, BatchFailed, FetchTask, Task
+from loaderd.server.worker.thread_sizer import ThreadSizer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -169,3 +172,27 @@ def test_a_started_batch_that_is_not_the_next_taken_is_dropped_not_made_twice(
     assert "batch 1's items were started ahead, but batch 2 came first" in caplog.text
     seeds = batches.datasets["d"].dataset.seeds
     assert len(seeds[20]) == len(seeds[21]) == 1 and len(seeds.get(10, [])) <= 1 and len(seeds.get(11, [])) <= 1
+
+
+class _BrokenSizer(ThreadSizer):
+    def record(self, items: int, seconds: float) -> int | None:
+        raise RuntimeError("sizer bug")
+
+
+def test_a_failure_while_sizing_threads_auto_is_logged_and_the_batch_answered_once(
+    results: tuple[Connection, Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    """threads: auto sizes after the batch went out (server/worker/batches.py _sized): a failure there must not
+    answer the same batch a second time (as a BatchFailed)."""
+    reader, writer = results
+    batches = maker(writer, lambda: None, threads="auto")
+    ds = batches.datasets["d"]
+    assert ds.sizer is not None
+    broken = dataclasses.replace(ds, sizer=_BrokenSizer())
+    batches.datasets["d"] = broken
+    with caplog.at_level(logging.ERROR, logger="loaderd.worker"):
+        batches.fetch(fetch(0, (1, 2, 3)))
+    got = received(reader)
+    assert [type(r).__name__ for r in got] == ["BatchDone"] and got[0].seq == 0
+    assert "sizing dataset 'd''s item threads failed" in caplog.text and "sizer bug" in caplog.text
+    batches.close(unlink=False)
