@@ -18,7 +18,8 @@ see the same machine; compare within one run only.
 
 Reported per workload and side: batches/s (median, every round), CPU ms per batch
 of the trainer, the daemon and its pool (fork server and workers), and minor page
-faults per batch in the trainer and the daemon; for ``first``, the median time from
+faults per batch in the trainer and the daemon, and the daemon's shared-memory segments (how many, their
+MB) when the measured seconds end (a segment idle 5 s goes: run 6 s or more to see what stays); for ``first``, the median time from
 constructing the loader to holding its first batch, and of the construction alone;
 then how many rounds this checkout won. Markdown on stdout, progress on stderr; exit 1 if a trial failed.
 """
@@ -49,6 +50,7 @@ TRIAL_TIMEOUT_S = 240.0
 TRIAL_GRACE_S = 30.0  # after SIGTERM, for a trial to stop its daemon
 ROLES = ("trainer", "daemon", "pool")
 FAULTS = ("trainer faults", "daemon faults")
+SHM = ("shm segments", "shm MB")
 
 
 def log(message: str) -> None:
@@ -106,7 +108,20 @@ def throughput(address: str, workload: str, transport: str, seconds: float, daem
             if step_s:
                 time.sleep(step_s)
     elapsed = time.perf_counter() - start
-    return {"batches/s": batches / elapsed, **_costs(before, _snapshot(daemon_pid), daemon_pid, batches)}
+    return {"batches/s": batches / elapsed, **_costs(before, _snapshot(daemon_pid), daemon_pid, batches), **_segments(daemon_pid)}
+
+
+def _segments(daemon_pid: int) -> dict[str, float]:
+    """The daemon's shared-memory segments now (its pool's batches' and probes'): how many, and their MB."""
+    from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
+
+    sizes = []
+    for path in Path(SHM_DIR).glob(f"{SEGMENT_PREFIX}{daemon_pid}-*"):
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:  # removed meanwhile
+            pass
+    return {"shm segments": float(len(sizes)), "shm MB": sum(sizes) / 1e6}
 
 
 def trial(workload: str, transport: str, seconds: float, workers: int, step_s: float) -> dict[str, float]:
@@ -180,7 +195,11 @@ def _table(head: str, workloads: list[tuple[str, str]], trees: list[Tree], resul
 
 
 def _costs_cells(runs: list[dict[str, float]]) -> list[str]:
-    return [f"{_median(runs, k):.2f}" for k in ROLES] + [f"{_median(runs, k):,.0f}" for k in FAULTS]
+    return (
+        [f"{_median(runs, k):.2f}" for k in ROLES]
+        + [f"{_median(runs, k):,.0f}" for k in FAULTS]
+        + [f"{_median(runs, k):,.0f}" for k in SHM]
+    )
 
 
 def _construct_cells(runs: list[dict[str, float]]) -> list[str]:
@@ -195,7 +214,7 @@ def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results
     if loaders:
         _table(
             "| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool "
-            "| minor faults/batch: trainer | daemon | every round (batches/s) |",
+            "| minor faults/batch: trainer | daemon | shm at the end: segments | MB | every round (batches/s) |",
             loaders, trees, results, "batches/s", _costs_cells,
         )  # fmt: skip
     firsts = [w for w in workloads if w[0] == FIRST]

@@ -191,7 +191,7 @@ def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## A/B: this checkout vs baseline HEAD" in out, out
     for source in ("this checkout", "baseline HEAD"):
-        throughput = rf"^\| tiny:grpc \| {source} \| [\d,.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d,]+ \| [\d.]+ \|$"
+        throughput = rf"^\| tiny:grpc \| {source} \| [\d,.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+ \|$"
         first = rf"^\| first:shm \| {source} \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \|$"
         assert re.search(throughput, out, re.M) and re.search(first, out, re.M), out
     for workload in ("tiny:grpc", "first:shm"):
