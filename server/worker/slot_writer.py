@@ -8,10 +8,14 @@ A batch takes the smallest free segment that fits it, the one freed last among e
 that segments beyond what the streams keep in flight stay unused; one unused for
 ``IDLE_SEGMENT_S`` goes, even while the worker is busy. The segments held then follow
 what is in flight now rather than the most ever held: a window filled at an epoch's
-start, trainers that joined a shared pool one by one. Only when no free segment fits does it
-take the releases already in the worker's task pipe (``freed``: server/worker/task_inbox.py), so
-a segment given back while this batch was made, whose news reached the pipe, is reused rather
-than a second one made (a release the daemon still defers is not seen).
+start, trainers that joined a shared pool one by one.
+
+Before each pick it takes the releases already in the worker's task pipe (``freed``:
+server/worker/task_inbox.py, read without waiting), so a segment given back while this batch was
+made, whose news reached the pipe, is the one reused (a release the daemon still defers is not
+seen). Every batch, not only when no free segment fits: a batch that took an older free segment
+while the newest release sat in the pipe would keep one more segment in rotation than is in flight
+(none of them idle long enough to go) for as long as the pool runs.
 """
 
 from __future__ import annotations
@@ -96,11 +100,9 @@ class SlotWriter:
         """A free segment of at least ``nbytes`` (name, uint8 tensor over it); None if there is no room."""
         if self._disabled or nbytes < INLINE_BYTES:
             return None
+        for name in self._freed():  # a segment given back may be on its way: the newest is the one to reuse
+            self.release(name)
         fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
-        if not fitting:  # before making one: a segment given back may be on its way (no syscall while one is free)
-            for name in self._freed():
-                self.release(name)
-            fitting = [n for n in self._free if len(self._maps[n]) >= nbytes]
         if fitting:
             # Smallest first; among equals, the one freed last (``fitting`` is in the order they were freed).
             name = min(reversed(fitting), key=lambda n: len(self._maps[n]))

@@ -7,7 +7,7 @@ worker only after those: every worker would then write its next batch into a sec
 the first waits to be read, and a pool holds about two segments per worker where one each is what
 is in flight (8 workers of 38.5 MB image batches: ~0.3 GiB more).
 
-So before it makes a new segment for a batch, the worker asks ``freed``: the bytes the pipe holds
+So before it picks a segment for each batch, the worker asks ``freed``: the bytes the pipe holds
 now are read without waiting, releases among the whole messages are handed over at once, and
 everything else (tasks, the ``None`` that ends the worker) keeps its order for ``take``. A release
 only makes a segment reusable, so taking it ahead of the tasks before it changes no batch. A

@@ -85,20 +85,26 @@ def test_a_release_already_on_its_way_is_taken_before_a_new_segment_is_made(cloc
         writer.close(unlink=True)
 
 
-def test_the_pipe_is_not_read_while_a_free_segment_fits(clock: FakeClock) -> None:
-    asked: list[int] = []
+def test_the_newest_release_in_the_pipe_is_reused_so_a_burst_leaves_no_extra_segment(clock: FakeClock) -> None:
+    """Each release is still in the pipe when the next batch starts, an older free segment at hand: the batch takes
+    the one in the pipe, and the burst's extra segment idles and goes (taking the older one kept both in rotation)."""
+    on_the_way: list[str] = []
 
     def freed() -> list[str]:
-        asked.append(1)
-        return []
+        names = list(on_the_way)
+        on_the_way.clear()
+        return names
 
-    writer = SlotWriter(f"ld-unit-asked-{os.getpid()}-", 1 << 30, clock=clock, freed=freed)
+    writer = SlotWriter(f"ld-unit-newest-{os.getpid()}-", 1 << 30, clock=clock, freed=freed)
     try:
-        first = take(writer)
-        assert len(asked) == 1, "no segment yet: the pipe is read before one is made"
-        writer.release(first)
-        assert take(writer) == first
-        assert len(asked) == 1, "a free segment fit: no read"
+        a, b = take(writer), take(writer)  # a burst: two batches in flight at once
+        writer.release(a)  # a's release came with a task
+        on_the_way.append(b)
+        for _ in range(int(IDLE_SEGMENT_S) + 2):  # then one batch in flight at a time, a batch a second
+            clock.now += 1
+            name = take(writer)
+            on_the_way.append(name)
+        assert name == b and writer.retired == [a]
     finally:
         writer.close(unlink=True)
 
