@@ -15,7 +15,10 @@ This script measures the floors under both, on this machine, in one run:
    last figure is the batch's own work on this host (the cache-warm gather of the
    same items is a floor no loader reaches), and the host's limit follows from it;
 2. the wire: a raw TCP loopback socket, and gRPC Python streaming 12 MiB
-   ``bytes`` messages (no protobuf, no loaderd) over 1 and 2 concurrent streams;
+   ``bytes`` messages (no protobuf, no loaderd) over 1 and 2 concurrent streams,
+   and over one stream with each message made anew from memory the server keeps
+   and copied into a buffer the client keeps (the copies a loader's payload takes:
+   gRPC Python sends only ``bytes``, and a batch's tensors outlive the message);
 3. where the CPU goes: torch, loaderd over shared memory and over gRPC, rounds
    interleaved, each process's CPU milliseconds per batch (trainer, daemon,
    workers), the voluntary context switches per batch of all their threads, and
@@ -188,6 +191,14 @@ def _grpc_server(ready: Any, stop: Any) -> None:
         while context.is_active() and not stop.is_set():
             yield payload
 
+    source = memoryview(bytearray(MESSAGE))  # a payload in memory the server keeps, as a slot is
+
+    def fresh(_request: bytes, context: Any) -> Any:
+        # A new bytes object per message, copied from that memory: what any server whose payload is not
+        # already one bytes object (loaderd's daemon: a worker's slot) must make, since gRPC Python sends bytes.
+        while context.is_active() and not stop.is_set():
+            yield bytes(source)
+
     def small(_request: bytes, context: Any) -> Any:  # a slot handle's size, SMALL_COUNT times
         message = bytes(SMALL_BYTES)
         for _ in range(SMALL_COUNT):
@@ -200,6 +211,7 @@ def _grpc_server(ready: Any, stop: Any) -> None:
         "bench.Raw",
         {
             "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Fresh": grpc.unary_stream_rpc_method_handler(fresh),
             "Small": grpc.unary_stream_rpc_method_handler(small),
             "Acks": grpc.stream_unary_rpc_method_handler(acks),
         },
@@ -213,8 +225,10 @@ def _grpc_server(ready: Any, stop: Any) -> None:
     server.stop(0)
 
 
-def raw_grpc_gb_s(port: int, server_pid: int, streams: int, seconds: float) -> tuple[float, float]:
-    """GB/s of ``streams`` concurrent streams of 12 MiB messages, and the CPU ms (both processes) per GB."""
+def raw_grpc_gb_s(port: int, server_pid: int, streams: int, seconds: float, copies: bool = False) -> tuple[float, float]:
+    """GB/s of ``streams`` concurrent streams of 12 MiB messages, and the CPU ms (both processes) per GB. With
+    ``copies``, the server makes each message anew from memory it keeps and the client copies each into a buffer
+    it keeps (as a batch's tensors are), the two copies a loader's payload takes beyond gRPC's own."""
     import grpc
 
     from loaderd.stream import c_heap
@@ -223,13 +237,16 @@ def raw_grpc_gb_s(port: int, server_pid: int, streams: int, seconds: float) -> t
     # client faulted in and zeroed 17-32% of the received pages again (~10% slower).
     c_heap.raise_mmap_threshold()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
-    call = channel.unary_stream("/bench.Raw/Stream")
+    call = channel.unary_stream("/bench.Raw/Fresh" if copies else "/bench.Raw/Stream")
     received = [0] * streams
 
     def read(i: int) -> None:
+        target = memoryview(bytearray(MESSAGE)) if copies else None
         responses = call(b"", timeout=seconds + 30)
         deadline = time.monotonic() + seconds
         for message in responses:
+            if target is not None:
+                target[: len(message)] = message
             received[i] += len(message)
             if time.monotonic() > deadline:
                 responses.cancel()
@@ -426,9 +443,11 @@ def main() -> int:
             raise RuntimeError("the raw gRPC server did not start")
         port, server_pid = ready_r.recv()
         grpc_rates = {n: [] for n in (1, 2)}  # type: dict[int, list[tuple[float, float]]]
+        copied_rates: list[tuple[float, float]] = []  # one stream, with a loader's two copies
         for _ in range(2):
             for n in grpc_rates:
                 grpc_rates[n].append(raw_grpc_gb_s(port, server_pid, n, args.seconds))
+            copied_rates.append(raw_grpc_gb_s(port, server_pid, 1, args.seconds, copies=True))
         units = grpc_message_cpu_ms(port, server_pid)
         units["pipe"] = pipe_round_trip_cpu_ms()
         units["thread"] = thread_handoff_cpu_ms()
@@ -489,6 +508,11 @@ def main() -> int:
             f"| gRPC Python, bytes messages, {n} stream(s) (best of {len(values)}) | {best_gb:.2f} | {best_gb / torch_gb:.2f}x | "
             f"{best_cpu * mb / 1000:.1f} |"
         )
+    copied_gb, copied_cpu = max(copied_rates)
+    out(
+        f"| gRPC Python, 1 stream, each message made anew from kept memory and copied into a kept buffer (best of "
+        f"{len(copied_rates)}) | {copied_gb:.2f} | {copied_gb / torch_gb:.2f}x | {copied_cpu * mb / 1000:.1f} |"
+    )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
     out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy | context switches/batch |")
@@ -537,7 +561,8 @@ def main() -> int:
     loaderd_gb = statistics.median(rates["grpc"]) * mb / 1000
     out(
         f"\nOver gRPC loaderd moved {loaderd_gb:.2f} GB/s (median of its rounds): {100 * loaderd_gb / raw_one:.0f}% of raw "
-        f"gRPC Python's one stream ({raw_one:.2f} GB/s, the best of {len(grpc_rates[1])} runs before the rounds) on this host."
+        f"gRPC Python's one stream ({raw_one:.2f} GB/s, the best of {len(grpc_rates[1])} runs before the rounds) on this host, "
+        f"{100 * loaderd_gb / copied_gb:.0f}% of it with the two copies a payload kept in memory takes ({copied_gb:.2f} GB/s)."
     )
     return 0 if code == 0 else 1
 
