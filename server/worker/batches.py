@@ -228,11 +228,11 @@ class BatchMaker:
         if count is not None:
             assert ds.sizer is not None
             if count < before:
-                # What the larger count had in flight stays otherwise: the heap keeps freed blocks (server/process/heap.py),
-                # and a segment once made stays in rotation while each batch finds one free, since the worker reads the
-                # releases in its pipe only when none is (server/worker/slot_writer.py). A try of 32 threads left ~60 MiB
-                # of heap and a third 38.5 MB segment for good (bench_images, reads of 20 ms). The free segments but the
-                # one freed last go now: the batch after next reuses one given back by then, or makes one.
+                # What the larger count had in flight would stay a while: the heap keeps freed blocks
+                # (server/process/heap.py), and a segment the smaller count no longer needs goes only once idle for
+                # IDLE_SEGMENT_S (server/worker/slot_writer.py). A try of 32 threads left ~60 MiB of heap and a third
+                # 38.5 MB segment (bench_images, reads of 20 ms). The free segments but the one freed last go now: the
+                # batch after next reuses one given back by then, or makes one.
                 give_back_free_pages()
                 self.trim(keep=1)
             log.info(

@@ -19,7 +19,8 @@ see the same machine; compare within one run only.
 Reported per workload and side: batches/s (median, every round), CPU ms per batch
 of the trainer, the daemon and its pool (fork server and workers), and minor page
 faults per batch in the trainer and the daemon, and the daemon's shared-memory segments (how many, their
-MB) when the measured seconds end (a segment idle 5 s goes: run 6 s or more to see what stays); for ``first``, the median time from
+MB) when the measured seconds end: those in flight and those a worker keeps free (one idle for
+IDLE_SEGMENT_S, 5 s, goes: run longer than that to see what a worker keeps); for ``first``, the median time from
 constructing the loader to holding its first batch, and of the construction alone;
 then how many rounds this checkout won. Markdown on stdout, progress on stderr; exit 1 if a trial failed.
 """

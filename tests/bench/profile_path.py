@@ -3,14 +3,17 @@
     python tests/bench/profile_path.py [--workload f32] [--transport shm] [--seconds 12] [--workers 2]
 
 Starts a daemon (bench_loaders.start_daemon, its datasets), reads one warm-up epoch of
-``RemoteDataLoader(shuffle=True)``, then reads whole epochs for ``--seconds`` while
-``py-spy record --gil`` (the ``bench`` extra) samples the daemon and this trainer at 200 Hz:
-only a thread holding the GIL is sampled, so the samples are Python's CPU time, not waits.
-Sampling the trainer slows it (read the batches/s as the profile's, not a figure).
+``RemoteDataLoader(shuffle=True)``, then reads whole epochs while ``py-spy record --gil``
+(the ``bench`` extra; attaching needs root or ``kernel.yama.ptrace_scope=0``) samples the
+daemon and this trainer at 200 Hz for ``--seconds``. Only a thread that holds the GIL is
+sampled: its time in Python or in C code that keeps the GIL, not its waits (a thread the
+kernel preempted while holding the GIL is counted too, so read the shares, and beside them
+the processes' own CPU from /proc over the same window). Sampling slows both processes:
+read the batches/s as the profile's, not a figure.
 
-Prints markdown: the batches/s, then per process the share of the wall time it held the
-GIL, that time per batch, its threads' shares, and the frames with the most samples (inclusive,
-and as the leaf). The raw collapsed stacks stay in a temporary folder it names (flame graphs).
+Prints markdown: the batches/s, then per process its GIL-held time and its CPU time per batch,
+its threads' shares (by thread name), and the frames with the most samples (inclusive, and as
+the leaf). The raw collapsed stacks stay in a temporary folder it names (flame graphs).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,59 +35,63 @@ import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it 
 
 RATE_HZ = 200
 TOP = 25
-# Frames under every thread's stack: they say nothing about where the time goes.
-_EVERYWHERE = {
-    "Thread._bootstrap (threading.py:1002)",
-    "Thread._bootstrap_inner (threading.py:1045)",
-    "Thread.run (threading.py:982)",
-}
+# Functions under every thread's stack: they say nothing about where the time goes (matched by name, not by line:
+# the lines differ between Python versions).
+_EVERYWHERE = ("Thread._bootstrap ", "Thread._bootstrap_inner ", "Thread.run ")
 
 
-def thread_of(frames: list[str]) -> str:
-    """A name for the thread a stack ran on, from its frames."""
-    for marker, name in (
-        ("Scheduler._run", "scheduler"),
-        ("sessions.py", "sessions"),
-        ("grpc/_server.py", "gRPC server"),
-        ("stream_call.py", "stream receiver"),
-        ("grpc/_channel.py", "gRPC channel"),
-        ("profile_path.py", "main"),
-    ):
-        if any(marker in frame for frame in frames):
-            return name
-    return "other"
+def thread_name(root: str) -> str:
+    """The thread a stack ran on, from py-spy's root frame (``thread (123): loaderd-rpc_3``), without its numbers, so
+    that a pool's threads count as one."""
+    name = root.partition(": ")[2] or root
+    return re.sub(r"[-_]?\d+", "", name)
 
 
-def summarize(name: str, raw: Path, seconds: float, batches: int) -> None:
-    """One process's section of the report, from py-spy's raw (collapsed) output."""
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` alone (not its children: the trainer's are the daemon)."""
+    fields = bl.proc_stat(pid)
+    return 0.0 if fields is None else bl.own_cpu_seconds(fields)
+
+
+def summarize(name: str, raw: Path, seconds: int, rate: float, cpu_s: float) -> None:
+    """One process's section of the report, from py-spy's raw (collapsed) output: ``seconds`` of sampling while the
+    trainer read ``rate`` batches/s, and the process's own CPU seconds over about that window."""
     total = 0
     leaf: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        frames = [frame for frame in stack.split(";") if frame]
+        if len(frames) < 2:  # no Python frame under the thread's root
+            continue
         n = int(count)
-        frames = stack.split(";")
         total += n
+        threads[thread_name(frames[0])] += n
         leaf[frames[-1]] += n
-        threads[thread_of(frames)] += n
-        for frame in set(frames) - _EVERYWHERE:
-            inclusive[frame] += n
-    held = total / (RATE_HZ * seconds)
-    print(f"### {name}: held the GIL {held:.0%} of the wall time, {1000 * held * seconds / max(batches, 1):.2f} ms a batch\n")
-    print("threads: " + ", ".join(f"{thread} {n / total:.1%}" for thread, n in threads.most_common()) + "\n")
+        for frame in set(frames[1:]):
+            if not frame.startswith(_EVERYWHERE):
+                inclusive[frame] += n
+    batches = rate * seconds  # the batches read while py-spy sampled
+    held_ms = 1000 * total / RATE_HZ / batches
+    print(
+        f"### {name}: held the GIL {total / (RATE_HZ * seconds):.0%} of the wall time, {held_ms:.2f} ms a batch "
+        f"(its CPU time, /proc: {1000 * cpu_s / batches:.2f} ms a batch)\n"
+    )
+    print("threads: " + ", ".join(f"{thread} {n / max(total, 1):.1%}" for thread, n in threads.most_common()) + "\n")
     for title, counts in (("inclusive", inclusive), ("leaf", leaf)):
         print(f"| {title} | share of {name}'s samples |\n| --- | ---: |")
         for frame, n in counts.most_common(TOP):
-            print(f"| `{frame}` | {n / total:.1%} |")
+            print(f"| `{frame}` | {n / max(total, 1):.1%} |")
         print()
 
 
 def main() -> int:
+    """Profile one workload; 0, or 1 (py-spy or the daemon failed), 2 (no py-spy)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="f32", choices=[name for name, _ in bl.WORKLOADS])
     parser.add_argument("--transport", default="shm", choices=["shm", "grpc"])
-    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--seconds", type=int, default=12, help="seconds py-spy samples (whole seconds: py-spy's -d)")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     spy = shutil.which("py-spy")
@@ -93,6 +101,7 @@ def main() -> int:
     from loaderd import RemoteDataLoader
 
     out = Path(tempfile.mkdtemp(prefix="loaderd-profile-"))
+    spies: list[subprocess.Popen[str]] = []
     daemon = bl.start_daemon(args.workers, env=dict(os.environ))
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
@@ -102,31 +111,46 @@ def main() -> int:
         for _ in loader:  # warm-up epoch
             pass
         targets = {"daemon": daemon.process.pid, "trainer": os.getpid()}
-        record = [spy, "record", "--gil", "-d", f"{args.seconds:g}", "-r", str(RATE_HZ), "-f", "raw"]
+        record = [spy, "record", "--gil", "--threads", "-d", str(args.seconds), "-r", str(RATE_HZ), "-f", "raw"]
         spies = [
             subprocess.Popen([*record, "-p", str(pid), "-o", str(out / f"{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for name, pid in targets.items()
         ]
-        time.sleep(0.5)  # py-spy attaches
+        cpu_before = {name: own_cpu_seconds(pid) for name, pid in targets.items()}
+        time.sleep(0.5)  # py-spy attaches (or fails at once: no permission to trace)
+        if any(spied.poll() is not None for spied in spies):
+            failed = next(spied for spied in spies if spied.poll() is not None)
+            print(f"py-spy failed: {failed.communicate()[1].strip()[-2000:]}", file=sys.stderr)
+            return 1
+        # Count the batches read while py-spy samples: until the first of them ends.
         batches, start = 0, time.perf_counter()
-        while time.perf_counter() - start < args.seconds:
+        while all(spied.poll() is None for spied in spies):
             for _ in loader:
                 batches += 1
+                if spies[0].poll() is not None:
+                    break
         elapsed = time.perf_counter() - start
+        cpu_s = {name: own_cpu_seconds(pid) - cpu_before[name] for name, pid in targets.items()}
         for spied in spies:
-            _, err = spied.communicate(timeout=args.seconds + 60)
+            _, err = spied.communicate(timeout=60)
             if spied.returncode != 0:
                 print(f"py-spy failed: {err.strip()[-2000:]}", file=sys.stderr)
                 return 1
+        del loader
     finally:
+        for spied in spies:
+            if spied.poll() is None:
+                spied.kill()
+                spied.wait(10)
         _, problem = daemon.stop()
-    if problem:
-        print(f"the daemon: {problem}", file=sys.stderr)
+    if finding := daemon.finding(problem):
+        print(finding, file=sys.stderr)
         return 1
+    rate = batches / elapsed
     print(f"## Control-path profile: {args.workload}:{args.transport}, {args.workers} workers, {bl.cpu_model()}\n")
-    print(f"- {batches / elapsed:.1f} batches/s while profiled ({batches} batches in {elapsed:.1f} s); raw stacks in {out}\n")
+    print(f"- {rate:.1f} batches/s while profiled ({batches} batches in {elapsed:.1f} s); raw stacks in {out}\n")
     for name in targets:
-        summarize(name, out / f"{name}.txt", args.seconds, batches)
+        summarize(name, out / f"{name}.txt", args.seconds, rate, cpu_s[name])
     return 0
 
 

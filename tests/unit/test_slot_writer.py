@@ -102,9 +102,10 @@ def test_the_newest_release_in_the_pipe_is_reused_so_a_burst_leaves_no_extra_seg
         on_the_way.append(b)
         for _ in range(int(IDLE_SEGMENT_S) + 2):  # then one batch in flight at a time, a batch a second
             clock.now += 1
-            name = take(writer)
-            on_the_way.append(name)
-        assert name == b and writer.retired == [a]
+            assert take(writer) == b
+            on_the_way.append(b)
+        assert writer.retired == [a]
+        assert not os.path.exists(os.path.join(SHM_DIR, a)) and os.path.exists(os.path.join(SHM_DIR, b))
     finally:
         writer.close(unlink=True)
 
