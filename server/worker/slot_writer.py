@@ -143,11 +143,10 @@ class SlotWriter:
 
     def trim(self, keep: int = 0) -> None:
         """Remove every free segment but the ``keep`` freed last (the worker has been idle a while, or needs fewer
-        now); the daemon hears of it via ``retired``. With ``keep``, the releases already in the task pipe count
-        first (read without waiting), so that the segment kept is the one freed last."""
-        if keep:
-            for name in self._freed():
-                self.release(name)
+        now); the daemon hears of it via ``retired``. The releases already in the task pipe count first (read
+        without waiting), as in ``acquire``, so that the segment kept is the one freed last."""
+        for name in self._freed():
+            self.release(name)
         free = list(self._free)
         for name in free[: max(0, len(free) - keep)]:
             self._destroy(name)
