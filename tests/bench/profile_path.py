@@ -1,6 +1,6 @@
 """Profile the per-batch control path: where the daemon's and the trainer's Python time goes.
 
-    python tests/bench/profile_path.py [--workload f32] [--transport shm] [--seconds 12] [--workers 2]
+    python tests/bench/profile_path.py [--workload f32] [--transport shm] [--seconds 12] [--workers 2] [--gpu-step-ms 0]
 
 Starts a daemon (bench_loaders.start_daemon, its datasets), reads one warm-up epoch of
 ``RemoteDataLoader(shuffle=True)``, then reads whole epochs while ``py-spy record --gil``
@@ -10,6 +10,11 @@ sampled: its time in Python or in C code that keeps the GIL, not its waits (a th
 kernel preempted while holding the GIL is counted too, so read the shares, and beside them
 the processes' own CPU from /proc over the same window). Sampling slows both processes:
 read the batches/s as the profile's, not a figure.
+
+With ``--gpu-step-ms N`` (needs CUDA) the trainer does what bench_gpu.py's "model step" pass does with
+each batch: ``pin_memory=True``, ``batch.cuda(non_blocking=True)``, then an MLP's forward, backward and
+SGD update repeated to about N ms of GPU time: where a trainer's own work on the GPU meets the loader's
+receiving in one process.
 
 Prints markdown: the batches/s, then per process its GIL-held time and its CPU time per batch,
 its threads' shares (by thread name), and the frames with the most samples (inclusive, and as
@@ -27,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -86,6 +93,40 @@ def summarize(name: str, raw: Path, seconds: int, rate: float, cpu_s: float) -> 
         print()
 
 
+class _GpuStep:
+    """bench_gpu.py's model step on each batch: copied to the GPU from pinned memory, then trained on."""
+
+    def __init__(self, run: Callable[[Any], None], describe: str) -> None:
+        self._run = run
+        self._describe = describe
+
+    def __call__(self, batch: Any) -> None:
+        self._run(batch.cuda(non_blocking=True))
+
+    def settle(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def __str__(self) -> str:
+        return self._describe
+
+
+def model_step(workload: str, batch_size: int, gpu_ms: float) -> _GpuStep | None:
+    """The model step for ``--gpu-step-ms``, or None without one; exits 2 without CUDA."""
+    if gpu_ms <= 0:
+        return None
+    import torch
+    from bench_gpu import ModelStep
+
+    if not torch.cuda.is_available():
+        print("--gpu-step-ms needs CUDA", file=sys.stderr)
+        sys.exit(2)
+    spec = bl.DATASETS[workload]
+    step = ModelStep((batch_size, *spec["shape"]), getattr(torch, spec["dtype"]), gpu_ms)
+    return _GpuStep(step, f"MLP x{step.repeats}, {step.gpu_ms:.2f} ms of GPU time on a resident batch, {torch.cuda.get_device_name()}")
+
+
 def main() -> int:
     """Profile one workload; 0, or 1 (py-spy or the daemon failed), 2 (no py-spy)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -93,6 +134,7 @@ def main() -> int:
     parser.add_argument("--transport", default="shm", choices=["shm", "grpc"])
     parser.add_argument("--seconds", type=int, default=12, help="seconds py-spy samples (whole seconds: py-spy's -d)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--gpu-step-ms", type=float, default=0.0, help="a model step of about this many GPU ms per batch (CUDA)")
     args = parser.parse_args()
     spy = shutil.which("py-spy")
     if spy is None:
@@ -102,14 +144,18 @@ def main() -> int:
 
     out = Path(tempfile.mkdtemp(prefix="loaderd-profile-"))
     spies: list[subprocess.Popen[str]] = []
-    daemon = bl.start_daemon(args.workers, env=dict(os.environ))
+    daemon = bl.start_daemon(args.workers)
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
         address = daemon.tcp_address if args.transport == "grpc" else daemon.unix_address
         batch_size = dict(bl.WORKLOADS)[args.workload]
-        loader = RemoteDataLoader(args.workload, address=address, batch_size=batch_size, shuffle=True, transport=args.transport)
-        for _ in loader:  # warm-up epoch
-            pass
+        step = model_step(args.workload, batch_size, args.gpu_step_ms)
+        loader = RemoteDataLoader(
+            args.workload, address=address, batch_size=batch_size, shuffle=True, transport=args.transport, pin_memory=step is not None
+        )
+        for batch in loader:  # warm-up epoch
+            if step is not None:
+                step(batch)
         targets = {"daemon": daemon.process.pid, "trainer": os.getpid()}
         record = [spy, "record", "--gil", "--threads", "-d", str(args.seconds), "-r", str(RATE_HZ), "-f", "raw"]
         spies = [
@@ -125,10 +171,14 @@ def main() -> int:
         # Count the batches read while py-spy samples: until the first of them ends.
         batches, start = 0, time.perf_counter()
         while all(spied.poll() is None for spied in spies):
-            for _ in loader:
+            for batch in loader:
+                if step is not None:
+                    step(batch)
                 batches += 1
                 if spies[0].poll() is not None:
                     break
+        if step is not None:
+            step.settle()
         elapsed = time.perf_counter() - start
         cpu_s = {name: own_cpu_seconds(pid) - cpu_before[name] for name, pid in targets.items()}
         for spied in spies:
@@ -147,7 +197,8 @@ def main() -> int:
         print(finding, file=sys.stderr)
         return 1
     rate = batches / elapsed
-    print(f"## Control-path profile: {args.workload}:{args.transport}, {args.workers} workers, {bl.cpu_model()}\n")
+    on_gpu = f", each batch to the GPU and a model step ({step})" if step is not None else ""
+    print(f"## Control-path profile: {args.workload}:{args.transport}, {args.workers} workers{on_gpu}, {bl.cpu_model()}\n")
     print(f"- {rate:.1f} batches/s while profiled ({batches} batches in {elapsed:.1f} s); raw stacks in {out}\n")
     for name in targets:
         summarize(name, out / f"{name}.txt", args.seconds, rate, cpu_s[name])

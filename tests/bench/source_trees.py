@@ -53,7 +53,9 @@ def serve_module(env: dict[str, str] | None) -> str:
     (the installed package without one): a commit from before the daemon's sub-packages has it at
     loaderd.server.cli."""
     root = (env or {}).get("PYTHONPATH", "").split(os.pathsep)[0]
-    if root and not (Path(root) / "loaderd" / "server" / "app" / "cli.py").exists():
+    # Only a source tree's entry says: a PYTHONPATH that starts elsewhere (a folder of wheels) leaves the installed one.
+    tree = Path(root) / "loaderd" if root else None
+    if tree is not None and tree.is_dir() and not (tree / "server" / "app" / "cli.py").exists():
         return "loaderd.server.cli"
     return "loaderd.server.app.cli"
 
