@@ -49,7 +49,10 @@ def _mapping_type(type_name: str) -> type | None:
 class _Slot:
     offset: int
     nbytes: int
-    target: np.ndarray  # uint8, writable: the array's memory, filled by BatchAssembler.feed
+    # uint8, writable: the array's memory, filled by BatchAssembler.feed. It does not keep alive the view ``take``
+    # gave (np.frombuffer holds a view of its own), so a region can go back to its pool only once the assembler's
+    # ``_arrays`` let go: they do at the end of build()'s batch, which the receiver drops with the assembler.
+    target: np.ndarray
 
 
 class BatchAssembler:

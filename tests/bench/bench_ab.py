@@ -114,14 +114,7 @@ def throughput(address: str, workload: str, transport: str, seconds: float, daem
 
 def _segments(daemon_pid: int) -> dict[str, float]:
     """The daemon's shared-memory segments now (its pool's batches' and probes'): how many, and their MB."""
-    from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
-
-    sizes = []
-    for path in Path(SHM_DIR).glob(f"{SEGMENT_PREFIX}{daemon_pid}-*"):
-        try:
-            sizes.append(path.stat().st_size)
-        except FileNotFoundError:  # removed meanwhile
-            pass
+    sizes = bl.daemon_segments(daemon_pid)
     return {"shm segments": float(len(sizes)), "shm MB": sum(sizes) / 1e6}
 
 

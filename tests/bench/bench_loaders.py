@@ -468,6 +468,19 @@ def descendants(pid: int) -> list[int]:
     return sorted(found)
 
 
+def daemon_segments(daemon_pid: int) -> list[int]:
+    """The sizes (bytes) of the daemon's shared-memory segments now: its pool's batches' and probes'."""
+    from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
+
+    sizes = []
+    for path in Path(SHM_DIR).glob(f"{SEGMENT_PREFIX}{daemon_pid}-*"):
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:  # removed meanwhile
+            pass
+    return sizes
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and every process below it (a daemon: its fork server and workers; this process: torch workers and daemons)."""
     return sum(own_cpu_seconds(fields) for p in [pid, *descendants(pid)] if (fields := proc_stat(p)) is not None)

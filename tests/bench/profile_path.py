@@ -144,7 +144,7 @@ def main() -> int:
 
     out = Path(tempfile.mkdtemp(prefix="loaderd-profile-"))
     spies: list[subprocess.Popen[str]] = []
-    daemon = bl.start_daemon(args.workers)
+    daemon = bl.start_daemon(args.workers, env=dict(os.environ))
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
         address = daemon.tcp_address if args.transport == "grpc" else daemon.unix_address
@@ -156,6 +156,8 @@ def main() -> int:
         for batch in loader:  # warm-up epoch
             if step is not None:
                 step(batch)
+        if step is not None:
+            step.settle()  # the warm-up's queued GPU work is not the profile's
         targets = {"daemon": daemon.process.pid, "trainer": os.getpid()}
         record = [spy, "record", "--gil", "--threads", "-d", str(args.seconds), "-r", str(RATE_HZ), "-f", "raw"]
         spies = [

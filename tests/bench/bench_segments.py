@@ -1,0 +1,70 @@
+"""How many shared-memory segments a pool keeps in rotation for one loader.
+
+    python tests/bench/bench_segments.py [--workload f32] [--workers 2] [--epochs 8] [--every 4]
+
+Starts a daemon (bench_loaders.start_daemon, its datasets), then reads ``--epochs`` epochs of
+``RemoteDataLoader(shuffle=True)`` over shared memory, once with ``plan_ahead=True`` (the next
+epoch planned while this one ends) and once without, counting the daemon's segments every
+``--every`` batches and as the last epoch ends. A worker keeps a segment for each batch it made
+that the trainer has not given back, and a free one until it has gone unused for
+server/worker/slot_writer.py's ``IDLE_SEGMENT_S``; so the count shows what a window of batches
+costs in memory beside the batches themselves. Prints markdown with the host's CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+
+
+def count(daemon_pid: int, address: str, workload: str, epochs: int, every: int, plan_ahead: bool) -> tuple[list[int], int, float]:
+    """The segment counts sampled while ``epochs`` epochs are read, the count at the end, and the MB then."""
+    from loaderd import RemoteDataLoader
+
+    batch_size = dict(bl.WORKLOADS)[workload]
+    loader = RemoteDataLoader(workload, address=address, batch_size=batch_size, shuffle=True, plan_ahead=plan_ahead)
+    samples = []
+    for _ in range(epochs):
+        for i, batch in enumerate(loader):
+            del batch
+            if i % every == 0:
+                samples.append(len(bl.daemon_segments(daemon_pid)))
+    sizes = bl.daemon_segments(daemon_pid)
+    return samples, len(sizes), sum(sizes) / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="f32", choices=[name for name, _ in bl.WORKLOADS])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--every", type=int, default=4, help="sample the count every this many batches")
+    args = parser.parse_args()
+    daemon = bl.start_daemon(args.workers)
+    rows = []
+    try:
+        bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
+        for plan_ahead in (True, False):
+            samples, end, mb = count(daemon.process.pid, daemon.unix_address, args.workload, args.epochs, args.every, plan_ahead)
+            rows.append((plan_ahead, samples, end, mb))
+    finally:
+        _, problem = daemon.stop()
+    if finding := daemon.finding(problem):
+        print(finding, file=sys.stderr)
+        return 1
+    batch_size = dict(bl.WORKLOADS)[args.workload]
+    print(f"## Segments in rotation: {args.workload} (batch {batch_size}), {args.workers} workers, {args.epochs} epochs, {bl.machine_line()}\n")
+    print("| plan_ahead | median while reading | min-max | at the end | MB at the end |\n| --- | ---: | ---: | ---: | ---: |")
+    for plan_ahead, samples, end, mb in rows:
+        print(f"| {plan_ahead} | {statistics.median(samples):g} | {min(samples)}-{max(samples)} | {end} | {mb:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
