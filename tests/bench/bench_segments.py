@@ -1,14 +1,16 @@
 """How many shared-memory segments a pool keeps in rotation for one loader.
 
-    python tests/bench/bench_segments.py [--workload f32] [--workers 2] [--epochs 8] [--every 4]
+    python tests/bench/bench_segments.py [--workload f32] [--workers 2] [--epochs 60] [--every 4]
 
-Starts a daemon (bench_loaders.start_daemon, its datasets), then reads ``--epochs`` epochs of
-``RemoteDataLoader(shuffle=True)`` over shared memory, once with ``plan_ahead=True`` (the next
-epoch planned while this one ends) and once without, counting the daemon's segments every
+Reads ``--epochs`` epochs of ``RemoteDataLoader(shuffle=True)`` over shared memory from a daemon
+(bench_loaders.start_daemon, its datasets), once with ``plan_ahead=True`` (the next epoch planned
+while this one ends) and once without, each against a daemon of its own, counting the daemon's segments every
 ``--every`` batches and as the last epoch ends. A worker keeps a segment for each batch it made
-that the trainer has not given back, and a free one until it has gone unused for
-server/worker/slot_writer.py's ``IDLE_SEGMENT_S``; so the count shows what a window of batches
-costs in memory beside the batches themselves. Prints markdown with the host's CPU model.
+that has not come back to it yet (delivered, consumed, released, the release carried to the
+worker), and a free one until it has gone unused for server/worker/slot_writer.py's
+``IDLE_SEGMENT_S``; so the count shows the shared memory one loader keeps in rotation, beside
+the batches themselves (tests/bench/HISTORY.md, issue 42's seventh session, has what sets it).
+Prints markdown with the host's CPU model.
 """
 
 from __future__ import annotations
@@ -43,21 +45,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="f32", choices=[name for name, _ in bl.WORKLOADS])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=60, help="epochs of 32 batches (bench_loaders' data sets)")
     parser.add_argument("--every", type=int, default=4, help="sample the count every this many batches")
     args = parser.parse_args()
-    daemon = bl.start_daemon(args.workers)
     rows = []
-    try:
-        bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
-        for plan_ahead in (True, False):
+    for plan_ahead in (True, False):  # a daemon of its own each: no segments left from the other
+        daemon = bl.start_daemon(args.workers)
+        try:
+            bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
             samples, end, mb = count(daemon.process.pid, daemon.unix_address, args.workload, args.epochs, args.every, plan_ahead)
             rows.append((plan_ahead, samples, end, mb))
-    finally:
-        _, problem = daemon.stop()
-    if finding := daemon.finding(problem):
-        print(finding, file=sys.stderr)
-        return 1
+        finally:
+            _, problem = daemon.stop()
+        if finding := daemon.finding(problem):
+            print(finding, file=sys.stderr)
+            return 1
     batch_size = dict(bl.WORKLOADS)[args.workload]
     print(f"## Segments in rotation: {args.workload} (batch {batch_size}), {args.workers} workers, {args.epochs} epochs, {bl.machine_line()}\n")
     print("| plan_ahead | median while reading | min-max | at the end | MB at the end |\n| --- | ---: | ---: | ---: | ---: |")
