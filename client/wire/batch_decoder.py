@@ -50,8 +50,8 @@ class _Slot:
     offset: int
     nbytes: int
     # uint8, writable: the array's memory, filled by BatchAssembler.feed. It does not keep alive the view ``take``
-    # gave (np.frombuffer holds a view of its own), so a region can go back to its pool only once the assembler's
-    # ``_arrays`` let go: they do at the end of build()'s batch, which the receiver drops with the assembler.
+    # gave (np.frombuffer holds a view of its own): the assembler's ``_arrays`` do, until build() hands them to the
+    # batch; the receiver drops the assembler right after, so a region returns when the batch dies.
     target: np.ndarray
 
 
