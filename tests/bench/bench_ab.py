@@ -18,7 +18,8 @@ see the same machine; compare within one run only.
 
 Reported per workload and side: batches/s (median, every round), CPU ms per batch
 of the trainer, the daemon and its pool (fork server and workers), and minor page
-faults per batch in the trainer and the daemon, and the daemon's shared-memory segments (how many, their
+faults per batch in the trainer and the daemon, the wake-ups per batch (voluntary context switches of every
+thread of all three), and the daemon's shared-memory segments (how many, their
 MB) when the measured seconds end: those in flight and those a worker keeps free (one idle for
 IDLE_SEGMENT_S, 5 s, goes: run longer than that to see what a worker keeps); for ``first``, the median time from
 constructing the loader to holding its first batch, and of the construction alone;
@@ -52,6 +53,9 @@ TRIAL_GRACE_S = 30.0  # after SIGTERM, for a trial to stop its daemon
 ROLES = ("trainer", "daemon", "pool")
 FAULTS = ("trainer faults", "daemon faults")
 SHM = ("shm segments", "shm MB")
+# Voluntary context switches per batch, every thread of trainer, daemon and pool: the thread and process
+# wake-ups a batch's control path costs (issue 42's first target is about their number).
+WAKES = "wake-ups"
 
 
 def log(message: str) -> None:
@@ -61,22 +65,27 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- one trial (a subprocess per tree)
 
 
-def _snapshot(daemon_pid: int) -> dict[int, tuple[float, int]]:
-    """pid -> (own CPU seconds, children not counted; minor faults) of this process, the daemon and its pool."""
+def _snapshot(daemon_pid: int) -> dict[int, tuple[float, int, int]]:
+    """pid -> (own CPU seconds, children not counted; minor faults; voluntary context switches of all its threads)
+    of this process, the daemon and its pool."""
     found = {}
     for pid in (os.getpid(), daemon_pid, *bl.descendants(daemon_pid)):
         if (fields := bl.proc_stat(pid)) is not None:  # None: exited meanwhile (a replaced worker)
-            found[pid] = (bl.own_cpu_seconds(fields), int(fields[7]))  # minflt
+            found[pid] = (bl.own_cpu_seconds(fields), int(fields[7]), bl.voluntary_switches(pid))  # minflt
     return found
 
 
-def _costs(before: dict[int, tuple[float, int]], after: dict[int, tuple[float, int]], daemon_pid: int, batches: int) -> dict[str, float]:
-    """CPU ms and minor faults per batch by role, over the processes alive at both snapshots."""
+def _costs(
+    before: dict[int, tuple[float, int, int]], after: dict[int, tuple[float, int, int]], daemon_pid: int, batches: int
+) -> dict[str, float]:
+    """CPU ms and minor faults per batch by role, and wake-ups per batch in all, over the processes alive at both
+    snapshots."""
     role = {os.getpid(): "trainer", daemon_pid: "daemon"}
-    costs = dict.fromkeys((*ROLES, *FAULTS), 0.0)
+    costs = dict.fromkeys((*ROLES, *FAULTS, WAKES), 0.0)
     for pid in before.keys() & after.keys():
         name = role.get(pid, "pool")
         costs[name] += 1000 * (after[pid][0] - before[pid][0]) / batches
+        costs[WAKES] += (after[pid][2] - before[pid][2]) / batches
         if name != "pool":
             costs[f"{name} faults"] += (after[pid][1] - before[pid][1]) / batches
     return costs
@@ -192,6 +201,7 @@ def _costs_cells(runs: list[dict[str, float]]) -> list[str]:
     return (
         [f"{_median(runs, k):.2f}" for k in ROLES]
         + [f"{_median(runs, k):,.0f}" for k in FAULTS]
+        + [f"{_median(runs, WAKES):.1f}"]
         + [f"{_median(runs, k):,.0f}" for k in SHM]
     )
 
@@ -208,7 +218,7 @@ def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results
     if loaders:
         _table(
             "| workload | source | batches/s (median) | vs baseline | CPU ms/batch: trainer | daemon | pool "
-            "| minor faults/batch: trainer | daemon | shm at the end: segments | MB | every round (batches/s) |",
+            "| minor faults/batch: trainer | daemon | wake-ups/batch | shm at the end: segments | MB | every round (batches/s) |",
             loaders, trees, results, "batches/s", _costs_cells,
         )  # fmt: skip
     firsts = [w for w in workloads if w[0] == FIRST]

@@ -372,21 +372,7 @@ def voluntary_switches() -> int:
     """Voluntary context switches so far (a thread went to sleep: a wake-up to come) of every thread of this
     process and its children (torch's workers, the daemon and its pool): the loaders not measured now count
     their idle threads' few timeouts too."""
-    total = 0
-    for pid in {os.getpid(), *bl.descendants(os.getpid())}:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/status") as status:
-                    for line in status:
-                        if line.startswith("voluntary_ctxt_switches:"):
-                            total += int(line.split()[1])
-            except OSError:
-                pass
-    return total
+    return sum(bl.voluntary_switches(pid) for pid in {os.getpid(), *bl.descendants(os.getpid())})
 
 
 def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict[str, float], float]:

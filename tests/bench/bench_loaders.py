@@ -446,6 +446,31 @@ def own_cpu_seconds(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def thread_switches(pid: int) -> dict[int, int]:
+    """Thread id -> its voluntary context switches so far (each one the thread went to sleep: a wake-up to come), for
+    every thread of ``pid``; empty if the process is gone."""
+    found: dict[int, int] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        found[int(tid)] = int(line.split()[1])
+                        break
+        except OSError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def voluntary_switches(pid: int) -> int:
+    """Voluntary context switches so far of every thread of ``pid`` together (0 if the process is gone)."""
+    return sum(thread_switches(pid).values())
+
+
 def children_by_parent() -> dict[int, list[int]]:
     """ppid -> pids from /proc/*/stat (this kernel has no /proc/PID/task/TID/children)."""
     children: dict[int, list[int]] = defaultdict(list)

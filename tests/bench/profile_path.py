@@ -1,6 +1,7 @@
 """Profile the per-batch control path: where the daemon's and the trainer's Python time goes.
 
     python tests/bench/profile_path.py [--workload f32] [--transport shm] [--seconds 12] [--workers 2] [--gpu-step-ms 0]
+                                       [--wake-seconds 4]
 
 Starts a daemon (bench_loaders.start_daemon, its datasets), reads one warm-up epoch of
 ``RemoteDataLoader(shuffle=True)``, then reads whole epochs while ``py-spy record --gil``
@@ -16,7 +17,12 @@ each batch: ``pin_memory=True``, ``batch.cuda(non_blocking=True)``, then an MLP'
 SGD update repeated to about N ms of GPU time: where a trainer's own work on the GPU meets the loader's
 receiving in one process.
 
-Prints markdown: the batches/s, then per process its GIL-held time and its CPU time per batch,
+Before py-spy attaches, ``--wake-seconds`` of the same reading count every thread's voluntary context switches
+(/proc; each is a thread that went to sleep, so a wake-up to come): the wake-ups per batch by thread of the
+trainer, the daemon (named from ``py-spy dump``; threads without a Python name are gRPC core's own) and the pool,
+without the sampling's interference.
+
+Prints markdown: the batches/s, the wake-ups table, then per process its GIL-held time and its CPU time per batch,
 its threads' shares (by thread name), and the frames with the most samples (inclusive, and as
 the leaf). The raw collapsed stacks stay in a temporary folder it names (flame graphs).
 """
@@ -25,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +101,53 @@ def summarize(name: str, raw: Path, seconds: int, rate: float, cpu_s: float) -> 
         print()
 
 
+def thread_names(pid: int, spy: str) -> dict[int, str]:
+    """Thread id -> Python thread name (without its numbers) of ``pid``: this process's from ``threading``, another's
+    from ``py-spy dump`` (threads it lists under no Python name are left out)."""
+    if pid == os.getpid():
+        return {t.native_id: thread_name(": " + t.name) for t in threading.enumerate() if t.native_id is not None}
+    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    return {int(tid, 0): thread_name(": " + name) for tid, name in re.findall(r'Thread (0x[0-9A-Fa-f]+|\d+) \([^)]*\): "([^"]*)"', dump)}
+
+
+def read_for(loader: Any, step: Callable[[Any], None] | None, seconds: float) -> int:
+    """Whole epochs of ``loader`` (each batch through ``step``) for about ``seconds``; the batches read."""
+    batches, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for batch in loader:
+            if step is not None:
+                step(batch)
+            batches += 1
+    return batches
+
+
+def count_wakes(
+    read: Callable[[float], int], targets: dict[str, int], pool: list[int], seconds: float, spy: str
+) -> tuple[int, collections.Counter[tuple[str, str]]]:
+    """Batches ``read`` delivers in ``seconds``, and the voluntary context switches by (process, thread) meanwhile."""
+    pids = {**{pid: name for name, pid in targets.items()}, **dict.fromkeys(pool, "pool")}
+    before = {pid: bl.thread_switches(pid) for pid in pids}
+    batches = read(seconds)
+    after = {pid: bl.thread_switches(pid) for pid in pids}
+    switches: collections.Counter[tuple[str, str]] = collections.Counter()
+    for pid, role in pids.items():
+        names = thread_names(pid, spy) if role != "pool" else {}
+        for tid, count in after[pid].items():
+            thread = "a worker or the fork server" if role == "pool" else names.get(tid, "(gRPC core's own threads)")
+            switches[(role, thread)] += count - before[pid].get(tid, count)
+    return batches, switches
+
+
+def print_wakes(batches: int, switches: collections.Counter[tuple[str, str]], seconds: float) -> None:
+    total = sum(switches.values())
+    print(f"### Wake-ups: {total / batches:.1f} a batch in all ({batches} batches in {seconds:g} s before sampling)\n")
+    print("| process | thread | wake-ups a batch |\n| --- | --- | ---: |")
+    for (role, thread), count in switches.most_common():
+        if count / batches >= 0.05:
+            print(f"| {role} | {thread} | {count / batches:.2f} |")
+    print()
+
+
 class _GpuStep:
     """bench_gpu.py's model step on each batch: copied to the GPU from pinned memory, then trained on."""
 
@@ -135,6 +190,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=12, help="seconds py-spy samples (whole seconds: py-spy's -d)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpu-step-ms", type=float, default=0.0, help="a model step of about this many GPU ms per batch (CUDA)")
+    parser.add_argument("--wake-seconds", type=float, default=4.0, help="seconds of counting wake-ups before sampling (0: none)")
     args = parser.parse_args()
     spy = shutil.which("py-spy")
     if spy is None:
@@ -159,6 +215,11 @@ def main() -> int:
         if step is not None:
             step.settle()  # the warm-up's queued GPU work is not the profile's
         targets = {"daemon": daemon.process.pid, "trainer": os.getpid()}
+        reading = functools.partial(read_for, loader, step)
+        wakes = count_wakes(reading, targets, bl.descendants(daemon.process.pid), args.wake_seconds, spy) if args.wake_seconds > 0 else None
+        del reading
+        if step is not None:
+            step.settle()
         record = [spy, "record", "--gil", "--threads", "-d", str(args.seconds), "-r", str(RATE_HZ), "-f", "raw"]
         spies = [
             subprocess.Popen([*record, "-p", str(pid), "-o", str(out / f"{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -202,6 +263,8 @@ def main() -> int:
     on_gpu = f", each batch to the GPU and a model step ({step})" if step is not None else ""
     print(f"## Control-path profile: {args.workload}:{args.transport}, {args.workers} workers{on_gpu}, {bl.cpu_model()}\n")
     print(f"- {rate:.1f} batches/s while profiled ({batches} batches in {elapsed:.1f} s); raw stacks in {out}\n")
+    if wakes is not None:
+        print_wakes(*wakes, args.wake_seconds)
     for name in targets:
         summarize(name, out / f"{name}.txt", args.seconds, rate, cpu_s[name])
     return 0
