@@ -1,7 +1,7 @@
 """Profile the per-batch control path: where the daemon's and the trainer's Python time goes.
 
     python tests/bench/profile_path.py [--workload f32] [--transport shm] [--seconds 12] [--workers 2] [--gpu-step-ms 0]
-                                       [--wake-seconds 4]
+                                       [--wake-seconds 4] [--perf-seconds 0]
 
 Starts a daemon (bench_loaders.start_daemon, its datasets), reads one warm-up epoch of
 ``RemoteDataLoader(shuffle=True)``, then reads whole epochs while ``py-spy record --gil``
@@ -22,7 +22,12 @@ Before py-spy attaches, ``--wake-seconds`` of the same reading count every threa
 trainer, the daemon (named from ``py-spy dump``; threads without a Python name are gRPC core's own) and the pool,
 without the sampling's interference.
 
-Prints markdown: the batches/s, the wake-ups table, then per process its GIL-held time and its CPU time per batch,
+With ``--perf-seconds N`` (Linux ``perf``, allowed to profile other processes), N seconds of the same reading
+run under ``perf record`` of the daemon and the trainer, before py-spy too: where each process's CPU goes by
+binary (the interpreter running Python, the kernel, gRPC's core, libc, pickling, protobuf), which py-spy, seeing
+only Python frames, cannot say.
+
+Prints markdown: the batches/s, the wake-ups table, the perf split, then per process its GIL-held time and its CPU time per batch,
 its threads' shares (by thread name), and the frames with the most samples (inclusive, and as
 the leaf). The raw collapsed stacks stay in a temporary folder it names (flame graphs).
 """
@@ -148,6 +153,62 @@ def print_wakes(batches: int, switches: collections.Counter[tuple[str, str]], se
     print()
 
 
+# perf's binaries, by what they are (matched by the start of the file name), for the CPU split.
+_BINARIES = (
+    ("libpython", "Python (the interpreter)"),
+    ("[kernel", "the kernel"),
+    ("cygrpc", "gRPC's core"),
+    ("libc.so", "libc"),
+    ("_pickle", "pickle"),
+    ("_message", "protobuf"),
+)
+
+
+def perf_split(read: Callable[[float], int], targets: dict[str, int], seconds: float, out: Path) -> dict[str, dict[str, float]] | None:
+    """``perf record`` of each target while ``read`` reads for ``seconds``: process -> (what -> share of its samples).
+    None (and why, on stderr) if perf is missing or may not profile them."""
+    perf = shutil.which("perf")
+    if perf is None:
+        print("--perf-seconds: no perf here", file=sys.stderr)
+        return None
+    runs = {
+        name: subprocess.Popen(
+            [perf, "record", "-F", "499", "-o", str(out / f"{name}.perf"), "-p", str(pid), "--", "sleep", str(seconds)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, pid in targets.items()
+    }
+    read(seconds)
+    split: dict[str, dict[str, float]] = {}
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=60)
+        report = subprocess.run(
+            [perf, "report", "-i", str(out / f"{name}.perf"), "--sort", "dso", "--stdio", "--no-children", "-g", "none"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        shares: collections.Counter[str] = collections.Counter()
+        for share, binary in re.findall(r"^\s*([\d.]+)%\s+(\S+)", report.stdout, re.M):
+            shares[next((what for start, what in _BINARIES if binary.startswith(start)), "other")] += float(share) / 100
+        if run.returncode != 0 or not shares:
+            print(f"perf failed for the {name}: {(err + report.stderr).strip()[-1000:]}", file=sys.stderr)
+            return None
+        split[name] = dict(shares)
+    return split
+
+
+def print_perf(split: dict[str, dict[str, float]], seconds: float) -> None:
+    columns = [what for _, what in _BINARIES] + ["other"]
+    print(f"### Where the CPU goes, by binary (perf, {seconds:g} s before sampling)\n")
+    print("| process | " + " | ".join(columns) + " |\n| --- |" + " ---: |" * len(columns))
+    for name, shares in split.items():
+        print(f"| {name} | " + " | ".join(f"{shares.get(what, 0.0):.0%}" for what in columns) + " |")
+    print()
+
+
 class _GpuStep:
     """bench_gpu.py's model step on each batch: copied to the GPU from pinned memory, then trained on."""
 
@@ -191,6 +252,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpu-step-ms", type=float, default=0.0, help="a model step of about this many GPU ms per batch (CUDA)")
     parser.add_argument("--wake-seconds", type=float, default=4.0, help="seconds of counting wake-ups before sampling (0: none)")
+    parser.add_argument("--perf-seconds", type=int, default=0, help="seconds of perf record before sampling (0: none)")
     args = parser.parse_args()
     spy = shutil.which("py-spy")
     if spy is None:
@@ -217,6 +279,7 @@ def main() -> int:
         targets = {"daemon": daemon.process.pid, "trainer": os.getpid()}
         reading = functools.partial(read_for, loader, step)
         wakes = count_wakes(reading, targets, bl.descendants(daemon.process.pid), args.wake_seconds, spy) if args.wake_seconds > 0 else None
+        split = perf_split(reading, targets, args.perf_seconds, out) if args.perf_seconds > 0 else None
         del reading
         if step is not None:
             step.settle()
@@ -265,6 +328,8 @@ def main() -> int:
     print(f"- {rate:.1f} batches/s while profiled ({batches} batches in {elapsed:.1f} s); raw stacks in {out}\n")
     if wakes is not None:
         print_wakes(*wakes, args.wake_seconds)
+    if split is not None:
+        print_perf(split, args.perf_seconds)
     for name in targets:
         summarize(name, out / f"{name}.txt", args.seconds, rate, cpu_s[name])
     return 0
