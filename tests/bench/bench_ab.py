@@ -65,27 +65,31 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- one trial (a subprocess per tree)
 
 
-def _snapshot(daemon_pid: int) -> dict[int, tuple[float, int, int]]:
-    """pid -> (own CPU seconds, children not counted; minor faults; voluntary context switches of all its threads)
-    of this process, the daemon and its pool."""
+# One process as a snapshot sees it: own CPU seconds (children not counted), minor faults, and each of its threads'
+# voluntary context switches so far.
+_Seen = tuple[float, int, dict[int, int]]
+
+
+def _snapshot(daemon_pid: int) -> dict[int, _Seen]:
+    """pid -> what ``_Seen`` holds, for this process, the daemon and its pool."""
     found = {}
     for pid in (os.getpid(), daemon_pid, *bl.descendants(daemon_pid)):
         if (fields := bl.proc_stat(pid)) is not None:  # None: exited meanwhile (a replaced worker)
-            found[pid] = (bl.own_cpu_seconds(fields), int(fields[7]), bl.voluntary_switches(pid))  # minflt
+            found[pid] = (bl.own_cpu_seconds(fields), int(fields[7]), bl.thread_switches(pid))  # minflt
     return found
 
 
-def _costs(
-    before: dict[int, tuple[float, int, int]], after: dict[int, tuple[float, int, int]], daemon_pid: int, batches: int
-) -> dict[str, float]:
-    """CPU ms and minor faults per batch by role, and wake-ups per batch in all, over the processes alive at both
-    snapshots."""
+def _costs(before: dict[int, _Seen], after: dict[int, _Seen], daemon_pid: int, batches: int) -> dict[str, float]:
+    """CPU ms and minor faults per batch by role over the processes alive at both snapshots, and their wake-ups per
+    batch in all: thread by thread, a thread born meanwhile counted from 0 (one that ended meanwhile is left out,
+    so the figure may run a little low)."""
     role = {os.getpid(): "trainer", daemon_pid: "daemon"}
     costs = dict.fromkeys((*ROLES, *FAULTS, WAKES), 0.0)
     for pid in before.keys() & after.keys():
         name = role.get(pid, "pool")
         costs[name] += 1000 * (after[pid][0] - before[pid][0]) / batches
-        costs[WAKES] += (after[pid][2] - before[pid][2]) / batches
+        threads_before = before[pid][2]
+        costs[WAKES] += sum(count - threads_before.get(tid, 0) for tid, count in after[pid][2].items()) / batches
         if name != "pool":
             costs[f"{name} faults"] += (after[pid][1] - before[pid][1]) / batches
     return costs
@@ -180,7 +184,9 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 Results = dict[tuple[str, str, str], list[dict[str, float]]]  # (tree label, workload, transport) -> one dict per round
 
 
-def _table(head: str, workloads: list[tuple[str, str]], trees: list[Tree], results: Results, key: str, extra: Callable[[list[dict[str, float]]], list[str]]) -> None:
+def _table(
+    head: str, workloads: list[tuple[str, str]], trees: list[Tree], results: Results, key: str, extra: Callable[[list[dict[str, float]]], list[str]]
+) -> None:
     """One markdown table: per workload and tree, the median of ``key``, its ratio to the baseline's,
     the ``extra`` cells, and every round's value."""
     columns = head.count("|") - 1

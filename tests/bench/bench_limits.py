@@ -368,7 +368,7 @@ def role_cpu(daemon_pid: int) -> dict[str, float]:
     }
 
 
-def voluntary_switches() -> int:
+def all_voluntary_switches() -> int:
     """Voluntary context switches so far (a thread went to sleep: a wake-up to come) of every thread of this
     process and its children (torch's workers, the daemon and its pool): the loaders not measured now count
     their idle threads' few timeouts too."""
@@ -381,7 +381,7 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
     it = iter(loader)
     del_batch = next(it)
     del del_batch
-    switches = voluntary_switches()
+    switches = all_voluntary_switches()
     before = role_cpu(daemon_pid)
     batches = 0
     start = time.perf_counter()
@@ -397,7 +397,7 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
         batches += 1
     elapsed = time.perf_counter() - start
     after = role_cpu(daemon_pid)
-    switches = voluntary_switches() - switches
+    switches = all_voluntary_switches() - switches
     if hasattr(it, "close"):
         it.close()
     return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, switches / batches

@@ -111,8 +111,11 @@ def thread_names(pid: int, spy: str) -> dict[int, str]:
     from ``py-spy dump`` (threads it lists under no Python name are left out)."""
     if pid == os.getpid():
         return {t.native_id: thread_name(": " + t.name) for t in threading.enumerate() if t.native_id is not None}
-    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
-    return {int(tid, 0): thread_name(": " + name) for tid, name in re.findall(r'Thread (0x[0-9A-Fa-f]+|\d+) \([^)]*\): "([^"]*)"', dump)}
+    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    if dump.returncode != 0:
+        print(f"py-spy dump failed (its threads go unnamed): {dump.stderr.strip()[-500:]}", file=sys.stderr)
+        return {}
+    return {int(tid, 0): thread_name(": " + name) for tid, name in re.findall(r'Thread (0x[0-9A-Fa-f]+|\d+) \([^)]*\): "([^"]*)"', dump.stdout)}
 
 
 def read_for(loader: Any, step: Callable[[Any], None] | None, seconds: float) -> int:
@@ -129,7 +132,8 @@ def read_for(loader: Any, step: Callable[[Any], None] | None, seconds: float) ->
 def count_wakes(
     read: Callable[[float], int], targets: dict[str, int], pool: list[int], seconds: float, spy: str
 ) -> tuple[int, collections.Counter[tuple[str, str]]]:
-    """Batches ``read`` delivers in ``seconds``, and the voluntary context switches by (process, thread) meanwhile."""
+    """Batches ``read`` delivers in ``seconds``, and the voluntary context switches by (process, thread) meanwhile
+    (a thread that ended meanwhile is left out)."""
     pids = {**{pid: name for name, pid in targets.items()}, **dict.fromkeys(pool, "pool")}
     before = {pid: bl.thread_switches(pid) for pid in pids}
     batches = read(seconds)
@@ -138,12 +142,13 @@ def count_wakes(
     for pid, role in pids.items():
         names = thread_names(pid, spy) if role != "pool" else {}
         for tid, count in after[pid].items():
-            thread = "a worker or the fork server" if role == "pool" else names.get(tid, "(gRPC core's own threads)")
-            switches[(role, thread)] += count - before[pid].get(tid, count)
+            thread = "a worker or the fork server" if role == "pool" else names.get(tid, "(no Python name: gRPC core's, mostly)")
+            switches[(role, thread)] += count - before[pid].get(tid, 0)  # a thread born meanwhile: all of its count
     return batches, switches
 
 
 def print_wakes(batches: int, switches: collections.Counter[tuple[str, str]], seconds: float) -> None:
+    """The wake-ups table: per (process, thread), those a batch (rows under 0.05 left out)."""
     total = sum(switches.values())
     print(f"### Wake-ups: {total / batches:.1f} a batch in all ({batches} batches in {seconds:g} s before sampling)\n")
     print("| process | thread | wake-ups a batch |\n| --- | --- | ---: |")
@@ -153,7 +158,8 @@ def print_wakes(batches: int, switches: collections.Counter[tuple[str, str]], se
     print()
 
 
-# perf's binaries, by what they are (matched by the start of the file name), for the CPU split.
+# perf's binaries, by what they are (matched by the start of the file name), for the CPU split. An interpreter built
+# without a shared libpython (a distribution's python3.x binary) is matched by its own name too (``_binaries``).
 _BINARIES = (
     ("libpython", "Python (the interpreter)"),
     ("[kernel", "the kernel"),
@@ -164,9 +170,23 @@ _BINARIES = (
 )
 
 
+def _binaries() -> tuple[tuple[str, str], ...]:
+    return ((Path(sys.executable).resolve().name, _BINARIES[0][1]), *_BINARIES)
+
+
+def perf_shares(report: str) -> dict[str, float]:
+    """What -> share of the samples, from ``perf report --sort dso --stdio --no-children -g none``'s lines
+    (``  53.76%  libpython3.11.so.1.0``)."""
+    shares: dict[str, float] = collections.defaultdict(float)
+    for share, binary in re.findall(r"^\s*([\d.]+)%\s+(\S+)", report, re.M):
+        shares[next((what for start, what in _binaries() if binary.startswith(start)), "other")] += float(share) / 100
+    return dict(shares)
+
+
 def perf_split(read: Callable[[float], int], targets: dict[str, int], seconds: float, out: Path) -> dict[str, dict[str, float]] | None:
     """``perf record`` of each target while ``read`` reads for ``seconds``: process -> (what -> share of its samples).
-    None (and why, on stderr) if perf is missing or may not profile them."""
+    None (and why, on stderr) if perf is missing or may not profile them (the kernel's share reads 0 where
+    ``perf_event_paranoid`` hides kernel samples from this user)."""
     perf = shutil.which("perf")
     if perf is None:
         print("--perf-seconds: no perf here", file=sys.stderr)
@@ -180,27 +200,32 @@ def perf_split(read: Callable[[float], int], targets: dict[str, int], seconds: f
         )
         for name, pid in targets.items()
     }
-    read(seconds)
+    try:
+        read(seconds)
+        errors = {name: run.communicate(timeout=seconds + 60)[1] for name, run in runs.items()}
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait(10)
     split: dict[str, dict[str, float]] = {}
     for name, run in runs.items():
-        _, err = run.communicate(timeout=60)
         report = subprocess.run(
             [perf, "report", "-i", str(out / f"{name}.perf"), "--sort", "dso", "--stdio", "--no-children", "-g", "none"],
             capture_output=True,
             text=True,
             timeout=120,
         )
-        shares: collections.Counter[str] = collections.Counter()
-        for share, binary in re.findall(r"^\s*([\d.]+)%\s+(\S+)", report.stdout, re.M):
-            shares[next((what for start, what in _BINARIES if binary.startswith(start)), "other")] += float(share) / 100
+        shares = perf_shares(report.stdout)
         if run.returncode != 0 or not shares:
-            print(f"perf failed for the {name}: {(err + report.stderr).strip()[-1000:]}", file=sys.stderr)
+            print(f"perf failed for the {name}: {(errors[name] + report.stderr).strip()[-1000:]}", file=sys.stderr)
             return None
-        split[name] = dict(shares)
+        split[name] = shares
     return split
 
 
 def print_perf(split: dict[str, dict[str, float]], seconds: float) -> None:
+    """The CPU-by-binary table: per process, each kind of binary's share of its perf samples."""
     columns = [what for _, what in _BINARIES] + ["other"]
     print(f"### Where the CPU goes, by binary (perf, {seconds:g} s before sampling)\n")
     print("| process | " + " | ".join(columns) + " |\n| --- |" + " ---: |" * len(columns))
@@ -330,6 +355,8 @@ def main() -> int:
         print_wakes(*wakes, args.wake_seconds)
     if split is not None:
         print_perf(split, args.perf_seconds)
+    elif args.perf_seconds > 0:
+        print("### Where the CPU goes, by binary: perf failed (why: on stderr)\n")
     for name in targets:
         summarize(name, out / f"{name}.txt", args.seconds, rate, cpu_s[name])
     return 0
