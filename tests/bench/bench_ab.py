@@ -81,15 +81,13 @@ def _snapshot(daemon_pid: int) -> dict[int, _Seen]:
 
 def _costs(before: dict[int, _Seen], after: dict[int, _Seen], daemon_pid: int, batches: int) -> dict[str, float]:
     """CPU ms and minor faults per batch by role over the processes alive at both snapshots, and their wake-ups per
-    batch in all: thread by thread, a thread born meanwhile counted from 0 (one that ended meanwhile is left out,
-    so the figure may run a little low)."""
+    batch in all (``bench_loaders.switches_since``)."""
     role = {os.getpid(): "trainer", daemon_pid: "daemon"}
     costs = dict.fromkeys((*ROLES, *FAULTS, WAKES), 0.0)
     for pid in before.keys() & after.keys():
         name = role.get(pid, "pool")
         costs[name] += 1000 * (after[pid][0] - before[pid][0]) / batches
-        threads_before = before[pid][2]
-        costs[WAKES] += sum(count - threads_before.get(tid, 0) for tid, count in after[pid][2].items()) / batches
+        costs[WAKES] += bl.switches_since(before[pid][2], after[pid][2]) / batches
         if name != "pool":
             costs[f"{name} faults"] += (after[pid][1] - before[pid][1]) / batches
     return costs

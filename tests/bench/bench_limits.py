@@ -368,20 +368,19 @@ def role_cpu(daemon_pid: int) -> dict[str, float]:
     }
 
 
-def all_voluntary_switches() -> int:
-    """Voluntary context switches so far (a thread went to sleep: a wake-up to come) of every thread of this
-    process and its children (torch's workers, the daemon and its pool): the loaders not measured now count
-    their idle threads' few timeouts too."""
-    return sum(bl.voluntary_switches(pid) for pid in {os.getpid(), *bl.descendants(os.getpid())})
+def all_thread_switches() -> dict[int, dict[int, int]]:
+    """pid -> ``bench_loaders.thread_switches`` for this process and its children (torch's workers, the daemon and its
+    pool): the loaders not measured now count their idle threads' few timeouts too."""
+    return {pid: bl.thread_switches(pid) for pid in {os.getpid(), *bl.descendants(os.getpid())}}
 
 
 def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict[str, float], float]:
-    """batches/s, CPU ms per batch of each role, and voluntary context switches per batch (all processes)
-    while ``loader`` delivers batches for ``seconds``."""
+    """batches/s, CPU ms per batch of each role, and voluntary context switches per batch (all processes, thread by
+    thread: ``bench_loaders.switches_since``) while ``loader`` delivers batches for ``seconds``."""
     it = iter(loader)
     del_batch = next(it)
     del del_batch
-    switches = all_voluntary_switches()
+    switches = all_thread_switches()
     before = role_cpu(daemon_pid)
     batches = 0
     start = time.perf_counter()
@@ -397,10 +396,11 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
         batches += 1
     elapsed = time.perf_counter() - start
     after = role_cpu(daemon_pid)
-    switches = all_voluntary_switches() - switches
+    now = all_thread_switches()
+    woken = sum(bl.switches_since(switches.get(pid, {}), threads) for pid, threads in now.items())
     if hasattr(it, "close"):
         it.close()
-    return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, switches / batches
+    return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, woken / batches
 
 
 # ---------------------------------------------------------------- main
@@ -480,7 +480,10 @@ def main() -> int:
     for key, label in (
         ("getitem", f"the dataset's {BATCH} `__getitem__` calls (views, no copy)"),
         ("gather_slot", f"gather the same {BATCH} items again and again into one pre-faulted buffer (cache-warm: a floor, not a batch)"),
-        ("pool_gather_1", f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)"),
+        (
+            "pool_gather_1",
+            f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)",
+        ),
         ("pool_gather_n", f"the same, {args.workers} processes at once (the pool's workers share the memory bandwidth; CPU ms, median)"),
         ("gather_fresh_shm", f"gather {BATCH} items into a fresh shared-memory segment (torch's workers)"),
         ("contiguous", "one contiguous copy of the same bytes (memcpy)"),
@@ -507,7 +510,11 @@ def main() -> int:
     )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
-    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy | context switches/batch |")
+    out(
+        "| loader | batches/s | vs torch | "
+        + " | ".join(f"{r} ms/batch" for r in roles)
+        + " | total ms/batch | batches/s if every core were busy | context switches/batch |"
+    )
     out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: | ---: |")
     for kind in loaders:
         med = {r: statistics.median(s[r] for s in splits[kind]) for r in roles}

@@ -19,7 +19,7 @@ receiving in one process.
 
 Before py-spy attaches, ``--wake-seconds`` of the same reading count every thread's voluntary context switches
 (/proc; each is a thread that went to sleep, so a wake-up to come): the wake-ups per batch by thread of the
-trainer, the daemon (named from ``py-spy dump``; threads without a Python name are gRPC core's own) and the pool,
+trainer, the daemon (named from ``py-spy dump``; threads without a Python name are mostly gRPC core's) and the pool,
 without the sampling's interference.
 
 With ``--perf-seconds N`` (Linux ``perf``, allowed to profile other processes), N seconds of the same reading
@@ -106,15 +106,19 @@ def summarize(name: str, raw: Path, seconds: int, rate: float, cpu_s: float) -> 
         print()
 
 
-def thread_names(pid: int, spy: str) -> dict[int, str]:
+def thread_names(pid: int, spy: str) -> dict[int, str] | None:
     """Thread id -> Python thread name (without its numbers) of ``pid``: this process's from ``threading``, another's
-    from ``py-spy dump`` (threads it lists under no Python name are left out)."""
+    from ``py-spy dump`` (threads it lists under no Python name are left out); None if the dump failed."""
     if pid == os.getpid():
         return {t.native_id: thread_name(": " + t.name) for t in threading.enumerate() if t.native_id is not None}
-    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    try:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        print(f"py-spy dump of pid {pid} timed out: its threads go unnamed", file=sys.stderr)
+        return None
     if dump.returncode != 0:
-        print(f"py-spy dump failed (its threads go unnamed): {dump.stderr.strip()[-500:]}", file=sys.stderr)
-        return {}
+        print(f"py-spy dump of pid {pid} failed (its threads go unnamed): {dump.stderr.strip()[-500:]}", file=sys.stderr)
+        return None
     return {int(tid, 0): thread_name(": " + name) for tid, name in re.findall(r'Thread (0x[0-9A-Fa-f]+|\d+) \([^)]*\): "([^"]*)"', dump.stdout)}
 
 
@@ -142,8 +146,13 @@ def count_wakes(
     for pid, role in pids.items():
         names = thread_names(pid, spy) if role != "pool" else {}
         for tid, count in after[pid].items():
-            thread = "a worker or the fork server" if role == "pool" else names.get(tid, "(no Python name: gRPC core's, mostly)")
-            switches[(role, thread)] += count - before[pid].get(tid, 0)  # a thread born meanwhile: all of its count
+            if role == "pool":
+                thread = "a worker or the fork server"
+            elif names is None:
+                thread = "(unnamed: py-spy dump failed)"
+            else:
+                thread = names.get(tid, "(no Python name: gRPC core's, mostly)")
+            switches[(role, thread)] += count - before[pid].get(tid, 0)  # as bench_loaders.switches_since: a new thread from 0
     return batches, switches
 
 
