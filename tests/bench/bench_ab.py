@@ -182,9 +182,7 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 Results = dict[tuple[str, str, str], list[dict[str, float]]]  # (tree label, workload, transport) -> one dict per round
 
 
-def _table(
-    head: str, workloads: list[tuple[str, str]], trees: list[Tree], results: Results, key: str, extra: Callable[[list[dict[str, float]]], list[str]]
-) -> None:
+def _table(head: str, workloads: list[tuple[str, str]], trees: list[Tree], results: Results, key: str, extra: Callable[[list[dict[str, float]]], list[str]]) -> None:
     """One markdown table: per workload and tree, the median of ``key``, its ratio to the baseline's,
     the ``extra`` cells, and every round's value."""
     columns = head.count("|") - 1

@@ -480,10 +480,7 @@ def main() -> int:
     for key, label in (
         ("getitem", f"the dataset's {BATCH} `__getitem__` calls (views, no copy)"),
         ("gather_slot", f"gather the same {BATCH} items again and again into one pre-faulted buffer (cache-warm: a floor, not a batch)"),
-        (
-            "pool_gather_1",
-            f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)",
-        ),
+        ("pool_gather_1", f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)"),
         ("pool_gather_n", f"the same, {args.workers} processes at once (the pool's workers share the memory bandwidth; CPU ms, median)"),
         ("gather_fresh_shm", f"gather {BATCH} items into a fresh shared-memory segment (torch's workers)"),
         ("contiguous", "one contiguous copy of the same bytes (memcpy)"),
@@ -510,11 +507,7 @@ def main() -> int:
     )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
-    out(
-        "| loader | batches/s | vs torch | "
-        + " | ".join(f"{r} ms/batch" for r in roles)
-        + " | total ms/batch | batches/s if every core were busy | context switches/batch |"
-    )
+    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy | context switches/batch |")
     out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: | ---: |")
     for kind in loaders:
         med = {r: statistics.median(s[r] for s in splits[kind]) for r in roles}

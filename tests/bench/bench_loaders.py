@@ -72,8 +72,7 @@ TARGETS = {  # (workload, loader) -> minimum ratio vs torch
 FIRST_BATCH_TARGET_MS = 20.0
 
 # Runs in a fresh interpreter that has imported torch and loaderd before the clock starts.
-SUBPROCESS_CLIENT = (
-    r"""
+SUBPROCESS_CLIENT = r"""
 import json, sys, time
 import torch
 import loaderd
@@ -93,9 +92,7 @@ sys.path.insert(0, sys.argv[2])
 from bench_loaders import sampler_first_batch_s
 sampler_s = sampler_first_batch_s(len(loader.dataset))
 print(json.dumps({"construct_s": t1 - t0, "total_s": t2 - t0, "sampler_s": sampler_s, "ok": ok, "desc": desc}), flush=True)
-"""
-    % BATCH_TIMEOUT_S
-)
+""" % BATCH_TIMEOUT_S
 
 
 class BenchError(Exception):
@@ -176,7 +173,9 @@ def start_daemon(
     tmp = Path(tempfile.mkdtemp(prefix="ldb-", dir="/tmp"))
     socket_path = tmp / "d.sock"
     if datasets is None:
-        datasets = {name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()}
+        datasets = {
+            name: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs} for name, kwargs in DATASETS.items()
+        }
     config = {
         "python_path": [str(python_path)],
         "listen": [f"unix://{socket_path}", "127.0.0.1:0", *extra_listen],
@@ -512,7 +511,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and every process below it (a daemon: its fork server and workers; this process: torch workers and daemons)."""
     return sum(own_cpu_seconds(fields) for p in [pid, *descendants(pid)] if (fields := proc_stat(p)) is not None)
 
-
 # ---------------------------------------------------------------- report
 
 
@@ -700,9 +698,7 @@ def print_report(
     p("")
 
     p(f"### Epoch start (median over {args.rounds} rounds of {EPOCH_START_EPOCHS - 1} epochs, loaders interleaved)\n")
-    p(
-        "| workload | loader | last batch of an epoch to the first of the next, ms | ms per batch after it, same epoch | the start costs, in those batches | its share of the epoch |"
-    )
+    p("| workload | loader | last batch of an epoch to the first of the next, ms | ms per batch after it, same epoch | the start costs, in those batches | its share of the epoch |")
     p("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, batch_size in EPOCH_START_WORKLOADS:
         per_epoch = -(-DATASETS[name]["n"] // batch_size)  # len(loader): drop_last=False
@@ -717,7 +713,10 @@ def print_report(
             start_ms, steady_ms = median(starts) * 1e3, median(steady) * 1e3
             cost = start_ms / steady_ms if steady_ms > 0 else float("nan")
             share = (start_ms - steady_ms) / (start_ms + (per_epoch - 1) * steady_ms)
-            p(f"| {workload_label(name, batch_size)} | {kind} | {fmt(start_ms, 1)} | {fmt(steady_ms, 2)} | {fmt(cost, 1)} | {fmt(100 * share, 1)}% |")
+            p(
+                f"| {workload_label(name, batch_size)} | {kind} | {fmt(start_ms, 1)} | {fmt(steady_ms, 2)} | "
+                f"{fmt(cost, 1)} | {fmt(100 * share, 1)}% |"
+            )
     p("")
     p("Between epochs the previous epoch ends, `iter(loader)` draws, and the loader's pipeline refills (torch: its")
     p("persistent workers are told to reset; loaderd: the next epoch's stream, on the same call). Its share of the")
@@ -900,7 +899,9 @@ def arm_watchdog(budget: float, watchdog: Callable[[], None]) -> threading.Timer
     return timer
 
 
-def run_guarded(budget: float, body: Callable[[], int], cleanup: Callable[[], None], on_hang: Callable[[], None] = lambda: None) -> int:
+def run_guarded(
+    budget: float, body: Callable[[], int], cleanup: Callable[[], None], on_hang: Callable[[], None] = lambda: None
+) -> int:
     """A bench's ``body``, bounded in time (every bench's main): past ``budget`` seconds every thread's
     stack is dumped, ``on_hang`` reports, ``cleanup`` stops the daemons and the process exits 3;
     SIGTERM or Ctrl-C cleans up and returns 130; ``cleanup`` runs however ``body`` ends."""
