@@ -466,10 +466,15 @@ def thread_switches(pid: int) -> dict[int, int]:
     return found
 
 
+def switches_by_thread(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    """Thread id -> its voluntary context switches between two ``thread_switches`` of one process: a thread born
+    meanwhile counts from 0, one that ended meanwhile is left out (so the figures may run a little low)."""
+    return {tid: count - before.get(tid, 0) for tid, count in after.items()}
+
+
 def switches_since(before: dict[int, int], after: dict[int, int]) -> int:
-    """The voluntary context switches between two ``thread_switches`` of one process, thread by thread: a thread born
-    meanwhile counts from 0, one that ended meanwhile is left out (so the figure may run a little low)."""
-    return sum(count - before.get(tid, 0) for tid, count in after.items())
+    """The voluntary context switches of one process between two ``thread_switches`` (``switches_by_thread``'s sum)."""
+    return sum(switches_by_thread(before, after).values())
 
 
 def children_by_parent() -> dict[int, list[int]]:

@@ -145,14 +145,14 @@ def count_wakes(
     switches: collections.Counter[tuple[str, str]] = collections.Counter()
     for pid, role in pids.items():
         names = thread_names(pid, spy) if role != "pool" else {}
-        for tid, count in after[pid].items():
+        for tid, count in bl.switches_by_thread(before[pid], after[pid]).items():
             if role == "pool":
                 thread = "a worker or the fork server"
             elif names is None:
                 thread = "(unnamed: py-spy dump failed)"
             else:
                 thread = names.get(tid, "(no Python name: gRPC core's, mostly)")
-            switches[(role, thread)] += count - before[pid].get(tid, 0)  # as bench_loaders.switches_since: a new thread from 0
+            switches[(role, thread)] += count
     return batches, switches
 
 
