@@ -26,7 +26,12 @@ This script measures the floors under both, on this machine, in one run:
    path: CPU per batch beyond the batch's own work;
 4. the unit costs a per-batch control path is made of: a small gRPC message each
    way, a pickled message and its answer over a pipe, a hand-off between threads
-   (CPU of every process involved).
+   (CPU of every process involved);
+5. the per-batch work of loaderd's own that no way of carrying a batch removes
+   (a task and a result pickled, seeding, the layout encoded, the slot handle
+   framed, the client's tensors made over the slot), each step alone on one
+   thread: what is left of the control path once every message and wake-up is
+   shared by many batches.
 
 Prints markdown to stdout. Figures move +-30% between runs on a shared machine:
 compare within one run.
@@ -348,6 +353,68 @@ def thread_handoff_cpu_ms(count: int = 20000) -> float:
     return 1000 * spent / (2 * count)
 
 
+# ---------------------------------------------------------------- 5. the per-batch work no hop carries
+
+
+def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
+    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each
+    run alone on one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in
+    Python and protobuf beyond its gather, were every message and wake-up amortised away."""
+    import mmap
+    import pickle
+    import weakref
+
+    from loaderd.server.scheduling.stream import fetch_task
+    from loaderd.server.shm.arena import SlotRef
+    from loaderd.server.worker.seeding import seed_everything
+    from loaderd.server.worker.tasks import BatchDone
+    from loaderd.v1 import loaderd_pb2 as pb
+    from loaderd.wire.batch_decoder import view_batch
+    from loaderd.wire.batch_encoder import encode_batch
+    from loaderd.wire.framing import read_frame, slot_message
+
+    nbytes = BATCH * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
+    segment = mmap.mmap(-1, nbytes)  # as a worker's segment is mapped (the pages are not what is measured)
+    slot = torch.frombuffer(segment, dtype=torch.uint8)
+    batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
+    indices = tuple(range(0, BATCH * 31, 31))
+    value = encode_batch(batch, slot, nbytes).value.SerializeToString()
+    name = "loaderd-12345-0123456789abcdef-w0g0-17"
+    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=nbytes, slot=SlotRef(name=name, size=nbytes))
+    task = fetch_task(3, "f32", 17, indices, True, 1234)
+    handle = pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()
+    raw = slot_message(17, value, nbytes, handle)
+    mapped = memoryview(segment)
+
+    def released() -> None:
+        pass
+
+    def client_view() -> None:
+        frame = read_frame(raw)
+        assert frame.header is not None
+        view = mapped[:nbytes]
+        weakref.finalize(view, released)  # as a lease's release is tied to the batch's tensors
+        view_batch(frame.header, view)
+
+    steps: dict[str, Callable[[], Any]] = {
+        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, indices, True, 1234))),
+        "seed": lambda: seed_everything(task.seed),
+        "encode": lambda: encode_batch(batch, slot, nbytes).value.SerializeToString(),
+        "result": lambda: pickle.loads(pickle.dumps(done)),
+        "frame": lambda: slot_message(17, value, nbytes, pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()),
+        "view": client_view,
+    }
+    costs: dict[str, float] = {}
+    for key, step in steps.items():
+        for _ in range(repeat // 10):  # warm
+            step()
+        start = time.process_time()
+        for _ in range(repeat):
+            step()
+        costs[key] = 1000 * (time.process_time() - start) / repeat
+    return costs  # the segment's mapping goes with the last tensor over it
+
+
 # ---------------------------------------------------------------- 3. where the CPU goes
 
 
@@ -443,6 +510,7 @@ def main() -> int:
         units = grpc_message_cpu_ms(port, server_pid)
         units["pipe"] = pipe_round_trip_cpu_ms()
         units["thread"] = thread_handoff_cpu_ms()
+        work = per_batch_work_ms()
         stop.set()
         raw_server.join(30)
 
@@ -548,6 +616,26 @@ def main() -> int:
         f"{1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])):.0f} batches/s over gRPC "
         f"({1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])) / torch_rate:.2f}x torch) "
         "even if loaderd added nothing else."
+    )
+    out("\n### 5. The per-batch work no hop carries (loaderd's own steps for one f32 batch in shared memory, each alone on one thread)\n")
+    out("| step | where | CPU ms |")
+    out("| --- | --- | ---: |")
+    for key, where, label in (
+        ("task", "daemon, worker", f"a task made, pickled and unpickled ({BATCH} indices)"),
+        ("seed", "worker", "torch's, random's and numpy's generators seeded for the batch"),
+        ("encode", "worker", "the batch's layout encoded (its `Value`, serialized)"),
+        ("result", "worker, daemon", "the result pickled and unpickled (`BatchDone`)"),
+        ("frame", "daemon", "the slot handle framed as a `StreamResponse`"),
+        ("view", "client", "the frame read, the batch's tensors made over the slot, its release tied to them"),
+    ):
+        out(f"| {label} | {where} | {work[key]:.3f} |")
+    floor = sum(work.values())
+    out(f"| all of them | | {floor:.3f} |")
+    out(
+        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work; the rest "
+        "is how a batch travels: messages, wake-ups, threads handing over (section 4) and the rounds of the scheduler, "
+        "the servicer and the iterator around them, which a design carrying several batches per message and per "
+        "wake-up would divide among them."
     )
     raw_one = max(grpc_rates[1])[0]
     loaderd_gb = statistics.median(rates["grpc"]) * mb / 1000

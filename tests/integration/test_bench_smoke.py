@@ -199,3 +199,21 @@ def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
         assert float(row.group(1)) >= 1.0, out
     for workload in ("tiny:grpc", "first:shm"):
         assert re.search(rf"^- {workload}: this checkout faster in [01] of 1 rounds$", out, re.M), out
+
+
+TRAVEL = Path(__file__).resolve().parents[1] / "bench" / "bench_travel.py"
+
+
+@pytest.mark.timeout(120)
+def test_travel_bench_carries_batches_one_and_several_a_message() -> None:
+    bench = run_bench(TRAVEL, ["--quick"], timeout=90)
+    out, err = bench.stdout, bench.stderr
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    assert "## bench_travel:" in out, out
+    for path in ("direct", "relay"):
+        for group in (1, 4):
+            row = re.search(rf"^\| {path} \| {group} \| ([\d.]+) \| -?[\d.]+ \| ([\d.]+) \| (\d+) \|$", out, re.M)
+            assert row, out
+            assert float(row.group(1)) > 0 and int(row.group(3)) > 0, out
+    # Its worker removes its segments as it ends (no other test makes segments of that name).
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("loaderd-bench-travel-")]
