@@ -217,3 +217,19 @@ def test_travel_bench_carries_batches_one_and_several_a_message() -> None:
             assert float(row.group(1)) > 0 and int(row.group(3)) > 0, out
     # Its worker removes its segments as it ends (no other test makes segments of that name).
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("loaderd-bench-travel-")]
+
+
+SEGMENTS = Path(__file__).resolve().parents[1] / "bench" / "bench_segments.py"
+
+
+@pytest.mark.timeout(120)
+def test_segments_bench_counts_a_loaders_segments_with_and_without_plan_ahead() -> None:
+    bench = run_bench(SEGMENTS, ["--epochs", "2"], timeout=90)
+    out, err = bench.stdout, bench.stderr
+    assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    assert "## Segments in rotation: f32 (batch 256), 2 workers, 2 epochs" in out, out
+    for plan_ahead in ("True", "False"):
+        row = re.search(rf"^\| {plan_ahead} \| (\d+) \| [\d.]+ \| (\d+)-(\d+) \| (\d+) \| \d+ \|$", out, re.M)
+        assert row, out
+        # f32 batches (12.6 MB) always go through segments: at least one is counted in every sample.
+        assert int(row.group(1)) > 0 and 1 <= int(row.group(2)) <= int(row.group(3)), out
