@@ -66,6 +66,8 @@ ITEMS = bl.DATASETS["f32"]["n"]
 MESSAGE = 12 << 20
 SMALL_BYTES = 120  # about a slot handle message
 SMALL_COUNT = 20000
+NBYTES = BATCH * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4  # an f32 batch's payload
+TASK_INDICES = tuple(range(0, BATCH * 31, 31))  # a task's indices (bench_travel.py sends the same)
 
 
 def median_ms(fn: Callable[[], Any], repeat: int) -> float:
@@ -353,68 +355,6 @@ def thread_handoff_cpu_ms(count: int = 20000) -> float:
     return 1000 * spent / (2 * count)
 
 
-# ---------------------------------------------------------------- 5. the per-batch work no hop carries
-
-
-def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
-    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each
-    run alone on one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in
-    Python and protobuf beyond its gather, were every message and wake-up amortised away."""
-    import mmap
-    import pickle
-    import weakref
-
-    from loaderd.server.scheduling.stream import fetch_task
-    from loaderd.server.shm.arena import SlotRef
-    from loaderd.server.worker.seeding import seed_everything
-    from loaderd.server.worker.tasks import BatchDone
-    from loaderd.v1 import loaderd_pb2 as pb
-    from loaderd.wire.batch_decoder import view_batch
-    from loaderd.wire.batch_encoder import encode_batch
-    from loaderd.wire.framing import read_frame, slot_message
-
-    nbytes = BATCH * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
-    segment = mmap.mmap(-1, nbytes)  # as a worker's segment is mapped (the pages are not what is measured)
-    slot = torch.frombuffer(segment, dtype=torch.uint8)
-    batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
-    indices = tuple(range(0, BATCH * 31, 31))
-    value = encode_batch(batch, slot, nbytes).value.SerializeToString()
-    name = "loaderd-12345-0123456789abcdef-w0g0-17"
-    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=nbytes, slot=SlotRef(name=name, size=nbytes))
-    task = fetch_task(3, "f32", 17, indices, True, 1234)
-    handle = pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()
-    raw = slot_message(17, value, nbytes, handle)
-    mapped = memoryview(segment)
-
-    def released() -> None:
-        pass
-
-    def client_view() -> None:
-        frame = read_frame(raw)
-        assert frame.header is not None
-        view = mapped[:nbytes]
-        weakref.finalize(view, released)  # as a lease's release is tied to the batch's tensors
-        view_batch(frame.header, view)
-
-    steps: dict[str, Callable[[], Any]] = {
-        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, indices, True, 1234))),
-        "seed": lambda: seed_everything(task.seed),
-        "encode": lambda: encode_batch(batch, slot, nbytes).value.SerializeToString(),
-        "result": lambda: pickle.loads(pickle.dumps(done)),
-        "frame": lambda: slot_message(17, value, nbytes, pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()),
-        "view": client_view,
-    }
-    costs: dict[str, float] = {}
-    for key, step in steps.items():
-        for _ in range(repeat // 10):  # warm
-            step()
-        start = time.process_time()
-        for _ in range(repeat):
-            step()
-        costs[key] = 1000 * (time.process_time() - start) / repeat
-    return costs  # the segment's mapping goes with the last tensor over it
-
-
 # ---------------------------------------------------------------- 3. where the CPU goes
 
 
@@ -468,6 +408,68 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
     if hasattr(it, "close"):
         it.close()
     return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, woken / batches
+
+
+# ---------------------------------------------------------------- 5. the per-batch work no hop carries
+
+
+def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
+    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each
+    run alone on one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in
+    Python and protobuf beyond its gather, were every message and wake-up amortised away."""
+    import mmap
+    import pickle
+    import weakref
+
+    from loaderd.server.scheduling.stream import fetch_task
+    from loaderd.server.shm.arena import SlotRef
+    from loaderd.server.worker.seeding import seed_everything
+    from loaderd.server.worker.tasks import BatchDone
+    from loaderd.v1 import loaderd_pb2 as pb
+    from loaderd.wire.batch_decoder import view_batch
+    from loaderd.wire.batch_encoder import encode_batch
+    from loaderd.wire.framing import read_frame, slot_message
+
+    nbytes = NBYTES
+    segment = mmap.mmap(-1, nbytes)  # as a worker's segment is mapped (the pages are not what is measured)
+    slot = torch.frombuffer(segment, dtype=torch.uint8)
+    batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
+    indices = TASK_INDICES
+    value = encode_batch(batch, slot, nbytes).value.SerializeToString()
+    name = "loaderd-12345-0123456789abcdef-w0g0-17"
+    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=nbytes, slot=SlotRef(name=name, size=nbytes))
+    task = fetch_task(3, "f32", 17, indices, True, 1234)
+    handle = pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()
+    raw = slot_message(17, value, nbytes, handle)
+    mapped = memoryview(segment)
+
+    def released() -> None:
+        pass
+
+    def client_view() -> None:
+        frame = read_frame(raw)
+        assert frame.header is not None
+        view = mapped[:nbytes]
+        weakref.finalize(view, released)  # as a lease's release is tied to the batch's tensors
+        view_batch(frame.header, view)
+
+    steps: dict[str, Callable[[], Any]] = {
+        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, indices, True, 1234))),
+        "seed": lambda: seed_everything(task.seed),
+        "encode": lambda: encode_batch(batch, slot, nbytes).value.SerializeToString(),
+        "result": lambda: pickle.loads(pickle.dumps(done)),
+        "frame": lambda: slot_message(17, value, nbytes, pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()),
+        "view": client_view,
+    }
+    costs: dict[str, float] = {}
+    for key, step in steps.items():
+        for _ in range(repeat // 10):  # warm
+            step()
+        start = time.process_time()
+        for _ in range(repeat):
+            step()
+        costs[key] = 1000 * (time.process_time() - start) / repeat
+    return costs  # the segment's mapping goes with the last tensor over it
 
 
 # ---------------------------------------------------------------- main
@@ -631,11 +633,12 @@ def main() -> int:
         out(f"| {label} | {where} | {work[key]:.3f} |")
     floor = sum(work.values())
     out(f"| all of them | | {floor:.3f} |")
+    trainer_daemon = statistics.median(s["trainer"] + s["daemon"] for s in splits["shm"])
     out(
-        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work; the rest "
-        "is how a batch travels: messages, wake-ups, threads handing over (section 4) and the rounds of the scheduler, "
-        "the servicer and the iterator around them, which a design carrying several batches per message and per "
-        "wake-up would divide among them."
+        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work. "
+        f"{trainer_daemon:.2f} ms is the trainer's and the daemon's CPU (their messages, wake-ups, threads and rounds "
+        f"around each batch, section 4's unit costs), and {shm_total - intrinsic - trainer_daemon:.2f} ms the pool's "
+        "beyond its workers' gather timed alone (section 1)."
     )
     raw_one = max(grpc_rates[1])[0]
     loaderd_gb = statistics.median(rates["grpc"]) * mb / 1000

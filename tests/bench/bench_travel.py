@@ -1,18 +1,18 @@
 """What carrying a batch between processes costs, by how many batches travel together (issue 42, target 1).
 
-    python tests/bench/bench_travel.py [--groups 1,2,4,8] [--paths direct,relay] [--rounds 3] [--seconds 2] [--work-ms 0] [--quick]
+    python tests/bench/bench_travel.py [--groups 1,2,4] [--paths direct,relay] [--rounds 3] [--seconds 5] [--work-ms 0] [--quick]
 
 A prototype of the same-host control path, built from loaderd's own per-batch steps and
 nothing else: no gRPC, no scheduler, no threads, no gather (the batch's own work is not what
-is measured). A client (this process) and a pool worker (spawned) exchange, over one
-multiprocessing pipe:
+is measured). A client (this process) and a pool worker (spawned) exchange, over a
+multiprocessing pipe (two, with a relay between them):
 
 - client to worker: tasks (``FetchTask``, 256 indices, as the daemon makes them) ``group`` at a
   time in one message, with the leases of the slots the client's batches let go of since the
   last one (as a plan message carries them);
-- worker, per batch: the generators seeded, the layout of a batch collated into one of its
-  shared-memory segments (/dev/shm, window + group of them, 12.6 MB each: the f32 workload)
-  encoded, the slot handle framed (``slot_message``); the frames of one task message go back in
+- worker, per batch: the generators seeded, the layout of a batch lying in one of its
+  shared-memory segments (/dev/shm, 8 of them, 12.6 MB each: the f32 workload; nothing is
+  written into them) encoded, the slot handle framed (``slot_message``); the frames of one task message go back in
   one message;
 - client, per batch: the frame read, the segment mapped (once), the batch's tensors made over
   it with the release tied to them (``weakref.finalize``, as ``ShmSession.lease_view`` does),
@@ -25,7 +25,8 @@ figures again): the client then waits for batches as a trainer does, and a windo
 and pickles it on (the least a daemon's round can do). The client keeps a window of 8 batches
 asked for. Per path and group: the CPU ms a batch of all the processes, the wake-ups a batch (voluntary
 context switches of every thread), and beside them the same steps run alone on one thread (bench_limits
-section 5): what is left is the travel. Rounds interleave the paths and groups; medians. Markdown on stdout.
+section 5, which also counts a result's pickling that the prototype does not do): what is left is, roughly,
+the travel. A group divides the window and is below it. Rounds interleave the paths and groups; medians. Markdown on stdout.
 """
 
 from __future__ import annotations
@@ -39,17 +40,23 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import bench_limits  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
+from loaderd.server.shm.arena import unlink_segments  # noqa: E402 - with the bench modules, once sys.path is set
+from loaderd.wire.limits import SHM_DIR  # noqa: E402 - with the bench modules, once sys.path is set
+
 SHAPE = bench_limits.SHAPE
 BATCH = bench_limits.BATCH
-NBYTES = BATCH * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
+NBYTES = bench_limits.NBYTES
 WINDOW = 8  # batches asked for and not yet received, as a loader's default window with 2 workers
 SEGMENT = "loaderd-bench-travel-"
+START_TIMEOUT_S = 120.0  # a spawned worker imports torch and makes its segments
+ANSWER_TIMEOUT_S = 30.0  # a message's batches take milliseconds
 
 
 def _worker(conn: Connection, prefix: str, slots: int, work_s: float) -> None:
@@ -60,26 +67,26 @@ def _worker(conn: Connection, prefix: str, slots: int, work_s: float) -> None:
     from loaderd.v1 import loaderd_pb2 as pb
     from loaderd.wire.batch_encoder import encode_batch
     from loaderd.wire.framing import slot_message
-    from loaderd.wire.limits import SHM_DIR
     from loaderd.wire.mapping import map_fd
 
     names = [f"{prefix}{i}" for i in range(slots)]
     bases: list[torch.Tensor] = []
-    for name in names:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, NBYTES)
-            bases.append(torch.frombuffer(map_fd(fd, NBYTES, writable=True), dtype=torch.uint8))
-        finally:
-            os.close(fd)
-    batches = [base.view(torch.float32).view(BATCH, *SHAPE) for base in bases]  # collated there, as a pool worker does
-    free = list(range(slots))
-    conn.send(names)
     try:
+        for name in names:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, NBYTES)
+                bases.append(torch.frombuffer(map_fd(fd, NBYTES, writable=True), dtype=torch.uint8))
+            finally:
+                os.close(fd)
+        # Where a pool worker's collation leaves a batch (nothing is written: the bytes are not what is measured).
+        batches = [base.view(torch.float32).view(BATCH, *SHAPE) for base in bases]
+        free = list(range(slots))
+        conn.send(names)
         while (message := conn.recv()) is not None:
             tasks, released = message
             free.extend(released)
-            frames = []
+            frames: list[bytes] = []
             for task in tasks:
                 lease = free.pop()  # IndexError: more batches out than segments (the client's window is smaller)
                 if work_s:  # the batch's own work: CPU time of this thread, so that it can be taken off exactly
@@ -92,8 +99,7 @@ def _worker(conn: Connection, prefix: str, slots: int, work_s: float) -> None:
                 frames.append(slot_message(task.seq, value, NBYTES, handle))
             conn.send(frames)
     finally:
-        for name in names:
-            os.unlink(os.path.join(SHM_DIR, name))
+        unlink_segments(prefix)
 
 
 def _relay(client: Connection, worker: Connection) -> None:
@@ -113,7 +119,6 @@ class _Client:
         from loaderd.server.scheduling.stream import fetch_task
         from loaderd.wire.batch_decoder import view_batch
         from loaderd.wire.framing import read_frame
-        from loaderd.wire.limits import SHM_DIR
         from loaderd.wire.mapping import map_fd
 
         self._conn = conn
@@ -122,10 +127,9 @@ class _Client:
         self._view_batch = view_batch
         self._read_frame = read_frame
         self._map_fd = map_fd
-        self._dir = SHM_DIR
         self._maps: dict[str, memoryview] = {}
         self._released: list[int] = []
-        self._indices = tuple(range(0, BATCH * 31, 31))
+        self._indices = bench_limits.TASK_INDICES
         self._seq = 0
         self._out = 0  # batches asked for and not yet received
 
@@ -139,9 +143,9 @@ class _Client:
     def _mapped(self, name: str) -> memoryview:
         mapping = self._maps.get(name)
         if mapping is None:
-            fd = os.open(os.path.join(self._dir, name), os.O_RDONLY)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
             try:
-                mapping = self._maps[name] = self._map_fd(fd, NBYTES, writable=False)
+                mapping = self._maps[name] = self._map_fd(fd, NBYTES, writable=True)  # as the client's SegmentMaps
             finally:
                 os.close(fd)
         return mapping
@@ -152,7 +156,7 @@ class _Client:
         while self._out + self._group <= WINDOW:
             self._ask()
         while got < batches:
-            for raw in self._conn.recv():
+            for raw in _received(self._conn, ANSWER_TIMEOUT_S):
                 frame = self._read_frame(raw)
                 header = frame.header
                 assert header is not None and header.HasField("slot")
@@ -169,67 +173,82 @@ class _Client:
     def drain(self) -> None:
         """Take what is still on its way, then end the processes' loops."""
         while self._out > 0:
-            self._out -= len(self._conn.recv())
+            self._out -= len(_received(self._conn, ANSWER_TIMEOUT_S))
         self._conn.send(None)
 
 
-def _switches(pids: list[int]) -> int:
-    return sum(sum(bl.thread_switches(pid).values()) for pid in pids)
+def _received(conn: Connection, timeout: float) -> Any:
+    """The next message on ``conn``; RuntimeError if none comes within ``timeout`` s, EOFError if the other side is gone."""
+    if not conn.poll(timeout):
+        raise RuntimeError(f"no answer from the worker within {timeout:g} s")
+    return conn.recv()
+
+
+def _snapshot(pids: list[int]) -> tuple[float, dict[int, dict[int, int]]]:
+    """CPU seconds of ``pids`` (each process alone: none has children) and their threads' voluntary switches."""
+    cpu = sum(bl.own_cpu_seconds(fields) for pid in pids if (fields := bl.proc_stat(pid)) is not None)
+    return cpu, {pid: bl.thread_switches(pid) for pid in pids}
 
 
 def trial(path: str, group: int, seconds: float, work_s: float) -> tuple[float, float, float]:
     """One trial: (CPU ms a batch of all processes less the worker's ``work_s``, wake-ups a batch, batches/s)."""
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
-    processes = []
+    processes: list[multiprocessing.process.BaseProcess] = []
+    others = [theirs]  # the ends the children hold; this process closes its copies
     if path == "relay":
         to_worker, at_worker = spawn.Pipe()
         processes.append(spawn.Process(target=_relay, args=(theirs, to_worker), daemon=True))
         theirs = at_worker
+        others += [to_worker, at_worker]
     prefix = f"{SEGMENT}{os.getpid()}-{path}-{group}-"
-    processes.append(spawn.Process(target=_worker, args=(theirs, prefix, WINDOW + group, work_s), daemon=True))
+    processes.append(spawn.Process(target=_worker, args=(theirs, prefix, WINDOW, work_s), daemon=True))
     for process in processes:
         process.start()
+    for end in others:
+        end.close()  # so that a child's death reaches this process as the end of its pipe
     try:
-        if not ours.poll(120):
-            raise RuntimeError("the worker did not start")
-        ours.recv()  # the segments are made
+        _received(ours, START_TIMEOUT_S)  # the segments are made
         client = _Client(ours, group)
         client.read(200)  # warm-up: segments mapped, code paths warm
         pids = [os.getpid(), *(p.pid or 0 for p in processes)]
-        cpu0 = time.process_time() + sum(bl.cpu_seconds(p.pid or 0) for p in processes)
-        switches0 = _switches(pids)
+        cpu0, switches0 = _snapshot(pids)
         start = time.perf_counter()
         batches = 0
         while time.perf_counter() - start < seconds:
             batches += client.read(100)
         elapsed = time.perf_counter() - start
-        cpu = time.process_time() + sum(bl.cpu_seconds(p.pid or 0) for p in processes) - cpu0
-        switches = _switches(pids) - switches0
+        cpu1, switches1 = _snapshot(pids)
+        cpu = cpu1 - cpu0
+        switches = sum(bl.switches_since(switches0.get(pid, {}), after) for pid, after in switches1.items())
         client.drain()
     finally:
+        ours.close()  # the children read the end of their input and leave; the worker removes its segments
         for process in processes:
             process.join(30)
             if process.is_alive():
                 process.kill()
                 process.join(5)
+        unlink_segments(prefix)  # a killed worker's
     return 1000 * cpu / batches - 1000 * work_s, switches / batches, batches / elapsed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--groups", default="1,2,4,8", help="batches per message, comma-separated (each at most 8: the window)")
+    parser.add_argument("--groups", default="1,2,4", help="batches per message, comma-separated (each divides the window of 8, below it)")
     parser.add_argument("--paths", default="direct,relay", help="direct (client and worker) and/or relay (a process between)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per trial")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per trial (/proc counts CPU in 10 ms ticks)")
     parser.add_argument("--work-ms", type=float, default=0.0, help="CPU ms the worker spends a batch besides (its own work; not in the figures)")
     parser.add_argument("--quick", action="store_true", help="groups 1 and 4, 1 round of 0.3 s (a smoke run)")
     args = parser.parse_args()
     groups = [1, 4] if args.quick else [int(g) for g in args.groups.split(",")]
     paths = args.paths.split(",")
     rounds, seconds = (1, 0.3) if args.quick else (args.rounds, args.seconds)
-    if any(not 1 <= g <= WINDOW for g in groups) or any(p not in ("direct", "relay") for p in paths):
-        parser.error(f"groups are 1..{WINDOW}, paths direct and relay")
+    # A group that does not divide the window keeps fewer batches asked for; one of the whole window leaves the
+    # worker idle while the client reads: either changes what is measured.
+    if any(g < 1 or g >= WINDOW or WINDOW % g for g in groups) or any(p not in ("direct", "relay") for p in paths):
+        parser.error(f"groups divide {WINDOW} and are below it (1, 2, 4); paths are direct and relay")
     steps = bench_limits.per_batch_work_ms()
     floor = sum(steps.values())
     results: dict[tuple[str, int], list[tuple[float, float, float]]] = {(p, g): [] for p in paths for g in groups}
