@@ -47,8 +47,12 @@ sys.path.insert(0, str(BENCH_DIR))
 import bench_limits  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
-from loaderd.server.shm.arena import unlink_segments  # noqa: E402 - with the bench modules, once sys.path is set
-from loaderd.wire.limits import SHM_DIR  # noqa: E402 - with the bench modules, once sys.path is set
+from loaderd.server.scheduling.stream import fetch_task  # noqa: E402 - with the bench modules, once sys.path is set
+from loaderd.server.shm.arena import unlink_segments  # noqa: E402
+from loaderd.wire.batch_decoder import view_batch  # noqa: E402
+from loaderd.wire.framing import read_frame, slot_message  # noqa: E402
+from loaderd.wire.limits import SHM_DIR  # noqa: E402
+from loaderd.wire.mapping import map_fd  # noqa: E402
 
 SHAPE = bench_limits.SHAPE
 BATCH = bench_limits.BATCH
@@ -66,8 +70,6 @@ def _worker(conn: Connection, prefix: str, slots: int, work_s: float) -> None:
     from loaderd.server.worker.seeding import seed_everything
     from loaderd.v1 import loaderd_pb2 as pb
     from loaderd.wire.batch_encoder import encode_batch
-    from loaderd.wire.framing import slot_message
-    from loaderd.wire.mapping import map_fd
 
     names = [f"{prefix}{i}" for i in range(slots)]
     bases: list[torch.Tensor] = []
@@ -116,17 +118,8 @@ class _Client:
     """This process's part: asks for batches ``group`` at a time, reads and drops them."""
 
     def __init__(self, conn: Connection, group: int) -> None:
-        from loaderd.server.scheduling.stream import fetch_task
-        from loaderd.wire.batch_decoder import view_batch
-        from loaderd.wire.framing import read_frame
-        from loaderd.wire.mapping import map_fd
-
         self._conn = conn
         self._group = group
-        self._fetch_task = fetch_task
-        self._view_batch = view_batch
-        self._read_frame = read_frame
-        self._map_fd = map_fd
         self._maps: dict[str, memoryview] = {}
         self._released: list[int] = []
         self._indices = bench_limits.TASK_INDICES
@@ -134,7 +127,7 @@ class _Client:
         self._out = 0  # batches asked for and not yet received
 
     def _ask(self) -> None:
-        tasks = [self._fetch_task(1, "f32", self._seq + i, self._indices, True, 1234) for i in range(self._group)]
+        tasks = [fetch_task(1, "f32", self._seq + i, self._indices, True, 1234) for i in range(self._group)]
         self._seq += self._group
         self._out += self._group
         released, self._released = self._released, []
@@ -145,7 +138,7 @@ class _Client:
         if mapping is None:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
             try:
-                mapping = self._maps[name] = self._map_fd(fd, NBYTES, writable=True)  # as the client's SegmentMaps
+                mapping = self._maps[name] = map_fd(fd, NBYTES, writable=True)  # as the client's SegmentMaps
             finally:
                 os.close(fd)
         return mapping
@@ -157,12 +150,12 @@ class _Client:
             self._ask()
         while got < batches:
             for raw in _received(self._conn, ANSWER_TIMEOUT_S):
-                frame = self._read_frame(raw)
+                frame = read_frame(raw)
                 header = frame.header
                 assert header is not None and header.HasField("slot")
                 view = self._mapped(header.slot.name)[: header.payload_bytes]
                 weakref.finalize(view, self._released.append, header.slot.lease)
-                batch = self._view_batch(header, view)
+                batch = view_batch(header, view)
                 del view, batch  # the trainer is done with it: its lease is released
                 got += 1
                 self._out -= 1
