@@ -430,17 +430,15 @@ def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
     from loaderd.wire.batch_encoder import encode_batch
     from loaderd.wire.framing import read_frame, slot_message
 
-    nbytes = NBYTES
-    segment = mmap.mmap(-1, nbytes)  # as a worker's segment is mapped (the pages are not what is measured)
+    segment = mmap.mmap(-1, NBYTES)  # as a worker's segment is mapped (the pages are not what is measured)
     slot = torch.frombuffer(segment, dtype=torch.uint8)
     batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
-    indices = TASK_INDICES
-    value = encode_batch(batch, slot, nbytes).value.SerializeToString()
+    value = encode_batch(batch, slot, NBYTES).value.SerializeToString()
     name = "loaderd-12345-0123456789abcdef-w0g0-17"
-    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=nbytes, slot=SlotRef(name=name, size=nbytes))
-    task = fetch_task(3, "f32", 17, indices, True, 1234)
-    handle = pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()
-    raw = slot_message(17, value, nbytes, handle)
+    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=NBYTES, slot=SlotRef(name=name, size=NBYTES))
+    task = fetch_task(3, "f32", 17, TASK_INDICES, True, 1234)
+    handle = pb.SlotHandle(name=name, size=NBYTES, lease=12345).SerializeToString()
+    raw = slot_message(17, value, NBYTES, handle)
     mapped = memoryview(segment)
 
     def released() -> None:
@@ -449,16 +447,16 @@ def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
     def client_view() -> None:
         frame = read_frame(raw)
         assert frame.header is not None
-        view = mapped[:nbytes]
+        view = mapped[:NBYTES]
         weakref.finalize(view, released)  # as a lease's release is tied to the batch's tensors
         view_batch(frame.header, view)
 
     steps: dict[str, Callable[[], Any]] = {
-        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, indices, True, 1234))),
+        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, TASK_INDICES, True, 1234))),
         "seed": lambda: seed_everything(task.seed),
-        "encode": lambda: encode_batch(batch, slot, nbytes).value.SerializeToString(),
+        "encode": lambda: encode_batch(batch, slot, NBYTES).value.SerializeToString(),
         "result": lambda: pickle.loads(pickle.dumps(done)),
-        "frame": lambda: slot_message(17, value, nbytes, pb.SlotHandle(name=name, size=nbytes, lease=12345).SerializeToString()),
+        "frame": lambda: slot_message(17, value, NBYTES, pb.SlotHandle(name=name, size=NBYTES, lease=12345).SerializeToString()),
         "view": client_view,
     }
     costs: dict[str, float] = {}
