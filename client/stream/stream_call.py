@@ -355,7 +355,6 @@ class _Receiver:
         first: CallEpoch | None
         waiting: CallEpoch | None
         frame: Frame | None
-        view: memoryview | None
         try:
             for raw in self._call:
                 frame = read_frame(raw)
@@ -371,17 +370,13 @@ class _Receiver:
                         self._post(late, Heard.RETRY)
                     continue
                 if kind == "batch" and header is not None and header.HasField("slot"):
-                    if self._session is None:
-                        raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
-                    try:
-                        view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
-                    except TransportError as exc:  # the slot is gone: its daemon died (and a new one swept it)
-                        self._tell_all(Heard.LOST, str(exc))
+                    if not self._slot_batch(header, epoch):
                         return
-                    batch = self._finish(view_batch(header, view), epoch)
-                    del view  # the batch's tensors now hold the lease
-                    self._post(epoch, Heard.BATCH, batch)
-                    batch = None  # this frame must not keep the batch (and its slot) alive
+                    continue
+                if kind == "slots" and frame.message is not None:
+                    for header in frame.message.slots.batches:
+                        if not self._slot_batch(header, epoch):
+                            return
                     continue
                 if kind == "batch" and header is not None:
                     assembler = BatchAssembler(header, epoch.pin_memory, epoch.buffers.take)
@@ -437,7 +432,21 @@ class _Receiver:
             # above, and the frame lets go of all that here.
             self._call = self._session = self._heard = None
             epoch = first = waiting = assembler = None
-            raw = frame = header = view = batch = None
+            raw = frame = header = batch = None
+
+    def _slot_batch(self, header: pb.BatchHeader, epoch: CallEpoch) -> bool:
+        """Post the batch whose payload is the slot ``header`` names; False if the slot is gone (its daemon died, and
+        a new one swept it): every epoch waiting has heard LOST."""
+        if self._session is None:
+            raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
+        try:
+            view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
+        except TransportError as exc:
+            self._tell_all(Heard.LOST, str(exc))
+            return False
+        # Held by no frame of this one's or its caller's once posted: the batch's tensors alone hold the lease.
+        self._post(epoch, Heard.BATCH, self._finish(view_batch(header, view), epoch))
+        return True
 
     def _tell_all(self, kind: Heard, payload: Any) -> None:
         """The call is over: every epoch waiting on it hears ``kind`` ("lost": its work moves; "failed"),

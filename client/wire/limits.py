@@ -12,8 +12,9 @@ DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # peer of the same revision (loaderd is unreleased: no older revision is kept working). Revision 5:
 # a session's challenge carries its id, usable before `ready`; a StreamBatches call takes the next
 # epoch's `open` after its StreamEnd; a plan carries the releases of its stream's slots. Revision 6:
-# clients name their revision, so a daemon refuses another's too.
-PROTOCOL_REVISION = 6
+# clients name their revision, so a daemon refuses another's too. Revision 7: shared-memory batches ready at
+# once travel in one message (StreamResponse.slots).
+PROTOCOL_REVISION = 7
 
 
 def revision_mismatch(theirs: int, me: str) -> str:

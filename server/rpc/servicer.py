@@ -32,6 +32,7 @@ from loaderd.server.rpc.requests import (
     shown,
 )
 from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost
+from loaderd.server.rpc.slot_groups import add_ready
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog, UnknownDatasetError
 from loaderd.server.scheduling.ledger import SlotLedger
@@ -305,42 +306,76 @@ class LoaderServicer:
     ) -> Generator[bytes, None, bool]:
         """The stream's batches as wire messages; returns True once END was sent."""
         told_draining = False
-        while True:
-            if self._drain.active and not told_draining:
-                told_draining = True
-                yield framing.draining_message(self._drain.stop_in())
-            delivery = stream.next_delivery(_POLL_S)
-            if stream.window_freed:  # also when it took out only skipped batches, then waited in vain
-                self._scheduler.wake()
-            if delivery is None:
-                if not context.is_active():
-                    return False
-                continue
-            if delivery is END:
-                log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
-                yield framing.end_message(stream.delivered, self._limits.handshake_timeout)
-                return True
-            if delivery.replay:
-                if delivery.batch is not None:
-                    self._ledger.release(delivery.batch)
-                continue
-            if delivery.error is not None:
-                self._log_user_error(stream, delivery.error)
-                yield framing.error_message(delivery.error)
-                continue
-            yield from self._batch_messages(stream, session, delivery)
+        held: Delivery | None = None  # met while batches were put together: the next turn's
+        try:
+            while True:
+                if self._drain.active and not told_draining:
+                    told_draining = True
+                    yield framing.draining_message(self._drain.stop_in())
+                delivery = held if held is not None else self._next(stream, _POLL_S)
+                held = None
+                if delivery is None:
+                    if not context.is_active():
+                        return False
+                    continue
+                if delivery is END:
+                    log.info("stream %d finished: %d batches", stream.stream_id, stream.delivered)
+                    yield framing.end_message(stream.delivered, self._limits.handshake_timeout)
+                    return True
+                if delivery.replay:
+                    if delivery.batch is not None:
+                        self._ledger.release(delivery.batch)
+                    continue
+                if delivery.error is not None:
+                    self._log_user_error(stream, delivery.error)
+                    yield framing.error_message(delivery.error)
+                    continue
+                message = self._slot_message(stream, session, delivery)
+                if message is None:
+                    yield from self._byte_messages(delivery)
+                    continue
+                group = [message]
+                held = add_ready(group, lambda: self._ready(stream), lambda ready: self._slot_message(stream, session, ready))
+                yield message if len(group) == 1 else framing.slot_batches_message(group)
+        finally:
+            if held is not None and held.batch is not None:
+                self._ledger.release(held.batch)  # taken out for a group, never sent: the call ended first
 
-    def _batch_messages(self, stream: BatchStream, session: ClientSession | None, delivery: Delivery) -> Iterator[bytes]:
-        """One batch: a slot handle leased to the client's session, else its bytes (then the slot is released)."""
+    def _next(self, stream: BatchStream, timeout: float) -> Delivery | None:
+        """The stream's next delivery (``BatchStream.next_delivery``); the scheduler woken where it freed the window."""
+        delivery = stream.next_delivery(timeout)
+        if stream.window_freed:  # also when it took out only skipped batches, then waited in vain
+            self._scheduler.wake()
+        return delivery
+
+    def _ready(self, stream: BatchStream) -> Delivery | None:
+        """The stream's next delivery if it is there now. None also if the stream failed: the next turn's ``_next``
+        raises that, once the batches put together before are sent."""
+        try:
+            return self._next(stream, 0.0)
+        except StreamFailed:
+            return None
+
+    def _slot_message(self, stream: BatchStream, session: ClientSession | None, delivery: Delivery) -> bytes | None:
+        """A batch's slot handle, leased to the client's session, as a message; None if it goes as bytes (no session,
+        no slot, or the session or stream is gone: then no lease was taken)."""
+        batch = delivery.batch
+        assert batch is not None
+        if session is None or batch.slot is None:
+            return None
+        lease = self._ledger.lease(session.session_id, stream.spec.stream_token, batch)
+        if lease is None:
+            return None
+        # The lease now holds the batch's reference.
+        done = batch.done
+        handle = pb.SlotHandle(name=batch.slot.name, size=batch.slot.size, lease=lease)
+        return framing.slot_message(done.seq, done.value, done.payload_bytes, handle.SerializeToString())
+
+    def _byte_messages(self, delivery: Delivery) -> Iterator[bytes]:
+        """A batch's bytes (a header and data chunks); then its slot, if it had one, is released."""
         batch = delivery.batch
         assert batch is not None
         done = batch.done
-        if session is not None and batch.slot is not None:
-            lease = self._ledger.lease(session.session_id, stream.spec.stream_token, batch)
-            if lease is not None:  # the lease now holds the batch's reference
-                handle = pb.SlotHandle(name=batch.slot.name, size=batch.slot.size, lease=lease)
-                yield framing.slot_message(done.seq, done.value, done.payload_bytes, handle.SerializeToString())
-                return
         try:
             yield from framing.batch_messages(done.seq, done.value, done.payload_bytes, batch.buffers, self._chunk_bytes)
         finally:

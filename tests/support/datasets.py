@@ -132,6 +132,30 @@ class Slow(Dataset):
         return i
 
 
+class Gated(Dataset):
+    """Item i is (``width`` float32 values i, i + 1, ..., i), but item ``gated`` waits until the file ``gate`` exists
+    (at most ``timeout_s``, then raises): the batches after its batch are made meanwhile and wait, ready, behind it."""
+
+    def __init__(self, n: int = 40, gate: str = "", gated: int = 0, width: int = 2, timeout_s: float = 60.0) -> None:
+        self.n = n
+        self.gate = gate
+        self.gated = gated
+        self.width = width
+        self.timeout_s = timeout_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if i == self.gated:
+            deadline = time.monotonic() + self.timeout_s
+            while not os.path.exists(self.gate):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the gate {self.gate} did not open within {self.timeout_s} s")
+                time.sleep(0.01)
+        return torch.arange(i, i + self.width, dtype=torch.float32), i
+
+
 class KillOnce(Dataset):
     """SIGKILLs its own worker the first time it fetches ``victim`` (marker file makes it once)."""
 

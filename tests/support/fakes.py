@@ -20,7 +20,7 @@ from loaderd.errors import capture_exception
 from loaderd.server.pool.pool import PoolEvent, WorkerDied, WorkerMessage
 from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.ledger import FinishedBatch, SlotLedger
-from loaderd.server.scheduling.producer import Delivery, Upstream
+from loaderd.server.scheduling.producer import Delivery, Upstream, WorkerSlots
 from loaderd.server.scheduling.stream import BatchStream, StreamSpec
 from loaderd.server.shm.arena import SlotRef
 from loaderd.server.worker.tasks import BatchDone, BatchFailed, DatasetMeta, FetchTask, IterTask, ReplicaExhausted, Task, WorkerReady
@@ -210,6 +210,16 @@ def lone_stream(
 ) -> BatchStream:
     """A stream outside any scheduler (see ``held_lock``); dropped batches go to ``release``."""
     return BatchStream(stream_id, spec, cond or held_lock(), release or (lambda batch: None), upstream=upstream)
+
+
+def dispatch_all(stream: BatchStream, pool_size: int = 2) -> list[Task]:
+    """Commit every task the stream wants dispatched now, as the scheduler would."""
+    tasks: list[Task] = []
+    while stream.wants_dispatch():
+        task, _ = stream.next_task(WorkerSlots(pool_size))
+        stream.commit(task)
+        tasks.append(task)
+    return tasks
 
 
 def batch_delivery(seq: int, worker_id: int = 0, stream_id: int = 1) -> Delivery:

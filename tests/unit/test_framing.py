@@ -165,6 +165,38 @@ def test_batch_messages_accepts_memoryview_buffers() -> None:
     assert data == b"\x05" * 100 + bytes(28) + b"\x06" * 10
 
 
+def slot_header(seq: int, payload_bytes: int, lease: int) -> pb.BatchHeader:
+    slot = pb.SlotHandle(name=f"loaderd-1-2-w0g0-{seq}", size=payload_bytes + 64, lease=lease)
+    return pb.BatchHeader(seq=seq, value=pb.Value.FromString(value_bytes(seq + 1)), payload_bytes=payload_bytes, slot=slot)
+
+
+def slot_message_of(header: pb.BatchHeader) -> bytes:
+    return framing.slot_message(header.seq, header.value.SerializeToString(), header.payload_bytes, header.slot.SerializeToString())
+
+
+@pytest.mark.timeout(30)
+def test_slot_message_is_protobufs_batch_with_its_slot() -> None:
+    header = slot_header(300, 12 << 20, 2**40)
+    raw = slot_message_of(header)
+    assert raw == pb.StreamResponse(batch=header).SerializeToString()
+    frame = framing.read_frame(raw)
+    assert (frame.kind, frame.header, frame.data) == ("batch", header, None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("count", [1, 2, 16])
+def test_slot_batches_message_carries_each_slot_message_in_order(count: int) -> None:
+    """SlotBatches is each slot message as it stands (one key for both fields): protobuf reads the same headers,
+    and so does read_frame."""
+    headers = [slot_header(seq, 1000 * seq, 7 + seq) for seq in range(5, 5 + count)]
+    raw = framing.slot_batches_message([slot_message_of(h) for h in headers])
+    expected = pb.StreamResponse(slots=pb.SlotBatches(batches=headers))
+    assert raw == expected.SerializeToString()
+    frame = framing.read_frame(raw)
+    assert frame.kind == "slots" and frame.message is not None
+    assert list(frame.message.slots.batches) == headers
+
+
 @pytest.mark.timeout(30)
 def test_error_message_parses() -> None:
     err = pb.RemoteError(

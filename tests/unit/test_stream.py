@@ -6,23 +6,13 @@ import threading
 import time
 
 import pytest
-from support.fakes import batch_delivery, drain, iter_spec, lone_stream, map_spec
+from support.fakes import batch_delivery, dispatch_all, drain, iter_spec, lone_stream, map_spec
 
 from loaderd.server.scheduling.ledger import FinishedBatch
-from loaderd.server.scheduling.producer import END, Delivery, FailReason, StreamFailed, WorkerSlots
+from loaderd.server.scheduling.producer import END, Delivery, FailReason, StreamFailed
 from loaderd.server.worker.tasks import FetchTask, IterTask
 
 pytestmark = pytest.mark.timeout(10)
-
-
-def dispatch_all(stream, pool_size: int = 2) -> list:
-    """Commit every task the stream wants dispatched now, as the scheduler would."""
-    tasks = []
-    while stream.wants_dispatch():
-        task, _ = stream.next_task(WorkerSlots(pool_size))
-        stream.commit(task)
-        tasks.append(task)
-    return tasks
 
 
 def test_map_stream_dispatches_its_plan_up_to_the_window() -> None:

@@ -225,6 +225,12 @@ class SlotHandle(_message.Message):
     lease: int
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
+class SlotBatches(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[BatchHeader]
+    def __init__(self, batches: _Optional[_Iterable[_Union[BatchHeader, _Mapping]]] = ...) -> None: ...
+
 class DataChunk(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -342,18 +348,20 @@ class Draining(_message.Message):
     def __init__(self, stop_in_s: _Optional[float] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("batch", "chunk", "error", "end", "draining")
+    __slots__ = ("batch", "chunk", "error", "end", "draining", "slots")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHeader
     chunk: DataChunk
     error: RemoteError
     end: StreamEnd
     draining: Draining
-    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+    slots: SlotBatches
+    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., slots: _Optional[_Union[SlotBatches, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
