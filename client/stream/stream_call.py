@@ -370,12 +370,12 @@ class _Receiver:
                         self._post(late, Heard.RETRY)
                     continue
                 if kind == "batch" and header is not None and header.HasField("slot"):
-                    if not self._slot_batch(header, epoch):
+                    if not self._whole_batch(header, epoch):
                         return
                     continue
-                if kind == "slots" and frame.message is not None:
-                    for header in frame.message.slots.batches:
-                        if not self._slot_batch(header, epoch):
+                if kind == "batches" and frame.message is not None:
+                    for header in frame.message.batches.batches:
+                        if not self._whole_batch(header, epoch):
                             return
                     continue
                 if kind == "batch" and header is not None:
@@ -434,18 +434,22 @@ class _Receiver:
             epoch = first = waiting = assembler = None
             raw = frame = header = batch = None
 
-    def _slot_batch(self, header: pb.BatchHeader, epoch: CallEpoch) -> bool:
-        """Post the batch whose payload is the slot ``header`` names; False if the slot is gone (its daemon died, and
-        a new one swept it): every epoch waiting has heard LOST."""
-        if self._session is None:
-            raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
-        try:
-            view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
-        except TransportError as exc:
-            self._tell_all(Heard.LOST, str(exc))
-            return False
-        # Held by no frame of this one's or its caller's once posted: the batch's tensors alone hold the lease.
-        self._post(epoch, Heard.BATCH, self._finish(view_batch(header, view), epoch))
+    def _whole_batch(self, header: pb.BatchHeader, epoch: CallEpoch) -> bool:
+        """Post the batch ``header`` carries whole: its payload in the slot it names, or all of it in its data. False
+        if the slot is gone (its daemon died, and a new one swept it): every epoch waiting has heard LOST."""
+        if not header.HasField("slot"):
+            batch = BatchAssembler(header, epoch.pin_memory, epoch.buffers.take).build()
+        else:
+            if self._session is None:
+                raise LoaderdError("daemon sent a shared-memory slot on a stream without a session")
+            try:
+                view = self._session.lease_view(header.slot, header.payload_bytes, epoch.token, epoch.pin_memory)
+            except TransportError as exc:
+                self._tell_all(Heard.LOST, str(exc))
+                return False
+            batch = view_batch(header, view)  # its tensors hold the lease from now on
+        # Held by no frame of this one's or its caller's once posted (they return at once).
+        self._post(epoch, Heard.BATCH, self._finish(batch, epoch))
         return True
 
     def _tell_all(self, kind: Heard, payload: Any) -> None:

@@ -7,7 +7,7 @@ twice before it reaches the batch's tensors. So both directions work on the
 protobuf wire format directly, with the one tag table below:
 
 - the daemon writes messages with one ``bytes.join`` each (``batch_messages``,
-  ``slot_message``, ``slot_batches_message``, ``error_message``, ``end_message``; the rare
+  ``slot_message``, ``batches_message``, ``error_message``, ``end_message``; the rare
   ``draining_message`` goes through protobuf);
 - the client reads them with ``read_frame``, which hands payload bytes on as a
   memoryview and parses only the small rest of a header with protobuf.
@@ -36,7 +36,7 @@ RESP_BATCH = _key(1, _LEN)  # BatchHeader batch = 1
 RESP_CHUNK = _key(2, _LEN)  # DataChunk chunk = 2
 RESP_ERROR = _key(3, _LEN)  # RemoteError error = 3
 RESP_END = _key(4, _LEN)  # StreamEnd end = 4
-RESP_SLOTS = _key(6, _LEN)  # SlotBatches slots = 6 (its repeated BatchHeader batches = 1 has RESP_BATCH's key)
+RESP_BATCHES = _key(6, _LEN)  # Batches batches = 6 (its repeated BatchHeader batches = 1 has RESP_BATCH's key)
 # BatchHeader's fields.
 HDR_SEQ = _key(1, _VARINT)
 HDR_VALUE = _key(2, _LEN)
@@ -49,8 +49,8 @@ END_BATCHES = _key(1, _VARINT)
 END_KEEP_OPEN = _key(2, _VARINT)
 
 # The same keys as the one-byte prefixes the writer joins (every key above is below 128).
-_B_RESP_BATCH, _B_RESP_CHUNK, _B_RESP_ERROR, _B_RESP_END, _B_RESP_SLOTS = (
-    bytes((k,)) for k in (RESP_BATCH, RESP_CHUNK, RESP_ERROR, RESP_END, RESP_SLOTS)
+_B_RESP_BATCH, _B_RESP_CHUNK, _B_RESP_ERROR, _B_RESP_END, _B_RESP_BATCHES = (
+    bytes((k,)) for k in (RESP_BATCH, RESP_CHUNK, RESP_ERROR, RESP_END, RESP_BATCHES)
 )
 _B_HDR_SEQ, _B_HDR_VALUE, _B_HDR_PAYLOAD, _B_HDR_DATA, _B_HDR_SLOT = (
     bytes((k,)) for k in (HDR_SEQ, HDR_VALUE, HDR_PAYLOAD, HDR_DATA, HDR_SLOT)
@@ -130,12 +130,13 @@ def slot_message(seq: int, value: bytes, payload_bytes: int, slot: bytes) -> byt
     return b"".join([_B_RESP_BATCH, varint(header_len), *header])
 
 
-def slot_batches_message(slot_messages: Sequence[bytes]) -> bytes:
-    """Several slot messages (``slot_message``) as one ``SlotBatches`` message, in their order.
+def batches_message(batch_messages: Sequence[bytes]) -> bytes:
+    """Whole batches' messages (a ``slot_message``, or a ``batch_messages`` that is its header alone) as one
+    ``Batches`` message, in their order.
 
-    A slot message is the field ``batch = 1`` of a StreamResponse: key, length, BatchHeader. SlotBatches'
-    ``batches = 1`` has the same key, so each slot message is already one of its elements as it stands."""
-    return b"".join([_B_RESP_SLOTS, varint(sum(len(m) for m in slot_messages)), *slot_messages])
+    Such a message is the field ``batch = 1`` of a StreamResponse: key, length, BatchHeader. Batches'
+    ``batches = 1`` has the same key, so each is already one of its elements as it stands."""
+    return b"".join([_B_RESP_BATCHES, varint(sum(len(m) for m in batch_messages)), *batch_messages])
 
 
 def error_message(error: bytes) -> bytes:
@@ -165,10 +166,10 @@ def draining_message(stop_in_s: float) -> bytes:
 class Frame:
     """One decoded ``StreamResponse``."""
 
-    kind: str  # "batch" | "slots" | "chunk" | "error" | "end" | "draining"
+    kind: str  # "batch" | "batches" | "chunk" | "error" | "end" | "draining"
     header: pb.BatchHeader | None = None
     data: memoryview | None = None  # payload bytes carried by this message
-    message: pb.StreamResponse | None = None  # error, end and slots messages, parsed (slots: ``message.slots.batches``)
+    message: pb.StreamResponse | None = None  # error, end and batches messages, parsed (``message.batches.batches``)
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:

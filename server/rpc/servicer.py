@@ -20,6 +20,7 @@ from loaderd.errors import LimitExceededError, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.process.throttle import LogThrottle
 from loaderd.server.rpc.admission import Admission, AdmissionRefused, Ticket
+from loaderd.server.rpc.batch_groups import JOINED_PAYLOAD_BYTES, add_ready
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.requests import (
@@ -32,7 +33,6 @@ from loaderd.server.rpc.requests import (
     shown,
 )
 from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost
-from loaderd.server.rpc.slot_groups import add_ready
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog, UnknownDatasetError
 from loaderd.server.scheduling.ledger import SlotLedger
@@ -330,13 +330,13 @@ class LoaderServicer:
                     self._log_user_error(stream, delivery.error)
                     yield framing.error_message(delivery.error)
                     continue
-                message = self._slot_message(stream, session, delivery)
+                message = self._whole_message(stream, session, delivery)
                 if message is None:
                     yield from self._byte_messages(delivery)
                     continue
                 group = [message]
-                held = add_ready(group, lambda: self._ready(stream), lambda ready: self._slot_message(stream, session, ready))
-                yield message if len(group) == 1 else framing.slot_batches_message(group)
+                held = add_ready(group, lambda: self._ready(stream), lambda ready: self._whole_message(stream, session, ready))
+                yield message if len(group) == 1 else framing.batches_message(group)
         finally:
             if held is not None and held.batch is not None:
                 self._ledger.release(held.batch)  # taken out for a group, never sent: the call ended first
@@ -356,20 +356,25 @@ class LoaderServicer:
         except StreamFailed:
             return None
 
-    def _slot_message(self, stream: BatchStream, session: ClientSession | None, delivery: Delivery) -> bytes | None:
-        """A batch's slot handle, leased to the client's session, as a message; None if it goes as bytes (no session,
-        no slot, or the session or stream is gone: then no lease was taken)."""
+    def _whole_message(self, stream: BatchStream, session: ClientSession | None, delivery: Delivery) -> bytes | None:
+        """A batch as one message that others may join (server/rpc/batch_groups.py): its slot handle, leased to the
+        client's session; else, for a payload of at most ``JOINED_PAYLOAD_BYTES`` in one message, its header with
+        the bytes (its slot, if it had one, released: the message holds a copy). None: it goes as a header and chunks
+        (``_byte_messages``), nothing leased or released."""
         batch = delivery.batch
         assert batch is not None
-        if session is None or batch.slot is None:
-            return None
-        lease = self._ledger.lease(session.session_id, stream.spec.stream_token, batch)
-        if lease is None:
-            return None
-        # The lease now holds the batch's reference.
         done = batch.done
-        handle = pb.SlotHandle(name=batch.slot.name, size=batch.slot.size, lease=lease)
-        return framing.slot_message(done.seq, done.value, done.payload_bytes, handle.SerializeToString())
+        if session is not None and batch.slot is not None:
+            lease = self._ledger.lease(session.session_id, stream.spec.stream_token, batch)
+            if lease is not None:  # the lease now holds the batch's reference
+                handle = pb.SlotHandle(name=batch.slot.name, size=batch.slot.size, lease=lease)
+                return framing.slot_message(done.seq, done.value, done.payload_bytes, handle.SerializeToString())
+        if done.payload_bytes > min(JOINED_PAYLOAD_BYTES, self._chunk_bytes):
+            return None
+        try:
+            return next(framing.batch_messages(done.seq, done.value, done.payload_bytes, batch.buffers, self._chunk_bytes))
+        finally:
+            self._ledger.release(batch)
 
     def _byte_messages(self, delivery: Delivery) -> Iterator[bytes]:
         """A batch's bytes (a header and data chunks); then its slot, if it had one, is released."""

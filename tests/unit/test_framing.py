@@ -185,16 +185,20 @@ def test_slot_message_is_protobufs_batch_with_its_slot() -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("count", [1, 2, 16])
-def test_slot_batches_message_carries_each_slot_message_in_order(count: int) -> None:
-    """SlotBatches is each slot message as it stands (one key for both fields): protobuf reads the same headers,
-    and so does read_frame."""
+def test_batches_message_carries_each_whole_batch_message_in_order(count: int) -> None:
+    """Batches is each whole batch's message as it stands (one key for both fields), slot handles and small payloads
+    alike: protobuf reads the same headers, and so does read_frame."""
     headers = [slot_header(seq, 1000 * seq, 7 + seq) for seq in range(5, 5 + count)]
-    raw = framing.slot_batches_message([slot_message_of(h) for h in headers])
-    expected = pb.StreamResponse(slots=pb.SlotBatches(batches=headers))
-    assert raw == expected.SerializeToString()
+    messages = [slot_message_of(h) for h in headers]
+    payload = [(0, b"\x01\x02\x03")]
+    messages.insert(count // 2, next(framing.batch_messages(99, value_bytes(), 3, payload, CHUNK)))
+    headers.insert(count // 2, pb.BatchHeader(seq=99, value=pb.Value.FromString(value_bytes()), payload_bytes=3, data=b"\x01\x02\x03"))
+    raw = framing.batches_message(messages)
+    expected = pb.StreamResponse(batches=pb.Batches(batches=headers))
+    assert pb.StreamResponse.FromString(raw) == expected
     frame = framing.read_frame(raw)
-    assert frame.kind == "slots" and frame.message is not None
-    assert list(frame.message.slots.batches) == headers
+    assert frame.kind == "batches" and frame.message is not None
+    assert list(frame.message.batches.batches) == headers
 
 
 @pytest.mark.timeout(30)

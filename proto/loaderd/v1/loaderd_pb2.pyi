@@ -225,7 +225,7 @@ class SlotHandle(_message.Message):
     lease: int
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
-class SlotBatches(_message.Message):
+class Batches(_message.Message):
     __slots__ = ("batches",)
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[BatchHeader]
@@ -348,20 +348,20 @@ class Draining(_message.Message):
     def __init__(self, stop_in_s: _Optional[float] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("batch", "chunk", "error", "end", "draining", "slots")
+    __slots__ = ("batch", "chunk", "error", "end", "draining", "batches")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHeader
     chunk: DataChunk
     error: RemoteError
     end: StreamEnd
     draining: Draining
-    slots: SlotBatches
-    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., slots: _Optional[_Union[SlotBatches, _Mapping]] = ...) -> None: ...
+    batches: Batches
+    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
