@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -418,6 +419,9 @@ class _Receiver:
                 self._tell_all(Heard.FAILED, error_from_rpc(exc, self._address))
             exc.__traceback__ = None  # see below
         except Exception as exc:  # noqa: BLE001 - a decoding error: surface it to the caller
+            # The caller keeps it, traceback and all: the finished frames under this one (``_whole_batch``'s, holding
+            # the epoch and a slot's view) let go of their locals here, as this frame does of its own below.
+            traceback.clear_frames(exc.__traceback__)
             self._tell_all(Heard.FAILED, exc)
         finally:
             self._route.finish()
@@ -448,7 +452,7 @@ class _Receiver:
                 self._tell_all(Heard.LOST, str(exc))
                 return False
             batch = view_batch(header, view)  # its tensors hold the lease from now on
-        # Held by no frame of this one's or its caller's once posted (they return at once).
+        # ``batch`` is this frame's alone, gone on return: once posted, the batch's own holders keep it.
         self._post(epoch, Heard.BATCH, self._finish(batch, epoch))
         return True
 

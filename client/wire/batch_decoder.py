@@ -85,8 +85,9 @@ class BatchAssembler:
         self._value = header.value
         self._allocate(header.value)
         self._slots.sort(key=lambda s: s.offset)
-        if header.data:
-            self.feed(header.data)
+        data = header.data  # read once: each read of a protobuf bytes field is a copy
+        if data:
+            self.feed(data)
 
     @property
     def complete(self) -> bool:

@@ -10,7 +10,8 @@ protobuf wire format directly, with the one tag table below:
   ``slot_message``, ``batches_message``, ``error_message``, ``end_message``; the rare
   ``draining_message`` goes through protobuf);
 - the client reads them with ``read_frame``, which hands payload bytes on as a
-  memoryview and parses only the small rest of a header with protobuf.
+  memoryview and parses only the small rest of a header with protobuf (a
+  ``Batches`` message, whose payloads are at most 64 KiB each, it parses whole).
 
 Tests parse the output with the generated classes to keep the two in step.
 """

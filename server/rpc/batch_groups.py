@@ -2,10 +2,10 @@
 
 The servicer sends a stream's batches in their order. When the batch it sends fits in one message of its own (a
 slot handle, or a small payload), the batches ready behind it that fit too go in the same message: one gRPC
-message, one wake-up of the client's receiver thread and one of its consumer, for all of them (bench_limits.py: a
-small message down costs about 0.18 CPU ms of both processes). About half the sends found the next batch ready (the
-f32 workload over shared memory, 2 workers, one trainer). Only what is ready goes: a group never waits for a batch,
-so none arrives later than alone.
+message and one wake-up of the client's receiver thread (and usually one of its consumer) for all of them
+(bench_limits.py: a small message down costs 0.12-0.18 CPU ms of both processes on the development VM). About half
+the sends found the next batch ready (the f32 and u8 workloads over shared memory, 2 workers, one trainer). A group
+never waits for a batch that is not ready.
 
 The rules:
 
@@ -27,8 +27,7 @@ from loaderd.server.scheduling.producer import END, Delivery
 GROUP_BATCHES = 16
 GROUP_BYTES = 1 << 20
 # A payload sent as bytes joins a group only up to this size: joining copies it once more (~10 us at 64 KiB), a
-# message of its own costs far more. It is also where a worker's batch goes inline rather than to a slot
-# (server/shm/arena.py's INLINE_BYTES).
+# message of its own costs far more.
 JOINED_PAYLOAD_BYTES = 64 << 10
 
 

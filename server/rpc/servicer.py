@@ -304,7 +304,10 @@ class LoaderServicer:
     def _deliver(
         self, stream: BatchStream, session: ClientSession | None, context: grpc.ServicerContext
     ) -> Generator[bytes, None, bool]:
-        """The stream's batches as wire messages; returns True once END was sent."""
+        """The stream's batches as wire messages; returns True once END was sent.
+
+        A batch that fits one message takes the whole batches ready behind it along (server/rpc/batch_groups.py);
+        the delivery that ended the group is ``held`` and goes next turn, or is released if the call ends first."""
         told_draining = False
         held: Delivery | None = None  # met while batches were put together: the next turn's
         try:

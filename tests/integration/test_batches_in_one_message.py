@@ -44,7 +44,7 @@ def test_batches_ready_behind_a_late_one_share_its_message(
     (each its own header and chunks). Every batch is torch's."""
     gate = tmp_path / "gate"
     spec = {"gated": {"dataset": "support.datasets:Gated", "kwargs": {"n": N, "gate": str(gate), "width": width}}}
-    carried: list[Any] = []  # per message the receiver read: how many batches a Batches message held, else its kind
+    carried: list[int | str] = []  # per message the receiver read: how many batches a Batches message held, else its kind
 
     def spy(raw: bytes) -> Frame:
         frame = read_frame(raw)
@@ -58,10 +58,10 @@ def test_batches_ready_behind_a_late_one_share_its_message(
         reader = threading.Thread(target=lambda: got.extend(loader), name="epoch-reader")  # an epoch opens at its first batch
         reader.start()
         try:
-            wait_for(lambda: batches_computed(daemon.address) >= 3, 60, "three batches made while batch 0 waits at its gate")
+            wait_for(lambda: batches_computed(daemon.address) >= 3, 30, "three batches made while batch 0 waits at its gate")
         finally:
             gate.touch()
-            reader.join(60)
+            reader.join(30)
         assert not reader.is_alive(), "the epoch did not end"
         want = list(oracle_loader(datasets.Gated(N, str(gate), width=width), batch_size=BATCH))
         assert_same_batches(got, want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -58,15 +59,18 @@ def test_nothing_ready_behind_the_first_leaves_it_alone() -> None:
     assert seqs(group) == [0]
 
 
-@pytest.mark.parametrize("stop", ["error", "chunked", "end"])
+@pytest.mark.parametrize("stop", ["error", "chunked", "replay", "end"])
 def test_what_cannot_join_is_handed_back_for_after_the_group(stop: str) -> None:
-    """An error, a batch that goes as a header and chunks, or END ends the group and is sent next: the order stays
-    the plan's."""
+    """An error, a batch that goes as a header and chunks, a replayed batch (an iterable stream's resume drops it), or
+    END ends the group and is handed back for next: the order stays the plan's."""
     stream = planned(2 if stop == "end" else 4)
     stream.resolve(batch_delivery(0))
     stream.resolve(batch_delivery(1))
     if stop != "end":
-        stream.resolve(Delivery(seq=2, error=b"remote error") if stop == "error" else batch_delivery(2))
+        if stop == "error":
+            stream.resolve(Delivery(seq=2, error=b"remote error"))
+        else:
+            stream.resolve(dataclasses.replace(batch_delivery(2), replay=stop == "replay"))
         stream.resolve(batch_delivery(3))
     group = sent_first(stream)
     held = add_ready(group, lambda: stream.next_delivery(0), whole_but(2))
@@ -75,7 +79,7 @@ def test_what_cannot_join_is_handed_back_for_after_the_group(stop: str) -> None:
     if stop == "end":
         assert held is END
     else:
-        assert held.seq == 2 and (held.error is not None) == (stop == "error")
+        assert held.seq == 2 and (held.error is not None) == (stop == "error") and held.replay == (stop == "replay")
         assert stream.next_delivery(0).seq == 3  # still there for the turn after
 
 
