@@ -30,9 +30,10 @@ from typing import Any
 
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
+from loaderd.stream.call_receiver import CallEpoch
 from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
-from loaderd.stream.stream_call import CallEpoch, Progress, StreamCall, StreamCalls
+from loaderd.stream.stream_call import Progress, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
 
 _stream_tokens = itertools.count(1)

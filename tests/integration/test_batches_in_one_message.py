@@ -17,7 +17,7 @@ from support.compare import assert_same_batches
 from support.daemons import daemon_status, oracle_loader, running_daemon, wait_for
 
 from loaderd import RemoteDataLoader
-from loaderd.stream import stream_call
+from loaderd.stream import call_receiver
 from loaderd.wire.framing import Frame, read_frame
 
 N = 40
@@ -51,7 +51,7 @@ def test_batches_ready_behind_a_late_one_share_its_message(
         carried.append(len(frame.message.batches.batches) if frame.kind == "batches" and frame.message is not None else frame.kind)
         return frame
 
-    monkeypatch.setattr(stream_call, "read_frame", spy)
+    monkeypatch.setattr(call_receiver, "read_frame", spy)
     with running_daemon(spec, prefix="ld-groups-", workers=2) as daemon:
         loader = RemoteDataLoader("gated", address=daemon.address, batch_size=BATCH, num_workers=2, prefetch_factor=4, transport=transport)
         got: list[Any] = []

@@ -30,8 +30,9 @@ from loaderd.errors import LimitExceededError
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.handlers import parse_each
 from loaderd.server.rpc.requests import BadRequestError
+from loaderd.stream.call_receiver import CallEpoch, CallReceiver, CallRoute
 from loaderd.stream.receive_buffers import ReceiveBuffers
-from loaderd.stream.stream_call import PROGRESS_S, CallEpoch, Progress, StreamCall, _Receiver, _request_stream, _Route
+from loaderd.stream.stream_call import PROGRESS_S, Progress, StreamCall, _request_stream
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
@@ -319,12 +320,12 @@ def _epoch(kinds: list[str]) -> CallEpoch:
 def test_a_call_that_ends_before_its_next_epoch_begins_asks_for_a_retry_only_if_reused(epochs_before: int) -> None:
     """A call the daemon lets go just as the next epoch's `open` goes out: that epoch is opened again
     ("retry", the daemon is fine); on a call made for the epoch it is "lost" (the daemon is not fine)."""
-    route = _Route()
+    route = CallRoute()
     heard: list[list[str]] = [[] for _ in range(epochs_before + 1)]
     for kinds in heard:
         assert route.add(_epoch(kinds))
     frames = [framing.end_message(3, 1.0)] * epochs_before  # the earlier epochs end; the last hears nothing
-    _Receiver(iter(frames), None, "test", route, threading.Event()).run()
+    CallReceiver(iter(frames), None, "test", route, threading.Event()).run()
     assert heard == [["end"]] * epochs_before + [["retry"] if epochs_before else ["lost"]]
     assert route.over and not route.epochs
     assert not route.add(_epoch([])), "an epoch opened on a call that is over must hear of it: refused"
@@ -389,7 +390,7 @@ def test_an_epoch_that_opens_as_the_daemon_says_draining_between_epochs_asks_aga
     """A parked call: the daemon says it drains (no epoch open on the call), and the next epoch's
     open lands right after the receiver looked. That epoch must hear "retry", not nothing."""
     heard: list[str] = []
-    route = _Route()
+    route = CallRoute()
     looked = route.current
 
     def current() -> CallEpoch | None:
@@ -399,7 +400,7 @@ def test_an_epoch_that_opens_as_the_daemon_says_draining_between_epochs_asks_aga
         return found
 
     route.current = current  # type: ignore[method-assign]
-    _Receiver(iter([framing.draining_message(1.0)]), None, "test", route, threading.Event()).run()
+    CallReceiver(iter([framing.draining_message(1.0)]), None, "test", route, threading.Event()).run()
     assert heard == ["retry"]
     assert route.over and not route.epochs
 
