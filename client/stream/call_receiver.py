@@ -119,6 +119,7 @@ class CallReceiver:
         epoch: CallEpoch | None
         first: CallEpoch | None
         waiting: CallEpoch | None
+        late: CallEpoch | None
         frame: Frame | None
         try:
             for raw in self._call:
@@ -199,7 +200,7 @@ class CallReceiver:
             # of their batches, and no finalizer of theirs runs. So the traceback is dropped
             # above, and the frame lets go of all that here.
             self._call = self._session = self._heard = None
-            epoch = first = waiting = assembler = None
+            epoch = first = waiting = late = assembler = None
             raw = frame = header = batch = None
 
     def _whole_batch(self, header: pb.BatchHeader, epoch: CallEpoch) -> bool:

@@ -9,9 +9,11 @@ with a queue for the call's requests.
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -26,11 +28,12 @@ from support.daemons import RunningDaemon, daemon_status, oracle_loader, running
 
 from loaderd import RemoteDataLoader
 from loaderd.channel.threads import SenderThread
-from loaderd.errors import LimitExceededError
+from loaderd.errors import LimitExceededError, LoaderdError
 from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.handlers import parse_each
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.stream.call_receiver import CallEpoch, CallReceiver, CallRoute
+from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import PROGRESS_S, Progress, StreamCall, _request_stream
 from loaderd.v1 import loaderd_pb2 as pb
@@ -329,6 +332,25 @@ def test_a_call_that_ends_before_its_next_epoch_begins_asks_for_a_retry_only_if_
     assert heard == [["end"]] * epochs_before + [["retry"] if epochs_before else ["lost"]]
     assert route.over and not route.epochs
     assert not route.add(_epoch([])), "an epoch opened on a call that is over must hear of it: refused"
+
+
+@pytest.mark.timeout(30)
+def test_a_batch_that_fails_to_decode_reaches_the_epoch_without_keeping_it_alive() -> None:
+    """A Batches message with a slot on a call without a session fails the epoch (as data); the error the caller
+    keeps does not keep the epoch (its queue, a slot's view) alive through the receiver's finished frames."""
+    route = CallRoute()
+    posted: list[Any] = []
+    epoch = CallEpoch(lambda kind, payload: posted.append((kind, payload)), 1, False, ReceiveBuffers())
+    assert route.add(epoch)
+    gone = weakref.ref(epoch)
+    slot = pb.SlotHandle(name="loaderd-1-2-w0g0-0", size=4096, lease=1)
+    header = pb.BatchHeader(seq=0, value=pb.Value(), payload_bytes=16, slot=slot)
+    del epoch
+    CallReceiver(iter([pb.StreamResponse(batches=pb.Batches(batches=[header])).SerializeToString()]), None, "test", route, threading.Event()).run()
+    [(kind, error)] = posted
+    assert kind is Heard.FAILED and isinstance(error, LoaderdError) and "without a session" in str(error)
+    gc.collect()
+    assert gone() is None, "the posted error's traceback keeps the epoch alive"
 
 
 class _Refusal(grpc.RpcError, grpc.Call):

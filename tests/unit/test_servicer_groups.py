@@ -140,9 +140,22 @@ def test_a_held_batch_is_released_when_the_call_ends_before_it_is_sent(
     assert ledger.leases_of(SESSION) == 0
 
 
-def test_a_stream_that_fails_while_a_group_is_made_fails_on_the_next_turn(servicer: LoaderServicer) -> None:
-    stream = planned(1)
-    stream.fail(StreamFailed(FailReason.INTERNAL, "pool lost"))
-    assert servicer._ready(stream) is None
+def test_a_stream_that_fails_while_a_group_is_made_fails_on_the_next_turn(
+    servicer: LoaderServicer, ledger: SlotLedger, segments: Segments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream fails (its pool lost, say) right after batch 0 is taken: batch 0 goes alone, then the failure."""
+    stream = planned(2)
+    stream.resolve(in_slot(ledger, segments, 0))
+    stream.resolve(in_slot(ledger, segments, 1))
+    take = stream.next_delivery
+
+    def then_fail(timeout: float) -> Delivery | None:
+        delivery = take(timeout)
+        stream.fail(StreamFailed(FailReason.INTERNAL, "pool lost"))
+        return delivery
+
+    monkeypatch.setattr(stream, "next_delivery", then_fail)
+    messages = servicer._deliver(stream, ClientSession(SESSION, "peer"), _Context())  # type: ignore[arg-type]
+    assert kinds(next(messages)) == ("batch", [0])
     with pytest.raises(StreamFailed):
-        servicer._next(stream, 0.0)
+        next(messages)
