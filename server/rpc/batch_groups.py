@@ -37,7 +37,8 @@ def add_ready(group: list[bytes], take_ready: Callable[[], Delivery | None], who
 
     ``take_ready``: the stream's next delivery if it is there now, else None (it never waits). ``whole_message``: a
     batch's one message (its slot leased, or its bytes copied and its slot released), or None if it must go as a
-    header and chunks (nothing leased, nothing released). Returns the delivery taken that did not join, or None."""
+    header and chunks (nothing leased, nothing released). Returns the delivery taken that did not join, or None: END,
+    an error or a replay, else a batch ``whole_message`` refused (the caller need not ask again)."""
     size = sum(len(message) for message in group)
     while len(group) < GROUP_BATCHES and size < GROUP_BYTES:
         delivery = take_ready()

@@ -315,6 +315,8 @@ class LoaderServicer:
                 if self._drain.active and not told_draining:
                     told_draining = True
                     yield framing.draining_message(self._drain.stop_in())
+                # A batch add_ready held back was refused by _whole_message already: it goes as a header and chunks.
+                refused = held is not None
                 delivery = held if held is not None else self._next(stream, _POLL_S)
                 held = None
                 if delivery is None:
@@ -333,7 +335,7 @@ class LoaderServicer:
                     self._log_user_error(stream, delivery.error)
                     yield framing.error_message(delivery.error)
                     continue
-                message = self._whole_message(stream, session, delivery)
+                message = None if refused else self._whole_message(stream, session, delivery)
                 if message is None:
                     yield from self._byte_messages(delivery)
                     continue
