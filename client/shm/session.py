@@ -167,6 +167,7 @@ class ShmSession:
 
     session_id: int
     shm: bool
+    direct_socket: str
     _fence: CopyFence
 
     def __init__(self, stub: Any, address: str, handshake_timeout: float, previous: ShmSession | None = None) -> None:
@@ -198,10 +199,12 @@ class ShmSession:
         cut = threading.Timer(handshake_timeout, self._call.cancel)
         cut.daemon = True
         cut.start()
+        direct_socket = ""
         try:
             response = next(self._call)
             if response.WhichOneof("kind") == "challenge":
                 challenge = response.challenge
+                direct_socket = challenge.direct_socket
                 token, problem, self._life_fd = _read_probe(challenge.path)
                 self._requests.put(pb.SessionRequest(proof=pb.SessionProof(token=token, problem=problem)))
                 if not challenge.session_id:  # a daemon of an older revision (its probe refuses it too)
@@ -234,6 +237,8 @@ class ShmSession:
         self.session_id = ready.session_id
         self.shm = ready.shm
         self.reason = ready.reason
+        # The daemon's direct socket (loaderd/wire/direct_frames.py): "" where shared memory is not usable.
+        self.direct_socket = direct_socket if self.shm else ""
         self.maps = SegmentMaps()
         self._fence = CopyFence()
         if previous is not None:

@@ -4,7 +4,8 @@ responses and hands each to the epoch it is for (``CallReceiver``).
 Used by ``StreamCall`` (loaderd.stream.stream_call), which opens epochs on the route and starts the receiver; the
 receiver holds the route, never the StreamCall, so a call nobody holds is still cancelled by its finalizer. A
 response that carries several whole batches (``StreamResponse.batches``, protocol revision 7) is posted batch by
-batch, as lone ones are.
+batch, as lone ones are. A call offered a direct connection (loaderd.stream.direct_connection) reads its responses
+there once the daemon attached it (protocol revision 8).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 from loaderd.channel.rpc_errors import error_from_rpc, is_transient, rpc_summary
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.shm.session import ShmSession
+from loaderd.stream.direct_connection import DirectConnection
 from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.v1 import loaderd_pb2 as pb
@@ -96,8 +98,18 @@ class CallRoute:
 class CallReceiver:
     """Reads one call's responses on its own thread and hands each to the epoch it is for."""
 
-    def __init__(self, call: Any, session: ShmSession | None, address: str, route: CallRoute, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        call: Any,
+        session: ShmSession | None,
+        address: str,
+        route: CallRoute,
+        stop: threading.Event,
+        direct: DirectConnection | None = None,
+    ) -> None:
+        """``direct``: the call's direct connection (offered in its first ``open``), this receiver's to close."""
         self._call = call
+        self._direct = direct
         self._session = session
         self._address = address
         self._route = route
@@ -122,8 +134,7 @@ class CallReceiver:
         late: CallEpoch | None
         frame: Frame | None
         try:
-            for raw in self._call:
-                frame = read_frame(raw)
+            for frame in self._frames():
                 kind = frame.kind
                 header = frame.header
                 epoch = self._heard = self._route.current()
@@ -190,8 +201,11 @@ class CallReceiver:
             self._tell_all(Heard.FAILED, exc)
         finally:
             self._route.finish()
-            # The call is over: its requests too (gRPC's thread sending them leaves).
+            # The call is over: its requests too (gRPC's thread sending them leaves, and a write on the direct
+            # connection stops waiting before the connection closes).
             self._stop.set()
+            if self._direct is not None:
+                self._direct.close()
             # A failed call is its own exception: its traceback holds this frame, which holds
             # the call (self._call, and gRPC's frames under it), and the frame reaches whatever
             # its locals and self do. Anything else that holds the call (a closure of gRPC's own
@@ -199,9 +213,32 @@ class CallReceiver:
             # queue, whose events keep their lane, the lane's loader's parked calls and the slots
             # of their batches, and no finalizer of theirs runs. So the traceback is dropped
             # above, and the frame lets go of all that here.
-            self._call = self._session = self._heard = None
+            self._call = self._session = self._heard = self._direct = None
             epoch = first = waiting = late = assembler = None
-            raw = frame = header = batch = None
+            frame = header = batch = None
+
+    def _frames(self) -> Iterator[Frame]:
+        """The call's responses: on gRPC until the daemon answers the direct connection it was offered; if attached,
+        the rest from the connection until the daemon closes it (or the call stops); then the call's end on gRPC (its
+        status)."""
+        for raw in self._call:
+            frame = read_frame(raw)
+            if frame.kind != "direct" or frame.message is None:
+                yield frame
+                continue
+            direct = self._direct
+            if direct is None:
+                raise LoaderdError("daemon answered a direct connection the call did not offer")
+            if frame.message.direct.attached:
+                direct.switch()  # the call's requests follow its responses there
+                # Until the daemon closes it; and not past the call's end on gRPC (its keepalive found the daemon
+                # frozen, say), nor past the call's stop.
+                for raw in direct.responses(self._wanted):
+                    yield read_frame(raw)
+
+    def _wanted(self) -> bool:
+        call = self._call
+        return not self._stop.is_set() and call is not None and bool(call.is_active())
 
     def _whole_batch(self, header: pb.BatchHeader, epoch: CallEpoch) -> bool:
         """Post the batch ``header`` carries whole: its payload in the slot it names, or all of it in its data. False

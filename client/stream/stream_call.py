@@ -41,6 +41,7 @@ from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
 from loaderd.stream.c_heap import raise_mmap_threshold
 from loaderd.stream.call_receiver import CallEpoch, CallReceiver, CallRoute
+from loaderd.stream.direct_connection import DirectConnection, Queued
 from loaderd.stream.heard import Heard
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import PROTOCOL_REVISION
@@ -74,18 +75,18 @@ class Progress:
         return pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=self.stalled_us))
 
 
-# A queued request, with the ``Progress`` of the epoch it opens (None: not an ``open``).
-_Queued = tuple[pb.StreamRequest, Progress | None]
-
-
-def _request_stream(requests: queue.Queue[_Queued | None], stop: threading.Event, sender: SenderThread) -> Iterator[pb.StreamRequest]:
+def _request_stream(
+    requests: queue.Queue[Queued | None], stop: threading.Event, sender: SenderThread, direct: DirectConnection | None
+) -> Iterator[pb.StreamRequest]:
     """The call's requests. A free function: gRPC's sending thread holds this generator.
 
     Between them, at most every ``PROGRESS_S``, the progress of the epoch last opened (its plans
     belong to it) that no message has reported yet: on this thread, so that a message is sent in
-    the end even when the caller stopped asking for batches."""
+    the end even when the caller stopped asking for batches. Once the requests moved to the call's
+    direct connection (its ``StreamRequest.direct`` goes here, last), the progress goes there too."""
     sender.seen()
     progress: Progress | None = None
+    switched = False
     reported_at = time.monotonic()
     while not stop.is_set():
         try:
@@ -98,10 +99,18 @@ def _request_stream(requests: queue.Queue[_Queued | None], stop: threading.Event
             request, opens = queued
             if opens is not None:
                 progress = opens
+            elif request.WhichOneof("kind") == "direct" and direct is not None:
+                direct.took_over(progress)
+                switched = True
             elif progress is not None and request.plan.consumed > progress.reported:
                 progress.reported = request.plan.consumed
             yield request
-        if progress is not None and time.monotonic() - reported_at >= PROGRESS_S:
+        if time.monotonic() - reported_at < PROGRESS_S:
+            continue
+        if switched and direct is not None:
+            reported_at = time.monotonic()
+            direct.report()
+        elif progress is not None:
             report = progress.report()
             if report is not None:
                 reported_at = time.monotonic()
@@ -125,15 +134,21 @@ class StreamCall:
         self._connection = connection
         self._pid = os.getpid()
         self._stop = threading.Event()
-        self._requests: queue.Queue[_Queued | None] = queue.Queue()
+        self._requests: queue.Queue[Queued | None] = queue.Queue()
         self._route = CallRoute()
         if session is None:  # batches arrive as multi-MiB messages: keep their memory on the heap
             raise_mmap_threshold()
         self._sender = SenderThread()
-        call = connection.stream_batches(_request_stream(self._requests, self._stop, self._sender))
+        # Same host: the call's responses may travel on a direct connection (loaderd.stream.direct_connection).
+        direct = None
+        if session is not None and session.direct_socket:
+            direct = DirectConnection.connect(session.direct_socket, self._requests, self._stop)
+        self._direct = direct  # the receiver owns it (and closes it); requests go through it
+        self._direct_key = direct.key if direct is not None else b""  # offered in the call's first open
+        call = connection.stream_batches(_request_stream(self._requests, self._stop, self._sender, direct))
         # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
         self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid)
-        receiver = CallReceiver(call, session, address, self._route, self._stop)
+        receiver = CallReceiver(call, session, address, self._route, self._stop, direct)
         self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         self._receiver.start()
         track(self._receiver)  # joined at exit, even once this object is gone (loaderd.channel.threads)
@@ -148,8 +163,15 @@ class StreamCall:
             return False
         request = pb.StreamRequest(open=opening)  # a copy: the revision is the call's to state
         request.open.protocol_revision = PROTOCOL_REVISION
-        self._requests.put((request, progress))
+        request.open.direct_key, self._direct_key = self._direct_key, b""
+        self._put(request, progress)
         return True
+
+    def _put(self, request: pb.StreamRequest, opens: Progress | None) -> None:
+        if self._direct is not None:
+            self._direct.put(request, opens)  # on gRPC until the daemon attached the connection, then there
+        else:
+            self._requests.put((request, opens))
 
     def outcome(self) -> tuple[Heard, Any]:
         """What the call ended with, (kind, payload) as its epochs heard it: for an epoch whose ``open``
@@ -159,7 +181,7 @@ class StreamCall:
 
     def send(self, request: pb.StreamRequest) -> None:
         """Send a ``plan`` for the epoch opened last."""
-        self._requests.put((request, None))
+        self._put(request, None)
 
     @property
     def over(self) -> bool:

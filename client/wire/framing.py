@@ -154,6 +154,12 @@ def end_message(batches: int, keep_open_s: float = 0.0) -> bytes:
     return b"".join([_B_RESP_END, varint(len(inner)), inner])
 
 
+def direct_message(attached: bool) -> bytes:
+    """The answer to a call's ``direct_key`` (once per call: built with protobuf)."""
+    message: bytes = pb.StreamResponse(direct=pb.DirectAttached(attached=attached)).SerializeToString()
+    return message
+
+
 def draining_message(stop_in_s: float) -> bytes:
     """The daemon is draining (rare: built with protobuf)."""
     message: bytes = pb.StreamResponse(draining=pb.Draining(stop_in_s=stop_in_s)).SerializeToString()

@@ -13,8 +13,9 @@ DEFAULT_ADDRESS = "unix:///tmp/loaderd.sock"
 # a session's challenge carries its id, usable before `ready`; a StreamBatches call takes the next
 # epoch's `open` after its StreamEnd; a plan carries the releases of its stream's slots. Revision 6:
 # clients name their revision, so a daemon refuses another's too. Revision 7: shared-memory batches ready at
-# once travel in one message (StreamResponse.batches), as do small batches.
-PROTOCOL_REVISION = 7
+# once travel in one message (StreamResponse.batches), as do small batches. Revision 8: a same-host call's
+# responses may travel on the daemon's direct socket (loaderd/wire/direct_frames.py).
+PROTOCOL_REVISION = 8
 
 
 def revision_mismatch(theirs: int, me: str) -> str:

@@ -15,8 +15,9 @@ Shutdown (``Daemon.shutdown``, idempotent, run after the drain, or at once on SI
   3. client sessions close, giving back every slot clients held, and their
      calls end (a session's call lasts as long as its client process, so
      it would otherwise hold the next step for its whole grace period);
-  4. the gRPC server stops (grace period for in-flight replies), then the
-     watchdog that cuts silent calls;
+  4. the gRPC server stops (grace period for in-flight replies); the direct
+     socket (server/rpc/direct_listener.py) stops accepting, its thread is
+     joined and its file removed; then the watchdog that cuts silent calls;
   5. the metrics HTTP server (if any) stops and its thread is joined;
   6. workers get a stop message, then terminate/kill after a timeout, and the
      fork server is stopped and reaped;
@@ -56,6 +57,7 @@ from loaderd.server.pool.fork_server import PoolStartError
 from loaderd.server.pool.pool import WorkerPool
 from loaderd.server.process.heap import give_back_free_pages, tune_heap
 from loaderd.server.rpc.admission import Admission, handler_threads
+from loaderd.server.rpc.direct_listener import DirectListener
 from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.executor import ElasticExecutor
 from loaderd.server.rpc.handlers import SERVICE_NAME, add_parsing, generic_handler
@@ -83,7 +85,8 @@ from loaderd.server.shm.arena import daemon_prefix, shm_available, sweep_stale, 
 from loaderd.server.worker.import_check import ImportCheck
 from loaderd.server.worker.tasks import DatasetMeta
 from loaderd.wire.addresses import is_loopback
-from loaderd.wire.limits import MAX_MESSAGE_BYTES
+from loaderd.wire.direct_frames import DIRECT_SOCKET_SUFFIX
+from loaderd.wire.limits import MAX_MESSAGE_BYTES, SHM_DIR
 
 if TYPE_CHECKING:
     from loaderd.server.ops.metrics import BatchLatency, MetricsEndpoint
@@ -108,6 +111,18 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
     return soft
+
+
+def _direct_listener(names: str, handshake_timeout: float) -> DirectListener | None:
+    """The direct socket beside the segments (server/rpc/direct_listener.py), accepting; None if it cannot be made
+    (same-host calls' responses then stay on gRPC)."""
+    try:
+        listener = DirectListener(os.path.join(SHM_DIR, names + DIRECT_SOCKET_SUFFIX), handshake_timeout)
+    except OSError as exc:
+        log.warning("no direct socket (%s): same-host batches travel on gRPC", exc)
+        return None
+    listener.start()
+    return listener
 
 
 def _metrics_unavailable(host: str, port: int, reason: str) -> ListenError:
@@ -154,6 +169,7 @@ class Daemon:
         self._cache_prefix: str | None = None  # the memory tier's item caches in /dev/shm (None: none)
         self.scheduler: Scheduler | None = None
         self.session_host: SessionHost | None = None
+        self.direct: DirectListener | None = None
         self.server: grpc.Server | None = None
         self.metrics: MetricsEndpoint | None = None
         self.watchdog = Watchdog()
@@ -229,7 +245,8 @@ class Daemon:
         self.watchdog.start()
         self.watchdog.arm(MEMORY_TRIM_S, self._trim_memory)
         limits = config.limits
-        self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout)
+        self.direct = direct = _direct_listener(names, limits.handshake_timeout) if shm_prefix is not None else None
+        self.session_host = session_host = SessionHost(sessions, ledger, shm_prefix, self.watchdog, limits.handshake_timeout, direct)
         status = StatusBoard(pool.states, catalog, scheduler, sessions, caches)
         if config.metrics is not None and latency is not None:
             from loaderd.server.ops.metrics import MetricsEndpoint
@@ -365,6 +382,8 @@ class Daemon:
             self.server.stop(grace).wait(grace + 1.0)
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # its threads are daemon threads; the calls they ran have ended
+        if self.direct is not None:
+            self.direct.close()  # the calls have ended: their direct connections are closed
         self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.shutdown()

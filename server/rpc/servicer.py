@@ -9,6 +9,7 @@ callback that closes its stream, so the pool stops working for it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Generator, Iterator
@@ -22,6 +23,7 @@ from loaderd.server.process.throttle import LogThrottle
 from loaderd.server.rpc.admission import Admission, AdmissionRefused, Ticket
 from loaderd.server.rpc.batch_groups import JOINED_PAYLOAD_BYTES, add_ready
 from loaderd.server.rpc.call_requests import CallRequests
+from loaderd.server.rpc.direct_socket import DirectSocket, with_direct_requests
 from loaderd.server.rpc.drain import DrainSignal
 from loaderd.server.rpc.requests import (
     BadRequestError,
@@ -43,6 +45,7 @@ from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.security.auth import Authenticator
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
+from loaderd.wire.direct_frames import DirectClosed
 from loaderd.wire.reasons import Reason, abort
 
 log = logging.getLogger("loaderd.servicer")
@@ -184,12 +187,24 @@ class LoaderServicer:
         except LimitExceededError as exc:
             self._refuse(context, exc, "stream")
         context.add_callback(ticket.release)
+        direct = DirectSocket()
         try:
-            yield from self._serve_call(request_iterator, context)
+            with contextlib.closing(self._serve_call(request_iterator, context, direct)) as messages:
+                for message in messages:
+                    if not direct.attached:
+                        yield message
+                        continue
+                    try:
+                        direct.send(message, context.is_active)
+                    except DirectClosed as exc:
+                        abort(context, grpc.StatusCode.UNAVAILABLE, f"the client's direct connection closed ({exc})", Reason.UNAVAILABLE)
         finally:
+            direct.close()
             ticket.release()
 
-    def _serve_call(self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _serve_call(
+        self, request_iterator: Iterator[pb.StreamRequest], context: grpc.ServicerContext, direct: DirectSocket
+    ) -> Generator[bytes, None, None]:
         """The call's epochs, one after another: each an ``open`` and its plan (see ``CallRequests``).
 
         After an epoch's END the call waits up to ``limits.handshake_timeout`` for the
@@ -198,7 +213,9 @@ class LoaderServicer:
         first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request", Reason.BAD_REQUEST)
-        reader = CallRequests(request_iterator, self._plan_request, f"loaderd-plan-{next(_call_ids)}", on_bad=self._fail_stream)
+        # The client's requests move to the call's direct connection where it says so (``StreamRequest.direct``).
+        requests = with_direct_requests(request_iterator, direct, context.is_active, self._limits.max_request_bytes)
+        reader = CallRequests(requests, self._plan_request, f"loaderd-plan-{next(_call_ids)}", on_bad=self._fail_stream)
         epoch = _EpochHold()
 
         def cancelled() -> None:  # the client went away: end whatever epoch is open
@@ -211,7 +228,7 @@ class LoaderServicer:
         opening: pb.OpenStream | None = first.open
         try:
             while opening is not None:
-                ended = yield from self._open_stream(opening, reader, epoch, context)
+                ended = yield from self._open_stream(opening, reader, epoch, context, direct)
                 if not ended:
                     return
                 opening = reader.next_open(self._limits.handshake_timeout, lambda: self._serving(context))
@@ -227,7 +244,7 @@ class LoaderServicer:
         return context.is_active() and not self._drain.active and not self._scheduler.stopping
 
     def _open_stream(
-        self, opening: pb.OpenStream, reader: CallRequests, epoch: _EpochHold, context: grpc.ServicerContext
+        self, opening: pb.OpenStream, reader: CallRequests, epoch: _EpochHold, context: grpc.ServicerContext, direct: DirectSocket
     ) -> Generator[bytes, None, bool]:
         """One epoch of the call, from its ``open``; returns True once its END was sent."""
         identity = self._auth.identify(context)
@@ -257,8 +274,14 @@ class LoaderServicer:
             epoch.ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
         except _REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")
+        if opening.direct_key and session is not None and not direct.attached:
+            conn = self._session_host.claim_direct(opening.direct_key)
+            # The answer is the call's last message on gRPC when attached: the client reads on from the connection.
+            yield framing.direct_message(conn is not None)
+            if conn is not None:
+                direct.attach(conn)
         try:
-            return (yield from self._serve_stream(checked, session, reader, context, who))
+            return (yield from self._serve_stream(checked, session, reader, context, who, direct.attached))
         finally:
             epoch.release()
 
@@ -269,7 +292,9 @@ class LoaderServicer:
         reader: CallRequests,
         context: grpc.ServicerContext,
         who: str,
+        direct: bool,
     ) -> Generator[bytes, None, bool]:
+        """One epoch's stream, opened; ``direct``: its responses go on the call's direct connection (for the log)."""
         try:
             stream = self._scheduler.open_stream(checked.spec, checked.share)
         except _REFUSED as exc:
@@ -281,7 +306,7 @@ class LoaderServicer:
             who,
             shown(spec.dataset),
             spec.window,
-            ", shared memory" if session is not None else "",
+            (", shared memory, direct socket" if direct else ", shared memory") if session is not None else "",
             f", share {shown(spec.share)} epoch {checked.share.epoch}" if spec.share is not None and checked.share is not None else "",
             f", resuming at batch {spec.start}" if spec.start else "",
         )

@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loaderd.server.rpc.direct_listener import DirectListener
 from loaderd.server.rpc.liveness import LIFE_CHECK_S, LifeMark
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.server.rpc.watchdog import Watchdog
@@ -57,6 +59,8 @@ log = logging.getLogger("loaderd.sessions")
 
 # How often the session's handler re-checks that its client is still there.
 _POLL_S = 0.25
+# How long a call waits for its direct connection's key to be read (the client connected before it sent ``open``).
+DIRECT_CLAIM_S = 1.0
 
 
 @dataclass
@@ -224,15 +228,30 @@ class SessionHost:
     """Runs the ``Session`` call: the handshake, then the client's releases until it goes away."""
 
     def __init__(
-        self, registry: SessionRegistry, ledger: SlotLedger, shm_prefix: str | None, watchdog: Watchdog, proof_timeout: float
+        self,
+        registry: SessionRegistry,
+        ledger: SlotLedger,
+        shm_prefix: str | None,
+        watchdog: Watchdog,
+        proof_timeout: float,
+        direct: DirectListener | None = None,
     ) -> None:
-        """``proof_timeout``: seconds a client has to answer the challenge (``watchdog`` cuts the call after)."""
+        """``proof_timeout``: seconds a client has to answer the challenge (``watchdog`` cuts the call after);
+        ``direct``: the socket same-host calls' responses may travel on (server/rpc/direct_listener.py), named in
+        the challenge."""
         self.registry = registry
         self._ledger = ledger
         self._shm_prefix = shm_prefix
         self._watchdog = watchdog
         self._proof_timeout = proof_timeout
         self._probes = itertools.count()
+        self._direct = direct
+
+    def claim_direct(self, key: bytes) -> socket.socket | None:
+        """The direct connection that sent ``key``, now the caller's; None if there is none (in time)."""
+        if self._direct is None:
+            return None
+        return self._direct.claim(key, min(DIRECT_CLAIM_S, self._proof_timeout))
 
     def end(self, session: ClientSession, call: int | None = None) -> None:
         """The session's call ``call`` ended (None: whichever it has now): every slot it held goes back to its
@@ -311,7 +330,8 @@ class SessionHost:
                 try:
                     target = resuming if resuming is not None else session
                     assert target is not None
-                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=target.session_id))
+                    direct = self._direct.path if self._direct is not None else ""
+                    yield pb.SessionResponse(challenge=pb.SessionChallenge(path=path, session_id=target.session_id, direct_socket=direct))
                     proof = next(requests, None)
                     proved = proof is not None and proof.WhichOneof("kind") == "proof" and proof.proof.token == token
                     if proved and resuming is not None:

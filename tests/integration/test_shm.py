@@ -54,6 +54,7 @@ from loaderd import RemoteDataLoader
 from loaderd.server.shm import arena as loaderd_arena
 from loaderd.shm.leases import Leases
 from loaderd.shm.session import ShmSession
+from loaderd.wire.direct_frames import DIRECT_SOCKET_SUFFIX
 
 SHM_DIR = "/dev/shm"
 MiB = 1 << 20
@@ -622,7 +623,9 @@ def test_segments_are_private_to_the_user(roomy: SharedDaemon) -> None:
     assert slot in names
     for name in names:
         st = os.stat(os.path.join(SHM_DIR, name))
-        assert stat.S_ISREG(st.st_mode), f"{name} is not a regular file"
+        # Segments and probes are files; the direct socket (server/rpc/direct_listener.py) is the one socket.
+        kind = stat.S_ISSOCK if name.endswith(f"-{DIRECT_SOCKET_SUFFIX}") else stat.S_ISREG
+        assert kind(st.st_mode), f"{name} is not a {'socket' if kind is stat.S_ISSOCK else 'regular file'}"
         assert stat.S_IMODE(st.st_mode) == 0o600, f"{name} has mode {oct(stat.S_IMODE(st.st_mode))}, not 0o600"
         assert st.st_uid == os.getuid()
     assert_same(held, next(iter(DataLoader(big_dataset(), batch_size=BIG_BATCH))), "held batch")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -33,12 +34,14 @@ from loaderd.server.rpc.call_requests import CallRequests
 from loaderd.server.rpc.handlers import parse_each
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.stream.call_receiver import CallEpoch, CallReceiver, CallRoute
+from loaderd.stream.direct_connection import DirectConnection
 from loaderd.stream.heard import Heard
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import PROGRESS_S, Progress, StreamCall, _request_stream
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc
 from loaderd.wire import framing
+from loaderd.wire.direct_frames import PREFIX
 from loaderd.wire.limits import PROTOCOL_REVISION
 
 N = 100
@@ -434,7 +437,7 @@ def test_the_sending_thread_reports_progress_no_plan_carried_at_most_every_inter
     when no plan said it, for the epoch opened last; what a plan carried is not sent again."""
     requests: queue.Queue[Any] = queue.Queue()
     stop = threading.Event()
-    sent = _request_stream(requests, stop, SenderThread())
+    sent = _request_stream(requests, stop, SenderThread(), None)
     first, second = Progress(0), Progress(10)
     requests.put((pb.StreamRequest(open=pb.OpenStream(dataset="a")), first))
     assert next(sent).open.dataset == "a"
@@ -451,3 +454,31 @@ def test_the_sending_thread_reports_progress_no_plan_carried_at_most_every_inter
     assert next(sent) == pb.StreamRequest(plan=pb.PlanBatches(consumed=12)), "only the epoch opened last reports"
     requests.put(None)
     assert next(sent, None) is None
+
+
+@pytest.mark.timeout(10)
+def test_after_the_switch_the_sending_thread_reports_progress_on_the_direct_connection() -> None:
+    """Once ``StreamRequest.direct`` is sent (the last request on gRPC), the caller's progress goes on the call's
+    direct connection, from gRPC's sending thread, and that thread sends nothing more on gRPC."""
+    requests: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    ours, daemons = socket.socketpair()
+    ours.setblocking(False)
+    direct = DirectConnection(ours, b"k" * 16, requests, stop)
+    sent = _request_stream(requests, stop, SenderThread(), direct)
+    progress = Progress(0)
+    direct.put(pb.StreamRequest(open=pb.OpenStream(dataset="a")), progress)
+    assert next(sent).open.dataset == "a"
+    direct.switch()
+    assert next(sent).WhichOneof("kind") == "direct"
+    progress.consumed = 4
+    ended = threading.Thread(target=lambda: list(sent))  # reports every PROGRESS_S until the call stops
+    ended.start()
+    daemons.settimeout(5)
+    (size,) = PREFIX.unpack(daemons.recv(PREFIX.size))
+    assert pb.StreamRequest.FromString(daemons.recv(size)) == pb.StreamRequest(plan=pb.PlanBatches(consumed=4))
+    requests.put(None)
+    ended.join(5)
+    assert not ended.is_alive()
+    direct.close()
+    daemons.close()

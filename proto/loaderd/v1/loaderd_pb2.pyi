@@ -56,7 +56,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., pool_workers: _Optional[int] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned", "protocol_revision")
+    __slots__ = ("dataset", "auto_collation", "batch_size", "drop_last", "num_workers", "base_seed", "window", "session_id", "stream_token", "start", "client", "share", "positioned", "protocol_revision", "direct_key")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     AUTO_COLLATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class OpenStream(_message.Message):
     SHARE_FIELD_NUMBER: _ClassVar[int]
     POSITIONED_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_KEY_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     auto_collation: bool
     batch_size: int
@@ -85,7 +86,8 @@ class OpenStream(_message.Message):
     share: ShareSpec
     positioned: bool
     protocol_revision: int
-    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ..., positioned: _Optional[bool] = ..., protocol_revision: _Optional[int] = ...) -> None: ...
+    direct_key: bytes
+    def __init__(self, dataset: _Optional[str] = ..., auto_collation: _Optional[bool] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_workers: _Optional[int] = ..., base_seed: _Optional[int] = ..., window: _Optional[int] = ..., session_id: _Optional[int] = ..., stream_token: _Optional[int] = ..., start: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[_Union[ShareSpec, _Mapping]] = ..., positioned: _Optional[bool] = ..., protocol_revision: _Optional[int] = ..., direct_key: _Optional[bytes] = ...) -> None: ...
 
 class ShareSpec(_message.Message):
     __slots__ = ("name", "epoch", "fingerprint")
@@ -120,12 +122,18 @@ class PlanBatches(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[_Union[IndexBatch, _Mapping]]] = ..., end: _Optional[bool] = ..., consumed: _Optional[int] = ..., stalled_us: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("open", "plan")
+    __slots__ = ("open", "plan", "direct")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     open: OpenStream
     plan: PlanBatches
-    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., plan: _Optional[_Union[PlanBatches, _Mapping]] = ...) -> None: ...
+    direct: DirectRequests
+    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., plan: _Optional[_Union[PlanBatches, _Mapping]] = ..., direct: _Optional[_Union[DirectRequests, _Mapping]] = ...) -> None: ...
+
+class DirectRequests(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ArrayRef(_message.Message):
     __slots__ = ("dtype", "shape", "strides", "offset", "nbytes", "scalar")
@@ -306,12 +314,14 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., proof: _Optional[_Union[SessionProof, _Mapping]] = ..., release: _Optional[_Union[SlotRelease, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStream, _Mapping]] = ...) -> None: ...
 
 class SessionChallenge(_message.Message):
-    __slots__ = ("path", "session_id")
+    __slots__ = ("path", "session_id", "direct_socket")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     path: str
     session_id: int
-    def __init__(self, path: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+    direct_socket: str
+    def __init__(self, path: _Optional[str] = ..., session_id: _Optional[int] = ..., direct_socket: _Optional[str] = ...) -> None: ...
 
 class SessionReady(_message.Message):
     __slots__ = ("session_id", "shm", "reason")
@@ -348,20 +358,28 @@ class Draining(_message.Message):
     def __init__(self, stop_in_s: _Optional[float] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("batch", "chunk", "error", "end", "draining", "batches")
+    __slots__ = ("batch", "chunk", "error", "end", "draining", "batches", "direct")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     batch: BatchHeader
     chunk: DataChunk
     error: RemoteError
     end: StreamEnd
     draining: Draining
     batches: Batches
-    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ...) -> None: ...
+    direct: DirectAttached
+    def __init__(self, batch: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., batches: _Optional[_Union[Batches, _Mapping]] = ..., direct: _Optional[_Union[DirectAttached, _Mapping]] = ...) -> None: ...
+
+class DirectAttached(_message.Message):
+    __slots__ = ("attached",)
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    attached: bool
+    def __init__(self, attached: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,124 @@
+"""DirectConnection: a call's connection to its daemon's direct socket (the format: loaderd/wire/direct_frames.py).
+
+``StreamCall`` connects one when its session names a direct socket, offers its key in the call's first ``open``,
+and sends every request through ``put``. Its ``CallReceiver`` reads the call's responses from here once the daemon
+answered ``DirectAttached(attached)``, and ``switch``es the requests over: a ``StreamRequest.direct`` is queued for
+gRPC's sending thread (so every request queued before it reaches the daemon first), and every request ``put`` after
+it is written on the connection by the thread that puts it, with no hand-off to gRPC's thread. That thread then only
+reports the caller's progress (``report``) every ``PROGRESS_S``. The receiver closes the connection when it leaves.
+
+The lock orders the switch against ``put``s and writes against ``close``: a write that waits on a full socket
+re-checks the call's stop signal every ``POLL_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from loaderd.errors import LoaderdError
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, POLL_S, DirectClosed, FrameTooLarge, read_frames, send_frame
+from loaderd.wire.limits import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from loaderd.stream.stream_call import Progress
+
+log = logging.getLogger("loaderd.direct")
+
+# A queued request, with the ``Progress`` of the epoch it opens (None: not an ``open``); None ends the requests.
+Queued = tuple[pb.StreamRequest, "Progress | None"]
+
+
+class DirectConnection:
+    """A connected direct socket whose key has been sent."""
+
+    def __init__(self, conn: socket.socket, key: bytes, requests: queue.Queue[Queued | None], stop: threading.Event) -> None:
+        """``requests``: the call's queue for gRPC's sending thread; ``stop``: the call's stop signal."""
+        self.key = key
+        self._conn = conn
+        self._requests = requests
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._switched = False
+        self._closed = False
+        self._progress: Progress | None = None  # once switched: the epoch opened last (its progress goes from here)
+
+    @classmethod
+    def connect(cls, path: str, requests: queue.Queue[Queued | None], stop: threading.Event) -> DirectConnection | None:
+        """Connect to ``path`` and send a fresh key; None if that fails (the call stays on gRPC)."""
+        key = os.urandom(DIRECT_KEY_BYTES)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(POLL_S)  # a unix connect and 16 bytes into an empty buffer do not wait; bounded anyway
+            conn.connect(path)
+            conn.sendall(key)
+        except OSError as exc:
+            conn.close()
+            log.debug("no direct connection to %s (%s): the call stays on gRPC", path, exc)
+            return None
+        conn.setblocking(False)
+        return cls(conn, key, requests, stop)
+
+    def responses(self, wanted: Callable[[], bool]) -> Iterator[bytes]:
+        """Each response (a serialized StreamResponse) until the daemon closes the connection, or ``wanted()`` is
+        False when none came for ``POLL_S`` (on the receiver's thread: the call stopped, or its gRPC call ended)."""
+        try:
+            yield from read_frames(self._conn, wanted, MAX_MESSAGE_BYTES)
+        except FrameTooLarge as exc:
+            raise LoaderdError(f"the daemon's direct connection sent {exc}") from None
+
+    def switch(self) -> None:
+        """The daemon attached the connection: the requests follow (on the receiver's thread, once)."""
+        with self._lock:
+            self._requests.put((pb.StreamRequest(direct=pb.DirectRequests()), None))
+            self._switched = True
+
+    def put(self, request: pb.StreamRequest, opens: Progress | None) -> None:
+        """Send ``request`` (``opens``: the progress of the epoch it opens): queued for gRPC before the switch,
+        written on the connection after it."""
+        with self._lock:
+            if not self._switched:
+                self._requests.put((request, opens))
+                return
+            if opens is not None:
+                self._progress = opens
+            elif self._progress is not None and request.plan.consumed > self._progress.reported:
+                self._progress.reported = request.plan.consumed
+            self._write(request)
+
+    def took_over(self, progress: Progress | None) -> None:
+        """gRPC's sending thread met the switch: ``progress`` (the epoch it reported for) goes on from here, unless
+        an epoch opened since."""
+        with self._lock:
+            if self._progress is None:
+                self._progress = progress
+
+    def report(self) -> None:
+        """Send the caller's progress, if no message has said it yet (gRPC's sending thread, after the switch)."""
+        with self._lock:
+            report = self._progress.report() if self._progress is not None else None
+            if report is not None:
+                self._write(report)
+
+    def _write(self, request: pb.StreamRequest) -> None:
+        if self._closed:
+            return  # the call is over
+        try:
+            send_frame(self._conn, request.SerializeToString(), self._wanted)
+        except DirectClosed:
+            pass  # the daemon ended the call: the receiver hears how on gRPC
+
+    def _wanted(self) -> bool:
+        return not self._stop.is_set()
+
+    def close(self) -> None:
+        """Close the connection (after the call's stop signal is set). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._conn.close()

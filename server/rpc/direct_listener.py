@@ -1,0 +1,164 @@
+"""DirectListener: the daemon's direct socket, where same-host clients connect for their calls' responses.
+
+The format and the handshake are in loaderd/wire/direct_frames.py. This side:
+
+- one unix socket beside the daemon's segments (mode 0600, so only its user connects; a peer of another uid, by
+  ``SO_PEERCRED``, is closed at once);
+- one thread (``loaderd-direct``, owned and joined by ``close``) accepts connections and reads each one's key
+  without blocking on any of them; a connection whose key is complete waits to be claimed;
+- a call's servicer thread ``claim``s the connection by the key its client named in ``open`` (waiting up to a
+  timeout: the client connects before it sends ``open``, but the key may not have been read yet);
+- a connection nobody claims within ``handshake_timeout`` of its arrival is closed, and at most ``MAX_WAITING``
+  wait at once (more are closed as they come): a local process of the daemon's user cannot hold the daemon's
+  descriptors.
+
+``close`` is idempotent: the thread leaves within ``POLL_S``, every waiting connection is closed and the socket's
+file removed. Claimed connections belong to their calls (``DirectSocket``, server/rpc/direct_socket.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES
+
+log = logging.getLogger("loaderd.direct")
+
+POLL_S = 0.25
+MAX_WAITING = 64
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class DirectListener:
+    """Accepts direct connections and hands each to the call that names its key."""
+
+    def __init__(self, path: str, handshake_timeout: float) -> None:
+        """Binds ``path`` now (mode 0600); ``start`` begins accepting."""
+        self.path = path
+        self._timeout = handshake_timeout
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the file is born 0600: no moment where another user could connect
+        try:
+            self._listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        self._listener.listen(MAX_WAITING)
+        self._listener.setblocking(False)
+        self._lock = threading.Condition()
+        self._reading: dict[socket.socket, tuple[float, bytearray]] = {}  # key not complete yet: arrived at, bytes
+        self._ready: dict[bytes, tuple[float, socket.socket]] = {}  # key -> arrived at, connection
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loaderd-direct", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def claim(self, key: bytes, timeout: float) -> socket.socket | None:
+        """The connection that sent ``key`` (non-blocking, now the caller's), waiting up to ``timeout`` s; None if
+        none came, or the listener is closed."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._stop.is_set():
+                found = self._ready.pop(key, None)
+                if found is not None:
+                    return found[1]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(min(left, POLL_S))
+        return None
+
+    def close(self) -> None:
+        """Stop accepting, close every connection not claimed, remove the socket's file. Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(POLL_S * 4)
+        with self._lock:
+            waiting = list(self._reading) + [conn for _, conn in self._ready.values()]
+            self._reading.clear()
+            self._ready.clear()
+            self._lock.notify_all()
+        for conn in waiting:
+            conn.close()
+        self._listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(POLL_S):
+                    if key.fileobj is self._listener:
+                        self._accept(selector)
+                    else:
+                        self._read_key(selector, key.fileobj)  # type: ignore[arg-type]
+                self._expire(selector)
+        except Exception:  # a bug here must not leave clients waiting: they fall back to gRPC
+            log.exception("the direct socket's thread failed; calls' responses stay on gRPC")
+        finally:
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # out of descriptors: the client falls back to gRPC
+            log.warning("direct socket: cannot accept a connection: %s", exc)
+            return
+        _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        with self._lock:
+            full = len(self._reading) + len(self._ready) >= MAX_WAITING
+            if uid == os.getuid() and not full:
+                conn.setblocking(False)
+                self._reading[conn] = (time.monotonic(), bytearray())
+                selector.register(conn, selectors.EVENT_READ)
+                return
+        conn.close()
+        log.warning("direct socket: a connection refused (%s)", "too many waiting" if full else f"uid {uid}")
+
+    def _read_key(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
+        with self._lock:
+            entry = self._reading.get(conn)
+        if entry is None:
+            return
+        arrived, key = entry
+        try:
+            data = conn.recv(DIRECT_KEY_BYTES - len(key))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        key += data
+        if data and len(key) < DIRECT_KEY_BYTES:
+            return
+        selector.unregister(conn)
+        with self._lock:
+            del self._reading[conn]
+            if data:  # whole: the call that names it claims it
+                self._ready[bytes(key)] = (arrived, conn)
+                self._lock.notify_all()
+                return
+        conn.close()  # closed before its key was whole
+
+    def _expire(self, selector: selectors.BaseSelector) -> None:
+        stale = time.monotonic() - self._timeout
+        with self._lock:
+            gone = [conn for conn, (arrived, _) in self._reading.items() if arrived < stale]
+            for conn in gone:
+                del self._reading[conn]
+                selector.unregister(conn)
+            for key in [k for k, (arrived, _) in self._ready.items() if arrived < stale]:
+                gone.append(self._ready.pop(key)[1])
+        for conn in gone:
+            conn.close()

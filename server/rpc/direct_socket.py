@@ -1,0 +1,97 @@
+"""DirectSocket: one call's direct connection on the daemon's side (the format: loaderd/wire/direct_frames.py).
+
+Owned by the call's handler (``LoaderServicer.StreamBatches``), which writes the call's responses on it once
+attached and closes it when the call ends, whichever way. The call's request reader (``CallRequests``' thread)
+reads the client's requests from it once the client said so (``StreamRequest.direct``: ``with_direct_requests``).
+
+Closing: ``close`` shuts the connection down at once (a reader waiting on it wakes to its end), and its descriptor
+is closed once no reader uses it (never under a reader's feet, where the number could be reused).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+from loaderd.server.rpc.handlers import parse
+from loaderd.server.rpc.requests import BadRequestError
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.direct_frames import FrameTooLarge, read_frames, send_frame
+
+
+class DirectSocket:
+    """A call's direct connection, once attached."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: socket.socket | None = None
+        self._users = 0  # the handler (while attached) and a reader reading it
+        self._closing = False
+
+    @property
+    def attached(self) -> bool:
+        return self._conn is not None
+
+    def attach(self, conn: socket.socket) -> None:
+        """From now on ``send`` writes on ``conn`` (non-blocking; claimed from the ``DirectListener``)."""
+        with self._lock:
+            self._conn, self._users = conn, 1
+
+    def send(self, message: bytes, wanted: Callable[[], bool]) -> None:
+        """Write ``message`` (one serialized StreamResponse) whole. Returns once the kernel has it, or quietly once
+        ``wanted()`` is False (the call is over); raises ``DirectClosed`` if the client closed its end."""
+        conn = self._conn
+        assert conn is not None
+        send_frame(conn, message, wanted)
+
+    def requests(self, wanted: Callable[[], bool], max_bytes: int) -> Iterator[pb.StreamRequest]:
+        """The client's requests on the connection until it ends (closed by either side) or ``wanted()`` turns False;
+        ``BadRequestError`` for one that does not parse or is longer than ``max_bytes``."""
+        with self._lock:
+            conn = self._conn
+            if conn is None or self._closing:
+                raise BadRequestError("requests on the direct connection of a call that has none")
+            self._users += 1
+        try:
+            for raw in read_frames(conn, wanted, max_bytes):
+                request = parse(pb.StreamRequest, raw)
+                if request.WhichOneof("kind") == "direct":
+                    raise BadRequestError("'direct' sent on the direct connection itself")
+                yield request
+        except FrameTooLarge as exc:
+            raise BadRequestError(f"on the direct connection: {exc}") from None
+        finally:
+            self._let_go()
+
+    def close(self) -> None:
+        """The call is over: shut the connection down (the client reads its end, then the call's status on gRPC).
+        Idempotent."""
+        with self._lock:
+            if self._conn is None or self._closing:
+                return
+            self._closing = True
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._let_go()
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._users -= 1
+            conn = self._conn if self._users == 0 else None
+        if conn is not None:
+            conn.close()
+
+
+def with_direct_requests(
+    requests: Iterator[pb.StreamRequest], direct: DirectSocket, wanted: Callable[[], bool], max_bytes: int
+) -> Iterator[pb.StreamRequest]:
+    """A call's requests: from gRPC, and after the client's ``StreamRequest.direct`` from its direct connection until
+    that ends; then from gRPC again (where nothing more comes but the call's end)."""
+    for request in requests:
+        if request.WhichOneof("kind") != "direct":
+            yield request
+        else:
+            yield from direct.requests(wanted, max_bytes)

@@ -1,0 +1,116 @@
+"""A same-host call on the daemon's direct socket (protocol revision 8; loaderd/wire/direct_frames.py).
+
+Against a real daemon: a shared-memory loader's call is answered ``DirectAttached(attached)`` on gRPC and reads the
+rest (slot handles, inline batches, ENDs, a second epoch on the same call, a user's error) from the direct
+connection, where its plans and opens go too; batches stay torch's. A connection whose key the daemon never read is answered "not attached", and the
+call goes on over gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import datasets
+from support.compare import assert_same_batches
+from support.daemons import oracle_loader, running_daemon
+
+from loaderd import RemoteDataLoader
+from loaderd.stream import call_receiver, stream_call
+from loaderd.stream.direct_connection import DirectConnection
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES
+from loaderd.wire.framing import Frame, read_frame
+
+N = 40
+BATCH = 4
+WIDTH = 8192  # 128 KiB batches: shared-memory slots
+
+
+def spied(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every frame the receivers read, by kind (``direct:1`` / ``direct:0`` for the answer to the offer). Frames read
+    from the direct connection pass through the same ``read_frame``."""
+    kinds: list[str] = []
+
+    def spy(raw: bytes) -> Frame:
+        frame = read_frame(raw)
+        if frame.kind == "direct" and frame.message is not None:
+            kinds.append(f"direct:{int(frame.message.direct.attached)}")
+        else:
+            kinds.append(frame.kind)
+        return frame
+
+    monkeypatch.setattr(call_receiver, "read_frame", spy)
+    return kinds
+
+
+def epochs(loader: RemoteDataLoader, count: int) -> list[list[Any]]:
+    return [list(loader) for _ in range(count)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("width", [WIDTH, 2], ids=["slots", "inline"])
+def test_responses_travel_on_the_direct_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    spec = {"data": {"dataset": "support.datasets:Gated", "kwargs": {"n": N, "gate": str(gate), "width": width}}}
+    kinds = spied(monkeypatch)
+    with running_daemon(spec, prefix="ld-direct-", workers=2) as daemon:
+        loader = RemoteDataLoader("data", address=daemon.address, batch_size=BATCH, num_workers=2, transport="shm")
+        got = epochs(loader, 2)  # the second epoch opens on the same call
+        loader.close()
+        log = daemon.log()
+    want = list(oracle_loader(datasets.Gated(N, str(gate), width=width), batch_size=BATCH))
+    for epoch in got:
+        assert_same_batches(epoch, want)
+    # Every epoch's stream (the loader opens the next one ahead, too) on the one call's direct connection.
+    opened = [line for line in log.splitlines() if " opened by " in line]
+    assert len(opened) >= 2 and all("shared memory, direct socket" in line for line in opened), log
+    # The answer comes before any batch (each call is answered once: an epoch opened ahead may take its own call).
+    assert kinds[0] == "direct:1" and "direct:0" not in kinds and "end" in kinds, kinds
+
+
+@pytest.mark.timeout(120)
+def test_a_users_error_arrives_on_the_direct_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = {"failing": {"dataset": "support.datasets:Failing", "kwargs": {"n": 16, "bad": [5]}}}
+    kinds = spied(monkeypatch)
+    with running_daemon(spec, prefix="ld-direct-err-", workers=1) as daemon:
+        loader = RemoteDataLoader("failing", address=daemon.address, batch_size=4, transport="shm")
+        it = iter(loader)
+        next(it)
+        with pytest.raises(Exception) as raised:
+            next(it)
+        loader.close()
+    assert type(raised.value).__name__ == "ValueError" and "bad item 5" in str(raised.value), raised.value
+    assert kinds[0] == "direct:1" and "error" in kinds, kinds
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_the_daemon_never_heard_of_leaves_the_call_on_grpc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client offers a key no connection sent (its connection sent another): the daemon answers "not attached"
+    within its claim's wait, and every batch comes on gRPC."""
+
+    def wrong_key(path: str, requests: queue.Queue[Any], stop: threading.Event) -> DirectConnection | None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        conn.sendall(os.urandom(DIRECT_KEY_BYTES))
+        conn.setblocking(False)
+        return DirectConnection(conn, os.urandom(DIRECT_KEY_BYTES), requests, stop)
+
+    monkeypatch.setattr(stream_call.DirectConnection, "connect", staticmethod(wrong_key))
+    gate = tmp_path / "gate"
+    gate.touch()
+    spec = {"data": {"dataset": "support.datasets:Gated", "kwargs": {"n": N, "gate": str(gate), "width": WIDTH}}}
+    kinds = spied(monkeypatch)
+    with running_daemon(spec, prefix="ld-direct-no-", workers=2) as daemon:
+        loader = RemoteDataLoader("data", address=daemon.address, batch_size=BATCH, num_workers=2, transport="shm")
+        got = list(loader)
+        loader.close()
+        log = daemon.log()
+    assert_same_batches(got, list(oracle_loader(datasets.Gated(N, str(gate), width=WIDTH), batch_size=BATCH)))
+    assert kinds[0] == "direct:0", kinds
+    assert "direct socket" not in log and "shared memory" in log, log

@@ -1,0 +1,278 @@
+"""The direct socket, both ends, in one process: DirectListener (accepting, keys, expiry, the cap, close),
+DirectSocket (the daemon's side of a call's connection) and DirectConnection (the client's), over a real unix
+socket: responses one way, requests the other after the switch."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loaderd.server.rpc import direct_listener
+from loaderd.server.rpc.direct_listener import DirectListener
+from loaderd.server.rpc.direct_socket import DirectSocket, with_direct_requests
+from loaderd.server.rpc.requests import BadRequestError
+from loaderd.stream.direct_connection import DirectConnection
+from loaderd.stream.stream_call import Progress
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, PREFIX, READ_BYTES, DirectClosed
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+def listener(tmp_path: Path) -> Iterator[DirectListener]:
+    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=5.0)
+    made.start()
+    yield made
+    made.close()
+
+
+def connect(path: str, stop: threading.Event | None = None) -> DirectConnection | None:
+    return DirectConnection.connect(path, queue.Queue(), stop or threading.Event())
+
+
+def attached(listener: DirectListener, stop: threading.Event | None = None) -> tuple[DirectSocket, DirectConnection]:
+    client = connect(listener.path, stop)
+    assert client is not None
+    conn = listener.claim(client.key, timeout=5.0)
+    assert conn is not None, "the listener never handed over the connection that sent its key"
+    sink = DirectSocket()
+    sink.attach(conn)
+    return sink, client
+
+
+def always() -> bool:
+    return True
+
+
+def test_socket_is_private_and_goes_with_close(tmp_path: Path) -> None:
+    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=5.0)
+    made.start()
+    assert (os.stat(made.path).st_mode & 0o777) == 0o600
+    made.close()
+    made.close()  # idempotent
+    assert not os.path.exists(made.path)
+    assert connect(made.path) is None  # nothing listens: the call stays on gRPC
+
+
+def test_responses_arrive_whole_and_in_order(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    # Small frames (many a read), one split across reads, and frames larger than the client's buffer.
+    messages = [bytes([n % 251]) * size for n, size in enumerate([0, 1, 120, READ_BYTES - 3, 7, 3 * READ_BYTES, 5, READ_BYTES + 1])]
+    messages += [b"x%d" % n for n in range(2000)]
+    writer = threading.Thread(target=lambda: ([sink.send(m, always) for m in messages], sink.close()))
+    writer.start()
+    got = list(client.responses(lambda: True))
+    writer.join(5)
+    client.close()
+    assert got == messages
+
+
+def test_an_unknown_key_is_not_claimed_and_a_key_is_claimed_once(listener: DirectListener) -> None:
+    client = connect(listener.path)
+    assert client is not None
+    assert listener.claim(os.urandom(DIRECT_KEY_BYTES), timeout=0.3) is None
+    conn = listener.claim(client.key, timeout=5.0)
+    assert conn is not None
+    assert listener.claim(client.key, timeout=0.3) is None
+    conn.close()
+    client.close()
+
+
+def test_a_connection_nobody_claims_is_closed(tmp_path: Path) -> None:
+    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=0.3)
+    made.start()
+    try:
+        client = connect(made.path)
+        assert client is not None
+        # The daemon closes it after handshake_timeout: the client reads the end, not a hang.
+        assert list(client.responses(lambda: True)) == []
+        assert made.claim(client.key, timeout=0.1) is None
+        client.close()
+    finally:
+        made.close()
+
+
+def test_waiting_connections_are_capped(listener: DirectListener, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct_listener, "MAX_WAITING", 2)
+    held = [connect(listener.path) for _ in range(3)]
+    assert all(c is not None for c in held)
+    first, second, third = (c for c in held if c is not None)
+    # Accepted in order: two wait for their calls; the third is closed at once rather than held.
+    assert list(third.responses(lambda: True)) == []
+    for client in (first, second):
+        conn = listener.claim(client.key, timeout=5.0)
+        assert conn is not None
+        conn.close()
+    for client in (first, second, third):
+        client.close()
+
+
+def test_a_short_key_is_dropped(listener: DirectListener) -> None:
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(listener.path)
+    raw.sendall(b"short")
+    raw.close()  # closed before its key was whole
+    client = connect(listener.path)
+    assert client is not None and listener.claim(client.key, timeout=5.0) is not None  # the listener still serves
+    client.close()
+
+
+def test_the_writer_hears_a_closed_client(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    client.close()
+    with pytest.raises(DirectClosed):
+        for _ in range(1000):  # the first writes may still land in the kernel's buffer
+            sink.send(b"y" * 65536, always)
+    sink.close()
+    sink.close()  # idempotent
+
+
+def test_a_writer_blocked_by_a_client_that_stopped_reading_leaves_once_unwanted(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    wanted = threading.Event()
+    wanted.set()
+    done = threading.Event()
+
+    def write() -> None:
+        while wanted.is_set():
+            sink.send(b"z" * 65536, wanted.is_set)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert not done.wait(0.5)  # the buffers are full: it waits
+    wanted.clear()
+    assert done.wait(5), "the writer did not leave once its call was over"
+    writer.join(5)
+    sink.close()
+    client.close()
+
+
+def test_the_reader_leaves_on_stop(listener: DirectListener) -> None:
+    stop = threading.Event()
+    sink, client = attached(listener, stop)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(client.responses(lambda: not stop.is_set())))
+    reader.start()
+    sink.send(b"one", always)
+    stop.set()
+    reader.join(5)
+    assert not reader.is_alive()
+    assert got in ([], [b"one"])
+    sink.close()
+    client.close()
+
+
+def test_an_oversized_frame_is_an_error(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    conn = sink._conn  # the raw connection: a daemon that writes garbage
+    assert conn is not None
+    conn.setblocking(True)
+    conn.sendall(PREFIX.pack(0xFFFFFFFF))
+    with pytest.raises(Exception, match="frame of 4294967295 bytes"):
+        list(client.responses(lambda: True))
+    sink.close()
+    client.close()
+
+
+# ------------------------------------------------------------------ the requests, after the switch
+
+
+def plan(consumed: int) -> pb.StreamRequest:
+    return pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed))
+
+
+def test_requests_follow_the_switch_in_order(listener: DirectListener) -> None:
+    """Requests put before the switch are queued for gRPC, the switch's ``direct`` after them; later ones are
+    written on the connection; the daemon reads gRPC's up to ``direct``, then the connection's."""
+    requests: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    client = DirectConnection.connect(listener.path, requests, stop)
+    assert client is not None
+    conn = listener.claim(client.key, timeout=5.0)
+    assert conn is not None
+    sink = DirectSocket()
+    sink.attach(conn)
+    client.put(plan(1), None)
+    client.switch()
+    client.put(plan(2), None)
+    client.put(pb.StreamRequest(open=pb.OpenStream(dataset="next")), Progress(0))
+    client.put(plan(3), None)
+    queued = []
+    while not requests.empty():
+        queued.append(requests.get_nowait()[0])
+    assert [r.WhichOneof("kind") for r in queued] == ["plan", "direct"]
+    client.close()  # the client's end closes: the daemon reads to the end of what was written
+    got = list(with_direct_requests(iter(queued), sink, always, 1 << 20))
+    assert [(r.WhichOneof("kind"), r.plan.consumed) for r in got] == [("plan", 1), ("plan", 2), ("open", 0), ("plan", 3)]
+    assert got[2].open.dataset == "next"
+    sink.close()
+
+
+def test_progress_goes_on_the_connection_after_the_switch(listener: DirectListener) -> None:
+    requests: queue.Queue[Any] = queue.Queue()
+    client = DirectConnection.connect(listener.path, requests, threading.Event())
+    assert client is not None
+    conn = listener.claim(client.key, timeout=5.0)
+    assert conn is not None
+    sink = DirectSocket()
+    sink.attach(conn)
+    progress = Progress(0)
+    client.switch()
+    client.took_over(progress)  # gRPC's thread met the switch: the epoch it reported for goes on from here
+    progress.consumed = 5
+    client.report()
+    client.report()  # nothing new: no message
+    client.put(plan(7), None)
+    progress.consumed = 7  # the plan said it already
+    client.report()
+    client.close()
+    got = list(sink.requests(always, 1 << 20))
+    assert [r.plan.consumed for r in got] == [5, 7]
+    assert progress.reported == 7
+    sink.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (pb.StreamRequest(direct=pb.DirectRequests()).SerializeToString(), "'direct' sent on the direct connection"),
+        (b"\xff\xff\xff", "malformed request"),
+        (b"x" * 2000, "a frame of 2000 bytes"),
+    ],
+    ids=["direct-again", "garbage", "too-large"],
+)
+def test_bad_requests_on_the_connection_are_refused(listener: DirectListener, raw: bytes, why: str) -> None:
+    sink, client = attached(listener)
+    assert client._conn.send(PREFIX.pack(len(raw)) + raw) == PREFIX.size + len(raw)
+    with pytest.raises(BadRequestError, match=why):
+        list(sink.requests(always, 1024))
+    sink.close()
+    client.close()
+
+
+def test_closing_wakes_the_reader_and_closes_after_it(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    got: list[pb.StreamRequest] = []
+    reader = threading.Thread(target=lambda: got.extend(sink.requests(always, 1 << 20)))
+    reader.start()
+    conn = sink._conn
+    assert conn is not None
+    sink.close()  # the call ends while its reader waits: it reads the end at once
+    reader.join(5)
+    assert not reader.is_alive() and got == []
+    assert conn.fileno() == -1  # closed once the reader let go
+    client.close()
+
+
+def test_requests_without_a_connection_are_a_bad_request() -> None:
+    with pytest.raises(BadRequestError, match="has none"):
+        list(with_direct_requests(iter([pb.StreamRequest(direct=pb.DirectRequests())]), DirectSocket(), always, 1024))
