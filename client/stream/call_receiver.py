@@ -229,12 +229,14 @@ class CallReceiver:
             direct = self._direct
             if direct is None:
                 raise LoaderdError("daemon answered a direct connection the call did not offer")
-            if frame.message.direct.attached:
-                direct.switch()  # the call's requests follow its responses there
-                # Until the daemon closes it; and not past the call's end on gRPC (its keepalive found the daemon
-                # frozen, say), nor past the call's stop.
-                for raw in direct.responses(self._wanted):
-                    yield read_frame(raw)
+            if not frame.message.direct.attached:
+                direct.close()  # not found in time: everything stays on gRPC (its puts keep queuing there)
+                continue
+            direct.switch()  # the call's requests follow its responses there
+            # Until the daemon closes it; and not past the call's end on gRPC (its keepalive found the daemon
+            # frozen, say), nor past the call's stop.
+            for raw in direct.responses(self._wanted):
+                yield read_frame(raw)
 
     def _wanted(self) -> bool:
         call = self._call

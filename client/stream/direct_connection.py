@@ -17,14 +17,15 @@ import logging
 import os
 import queue
 import socket
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from loaderd.errors import LoaderdError
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, POLL_S, DirectClosed, FrameTooLarge, read_frames, send_frame
-from loaderd.wire.limits import MAX_MESSAGE_BYTES
+from loaderd.wire.direct_frames import ACK, DIRECT_KEY_BYTES, DIRECT_SOCKET_SUFFIX, POLL_S, DirectClosed, FrameTooLarge, read_frames, send_frame
+from loaderd.wire.limits import MAX_MESSAGE_BYTES, SHM_DIR, is_segment_name
 
 if TYPE_CHECKING:
     from loaderd.stream.stream_call import Progress
@@ -51,13 +52,21 @@ class DirectConnection:
 
     @classmethod
     def connect(cls, path: str, requests: queue.Queue[Queued | None], stop: threading.Event) -> DirectConnection | None:
-        """Connect to ``path`` and send a fresh key; None if that fails (the call stays on gRPC)."""
+        """Connect to ``path``, send a fresh key and wait (at most ``POLL_S``) for the daemon to say it read it; None
+        if any of that fails, or ``path`` is not a direct socket of this user's in the shared memory (the call
+        stays on gRPC)."""
+        why = _not_a_direct_socket(path)
+        if why:
+            log.warning("the daemon named %r as its direct socket: %s; the call stays on gRPC", path, why)
+            return None
         key = os.urandom(DIRECT_KEY_BYTES)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(POLL_S)  # a unix connect and 16 bytes into an empty buffer do not wait; bounded anyway
+            conn.settimeout(POLL_S)  # a unix connect, 16 bytes into an empty buffer and the answer: bounded
             conn.connect(path)
-            conn.sendall(key)
+            conn.sendall(key, socket.MSG_NOSIGNAL)
+            if conn.recv(len(ACK)) != ACK:
+                raise OSError("the daemon closed the connection (too many waiting?)")
         except OSError as exc:
             conn.close()
             log.debug("no direct connection to %s (%s): the call stays on gRPC", path, exc)
@@ -110,15 +119,32 @@ class DirectConnection:
         if self._closed:
             return  # the call is over
         try:
-            send_frame(self._conn, request.SerializeToString(), self._wanted)
+            whole = send_frame(self._conn, request.SerializeToString(), self._wanted)
         except DirectClosed:
-            pass  # the daemon ended the call: the receiver hears how on gRPC
+            whole = False  # the daemon ended the call: the receiver hears how on gRPC
+        if not whole:
+            self._closed = True  # a frame may be cut: nothing more is written after it
 
     def _wanted(self) -> bool:
         return not self._stop.is_set()
 
     def close(self) -> None:
-        """Close the connection (after the call's stop signal is set). Idempotent."""
+        """Close the connection (after the call's stop signal is set, or when the daemon did not attach it: the
+        requests then stay on gRPC). Idempotent."""
         with self._lock:
             self._closed = True
             self._conn.close()
+
+
+def _not_a_direct_socket(path: str) -> str:
+    """Why ``path`` cannot be a daemon's direct socket for this process ("" if it can): a client writes only to
+    a socket of its own user, named as a daemon's, in the shared memory it proved it shares."""
+    if os.path.dirname(path) != SHM_DIR or not is_segment_name(os.path.basename(path)) or not path.endswith(DIRECT_SOCKET_SUFFIX):
+        return f"not a loaderd direct socket in {SHM_DIR}"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        return "not a socket of this user's"
+    return ""

@@ -56,7 +56,9 @@ class Progress:
     """How far the caller got on one epoch's stream, as ``PlanBatches.consumed`` counts it (``Lane.caller_at``).
 
     The epoch's iterator thread writes ``consumed`` and ``stalled_us``; the call's sending thread reads
-    them and alone writes ``reported`` (the most any message sent for this epoch said). Plain ints: no lock."""
+    them and writes ``reported`` (the most any message sent for this epoch said), alone until the call's
+    requests move to its direct connection, and from then on under that connection's lock, as the threads that
+    write requests there do (loaderd.stream.direct_connection). Plain ints."""
 
     __slots__ = ("consumed", "reported", "stalled_us")
 

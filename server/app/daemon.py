@@ -383,7 +383,7 @@ class Daemon:
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # its threads are daemon threads; the calls they ran have ended
         if self.direct is not None:
-            self.direct.close()  # the calls have ended: their direct connections are closed
+            self.direct.close()  # connections no call claimed; the calls' own go with their handlers
         self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.shutdown()

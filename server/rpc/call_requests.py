@@ -22,14 +22,14 @@ The rules between the reader and the call's handler thread:
   ends: the client hears why, and the handler does not wait on a reader that
   is gone;
 * ``stop`` (idempotent) ends the reader's waits; the reader returns by itself
-  when the client half-closes or the call ends.
+  when the client half-closes or the call ends, and closes the requests' generator.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import grpc
 
@@ -46,7 +46,7 @@ class CallRequests:
 
     def __init__(
         self,
-        requests: Iterator[pb.StreamRequest],
+        requests: Generator[pb.StreamRequest, None, None],
         on_plan: Callable[[BatchStream, pb.StreamRequest], None],
         name: str,
         *,
@@ -128,6 +128,9 @@ class CallRequests:
             assert stream is not None
             self._on_bad(stream, exc)
         finally:
+            # Closed here, by the thread that reads it: one left suspended would hold its source (a direct
+            # connection's descriptor: server/rpc/direct_socket.py) until collected.
+            self._requests.close()
             with self._cond:
                 self._done = True
                 self._cond.notify_all()

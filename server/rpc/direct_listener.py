@@ -5,12 +5,14 @@ The format and the handshake are in loaderd/wire/direct_frames.py. This side:
 - one unix socket beside the daemon's segments (mode 0600, so only its user connects; a peer of another uid, by
   ``SO_PEERCRED``, is closed at once);
 - one thread (``loaderd-direct``, owned and joined by ``close``) accepts connections and reads each one's key
-  without blocking on any of them; a connection whose key is complete waits to be claimed;
+  without blocking on any of them; a connection whose key is complete gets one byte back (``ACK``: the client
+  offers the key only then, so a connection refused here never makes a call wait for it) and waits to be claimed;
 - a call's servicer thread ``claim``s the connection by the key its client named in ``open`` (waiting up to a
   timeout: the client connects before it sends ``open``, but the key may not have been read yet);
 - a connection nobody claims within ``handshake_timeout`` of its arrival is closed, and at most ``MAX_WAITING``
-  wait at once (more are closed as they come): a local process of the daemon's user cannot hold the daemon's
-  descriptors.
+  wait at once (more are closed as they come, unanswered: their calls stay on gRPC): a local process of the
+  daemon's user cannot hold more of the daemon's descriptors. A key that arrives twice keeps the first connection.
+- if the thread fails (a bug), claims return None at once and the calls stay on gRPC.
 
 ``close`` is idempotent: the thread leaves within ``POLL_S``, every waiting connection is closed and the socket's
 file removed. Claimed connections belong to their calls (``DirectSocket``, server/rpc/direct_socket.py).
@@ -26,11 +28,11 @@ import struct
 import threading
 import time
 
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES
+from loaderd.server.process.throttle import LogThrottle
+from loaderd.wire.direct_frames import ACK, DIRECT_KEY_BYTES, POLL_S
 
 log = logging.getLogger("loaderd.direct")
 
-POLL_S = 0.25
 MAX_WAITING = 64
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -43,17 +45,19 @@ class DirectListener:
         self.path = path
         self._timeout = handshake_timeout
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the file is born 0600: no moment where another user could connect
         try:
             self._listener.bind(path)
-        finally:
-            os.umask(old_umask)
-        self._listener.listen(MAX_WAITING)
+            os.chmod(path, 0o600)  # before listen(): until then every connect is refused
+            self._listener.listen(MAX_WAITING)
+        except OSError:
+            self._listener.close()
+            raise
         self._listener.setblocking(False)
         self._lock = threading.Condition()
         self._reading: dict[socket.socket, tuple[float, bytearray]] = {}  # key not complete yet: arrived at, bytes
         self._ready: dict[bytes, tuple[float, socket.socket]] = {}  # key -> arrived at, connection
         self._stop = threading.Event()
+        self._throttle = LogThrottle(log)
         self._thread = threading.Thread(target=self._run, name="loaderd-direct", daemon=True)
 
     def start(self) -> None:
@@ -104,7 +108,8 @@ class DirectListener:
                         self._read_key(selector, key.fileobj)  # type: ignore[arg-type]
                 self._expire(selector)
         except Exception:  # a bug here must not leave clients waiting: they fall back to gRPC
-            log.exception("the direct socket's thread failed; calls' responses stay on gRPC")
+            log.exception("the direct socket's thread failed; calls stay on gRPC")
+            self._stop.set()  # claims return at once
         finally:
             selector.close()
 
@@ -116,7 +121,11 @@ class DirectListener:
         except OSError as exc:  # out of descriptors: the client falls back to gRPC
             log.warning("direct socket: cannot accept a connection: %s", exc)
             return
-        _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        try:
+            _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            conn.close()
+            return
         with self._lock:
             full = len(self._reading) + len(self._ready) >= MAX_WAITING
             if uid == os.getuid() and not full:
@@ -125,7 +134,8 @@ class DirectListener:
                 selector.register(conn, selectors.EVENT_READ)
                 return
         conn.close()
-        log.warning("direct socket: a connection refused (%s)", "too many waiting" if full else f"uid {uid}")
+        why = "too many waiting" if full else f"uid {uid}"
+        self._throttle.log(logging.WARNING, why, "direct socket: a connection refused (%s); its call stays on gRPC", why)
 
     def _read_key(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
         with self._lock:
@@ -145,11 +155,18 @@ class DirectListener:
         selector.unregister(conn)
         with self._lock:
             del self._reading[conn]
-            if data:  # whole: the call that names it claims it
-                self._ready[bytes(key)] = (arrived, conn)
-                self._lock.notify_all()
-                return
-        conn.close()  # closed before its key was whole
+            whole = bytes(key) if data and bytes(key) not in self._ready else None
+        if whole is not None:
+            try:
+                conn.send(ACK, socket.MSG_NOSIGNAL)  # an empty socket takes one byte at once
+            except OSError:
+                whole = None
+        if whole is None:
+            conn.close()  # closed before its key was whole, a key already waiting, or gone before the answer
+            return
+        with self._lock:
+            self._ready[whole] = (arrived, conn)  # the call that names it claims it
+            self._lock.notify_all()
 
     def _expire(self, selector: selectors.BaseSelector) -> None:
         stale = time.monotonic() - self._timeout

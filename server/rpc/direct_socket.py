@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from loaderd.server.rpc.handlers import parse
 from loaderd.server.rpc.requests import BadRequestError
@@ -26,32 +26,40 @@ class DirectSocket:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: socket.socket | None = None
-        self._users = 0  # the handler (while attached) and a reader reading it
+        self._users = 0  # the handler (from the claim) and a reader reading it
         self._closing = False
+        self.attached = False  # responses go on the connection
 
     @property
-    def attached(self) -> bool:
-        return self._conn is not None
+    def claimed(self) -> bool:
+        """A connection is the call's, and not closed."""
+        return self._conn is not None and not self._closing
 
-    def attach(self, conn: socket.socket) -> None:
-        """From now on ``send`` writes on ``conn`` (non-blocking; claimed from the ``DirectListener``)."""
+    def claim(self, conn: socket.socket) -> None:
+        """``conn`` (non-blocking, claimed from the ``DirectListener``) is the call's, closed with it."""
         with self._lock:
             self._conn, self._users = conn, 1
 
-    def send(self, message: bytes, wanted: Callable[[], bool]) -> None:
-        """Write ``message`` (one serialized StreamResponse) whole. Returns once the kernel has it, or quietly once
-        ``wanted()`` is False (the call is over); raises ``DirectClosed`` if the client closed its end."""
+    def attach(self) -> None:
+        """From now on ``send`` writes the responses on the claimed connection (its answer went on gRPC)."""
+        assert self._conn is not None
+        self.attached = True
+
+    def send(self, message: bytes, wanted: Callable[[], bool]) -> bool:
+        """Write ``message`` (one serialized StreamResponse) whole. True once the kernel has it; False if ``wanted()``
+        turned False while the socket was full (the frame may be cut: close the connection); ``DirectClosed`` if
+        the client closed its end."""
         conn = self._conn
         assert conn is not None
-        send_frame(conn, message, wanted)
+        return send_frame(conn, message, wanted)
 
     def requests(self, wanted: Callable[[], bool], max_bytes: int) -> Iterator[pb.StreamRequest]:
         """The client's requests on the connection until it ends (closed by either side) or ``wanted()`` turns False;
         ``BadRequestError`` for one that does not parse or is longer than ``max_bytes``."""
         with self._lock:
             conn = self._conn
-            if conn is None or self._closing:
-                raise BadRequestError("requests on the direct connection of a call that has none")
+            if conn is None or self._closing or not self.attached:
+                raise BadRequestError("'direct' on a call whose direct connection is not attached (or is closed)")
             self._users += 1
         try:
             for raw in read_frames(conn, wanted, max_bytes):
@@ -87,7 +95,7 @@ class DirectSocket:
 
 def with_direct_requests(
     requests: Iterator[pb.StreamRequest], direct: DirectSocket, wanted: Callable[[], bool], max_bytes: int
-) -> Iterator[pb.StreamRequest]:
+) -> Generator[pb.StreamRequest, None, None]:
     """A call's requests: from gRPC, and after the client's ``StreamRequest.direct`` from its direct connection until
     that ends; then from gRPC again (where nothing more comes but the call's end)."""
     for request in requests:

@@ -45,7 +45,7 @@ from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.security.auth import Authenticator
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
-from loaderd.wire.direct_frames import DirectClosed
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, DirectClosed
 from loaderd.wire.reasons import Reason, abort
 
 log = logging.getLogger("loaderd.servicer")
@@ -194,8 +194,10 @@ class LoaderServicer:
                     if not direct.attached:
                         yield message
                         continue
+                    # gRPC no longer takes the messages, so nothing else stops them once the call is over.
                     try:
-                        direct.send(message, context.is_active)
+                        if not (context.is_active() and direct.send(message, context.is_active)):
+                            return
                     except DirectClosed as exc:
                         abort(context, grpc.StatusCode.UNAVAILABLE, f"the client's direct connection closed ({exc})", Reason.UNAVAILABLE)
         finally:
@@ -213,6 +215,14 @@ class LoaderServicer:
         first = self._first(request_iterator, context, "stream")
         if first is None or first.WhichOneof("kind") != "open":
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request", Reason.BAD_REQUEST)
+        key = first.open.direct_key
+        if key:
+            # Claimed before anything may refuse the call, so that its connection goes with it (StreamBatches' finally).
+            if len(key) != DIRECT_KEY_BYTES:
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"direct_key has {len(key)} bytes, not {DIRECT_KEY_BYTES}", Reason.BAD_REQUEST)
+            conn = self._session_host.claim_direct(key)
+            if conn is not None:
+                direct.claim(conn)
         # The client's requests move to the call's direct connection where it says so (``StreamRequest.direct``).
         requests = with_direct_requests(request_iterator, direct, context.is_active, self._limits.max_request_bytes)
         reader = CallRequests(requests, self._plan_request, f"loaderd-plan-{next(_call_ids)}", on_bad=self._fail_stream)
@@ -274,12 +284,15 @@ class LoaderServicer:
             epoch.ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
         except _REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")
-        if opening.direct_key and session is not None and not direct.attached:
-            conn = self._session_host.claim_direct(opening.direct_key)
-            # The answer is the call's last message on gRPC when attached: the client reads on from the connection.
-            yield framing.direct_message(conn is not None)
-            if conn is not None:
-                direct.attach(conn)
+        if opening.direct_key and not direct.attached:  # the call's first open (a later one's key is ignored)
+            # Only a stream through a same-host session uses it. When attached, the answer is the call's last
+            # message on gRPC: the client reads on from the connection.
+            attach = session is not None and direct.claimed
+            yield framing.direct_message(attach)
+            if attach:
+                direct.attach()
+            else:
+                direct.close()
         try:
             return (yield from self._serve_stream(checked, session, reader, context, who, direct.attached))
         finally:

@@ -387,7 +387,8 @@ def test_the_oom_killer_would_take_a_pool_worker_before_the_fork_server_or_the_d
 def test_an_idle_pool_gives_its_shared_memory_back(daemon: RunningDaemon) -> None:
     kept = list(RemoteDataLoader("blocks", batch_size=None, address=daemon.address, transport="shm", timeout=30))
     prefix = f"loaderd-{daemon.process.pid}-"
-    segments = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "probe" not in n]  # noqa: E731 - a one-line probe, read where it is used
+    # Segments only: not the session probes, nor the daemon's direct socket (server/rpc/direct_listener.py).
+    segments = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "probe" not in n and not n.endswith("-direct")]  # noqa: E731 - a one-line probe, read where it is used
     assert segments(), "the epoch left no segment to give back: the test is broken"
     del kept
     # After tests/faults/test_failover.py in the same process, a batch of this epoch stayed referenced

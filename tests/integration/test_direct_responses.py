@@ -21,9 +21,10 @@ from support.compare import assert_same_batches
 from support.daemons import oracle_loader, running_daemon
 
 from loaderd import RemoteDataLoader
-from loaderd.stream import call_receiver, stream_call
+from loaderd.stream import call_receiver, direct_connection, stream_call
 from loaderd.stream.direct_connection import DirectConnection
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES
+from loaderd.v1 import loaderd_pb2 as pb
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, send_frame
 from loaderd.wire.framing import Frame, read_frame
 
 N = 40
@@ -59,6 +60,13 @@ def test_responses_travel_on_the_direct_socket(tmp_path: Path, monkeypatch: pyte
     gate.touch()
     spec = {"data": {"dataset": "support.datasets:Gated", "kwargs": {"n": N, "gate": str(gate), "width": width}}}
     kinds = spied(monkeypatch)
+    written: list[str] = []  # the requests the client wrote on its direct connections, by kind
+
+    def counting(conn: socket.socket, message: bytes, wanted: Any) -> bool:
+        written.append(pb.StreamRequest.FromString(message).WhichOneof("kind") or "")
+        return send_frame(conn, message, wanted)
+
+    monkeypatch.setattr(direct_connection, "send_frame", counting)
     with running_daemon(spec, prefix="ld-direct-", workers=2) as daemon:
         loader = RemoteDataLoader("data", address=daemon.address, batch_size=BATCH, num_workers=2, transport="shm")
         got = epochs(loader, 2)  # the second epoch opens on the same call
@@ -72,6 +80,8 @@ def test_responses_travel_on_the_direct_socket(tmp_path: Path, monkeypatch: pyte
     assert len(opened) >= 2 and all("shared memory, direct socket" in line for line in opened), log
     # The answer comes before any batch (each call is answered once: an epoch opened ahead may take its own call).
     assert kinds[0] == "direct:1" and "direct:0" not in kinds and "end" in kinds, kinds
+    # The plans after the switch, and the next epoch's open on the reused call, went there too.
+    assert "plan" in written and "open" in written, written
 
 
 @pytest.mark.timeout(120)

@@ -268,7 +268,7 @@ def test_call_requests_hand_a_message_that_does_not_parse_to_the_attached_stream
 def test_call_requests_hand_plans_to_the_epoch_they_were_sent_for() -> None:
     requests = _Requests()
     got: list[tuple[str, int]] = []
-    reader = CallRequests(iter(requests), lambda stream, request: got.append((stream.name, request.plan.consumed)), "test-plan", on_bad=_unexpected)
+    reader = CallRequests((request for request in requests), lambda stream, request: got.append((stream.name, request.plan.consumed)), "test-plan", on_bad=_unexpected)
     first = SimpleNamespace(name="first", closed=False, finished=False, plan_end=True)
     reader.attach(first)  # type: ignore[arg-type]
     requests.queue.put(_plan(1))
@@ -290,7 +290,7 @@ def test_call_requests_hand_plans_to_the_epoch_they_were_sent_for() -> None:
 def test_call_requests_drop_plans_for_a_closed_epoch_and_give_up_waiting() -> None:
     requests = _Requests()
     got: list[int] = []
-    reader = CallRequests(iter(requests), lambda stream, request: got.append(request.plan.consumed), "test-plan", on_bad=_unexpected)
+    reader = CallRequests((request for request in requests), lambda stream, request: got.append(request.plan.consumed), "test-plan", on_bad=_unexpected)
     stream = SimpleNamespace(closed=True, finished=True, plan_end=True)
     reader.attach(stream)  # type: ignore[arg-type]
     requests.queue.put(_plan(7))  # a credit that arrives after the epoch ended
@@ -306,7 +306,7 @@ def test_call_requests_drop_plans_for_a_closed_epoch_and_give_up_waiting() -> No
 @pytest.mark.timeout(30)
 def test_call_requests_stop_ends_a_reader_waiting_for_its_epoch() -> None:
     requests = _Requests()
-    reader = CallRequests(iter(requests), lambda stream, request: None, "test-plan-stop", on_bad=_unexpected)
+    reader = CallRequests((request for request in requests), lambda stream, request: None, "test-plan-stop", on_bad=_unexpected)
     reader.attach(SimpleNamespace(closed=False, finished=True, plan_end=True))  # type: ignore[arg-type]
     requests.queue.put(_open("next"))
     assert reader.next_open(5, lambda: True) is not None  # the reader now waits for the attach

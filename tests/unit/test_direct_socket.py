@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,14 +22,20 @@ from loaderd.server.rpc.requests import BadRequestError
 from loaderd.stream.direct_connection import DirectConnection
 from loaderd.stream.stream_call import Progress
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, PREFIX, READ_BYTES, DirectClosed
+from loaderd.wire.direct_frames import ACK, DIRECT_KEY_BYTES, DIRECT_SOCKET_SUFFIX, PREFIX, READ_BYTES, DirectClosed
+from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.timeout(20)
 
 
+def socket_path() -> str:
+    """Where a daemon's direct socket lies (a client connects to no other): beside its segments, named as theirs."""
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{DIRECT_SOCKET_SUFFIX}")
+
+
 @pytest.fixture
-def listener(tmp_path: Path) -> Iterator[DirectListener]:
-    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=5.0)
+def listener() -> Iterator[DirectListener]:
+    made = DirectListener(socket_path(), handshake_timeout=5.0)
     made.start()
     yield made
     made.close()
@@ -44,7 +51,8 @@ def attached(listener: DirectListener, stop: threading.Event | None = None) -> t
     conn = listener.claim(client.key, timeout=5.0)
     assert conn is not None, "the listener never handed over the connection that sent its key"
     sink = DirectSocket()
-    sink.attach(conn)
+    sink.claim(conn)
+    sink.attach()
     return sink, client
 
 
@@ -52,8 +60,8 @@ def always() -> bool:
     return True
 
 
-def test_socket_is_private_and_goes_with_close(tmp_path: Path) -> None:
-    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=5.0)
+def test_socket_is_private_and_goes_with_close() -> None:
+    made = DirectListener(socket_path(), handshake_timeout=5.0)
     made.start()
     assert (os.stat(made.path).st_mode & 0o777) == 0o600
     made.close()
@@ -86,8 +94,8 @@ def test_an_unknown_key_is_not_claimed_and_a_key_is_claimed_once(listener: Direc
     client.close()
 
 
-def test_a_connection_nobody_claims_is_closed(tmp_path: Path) -> None:
-    made = DirectListener(str(tmp_path / "direct"), handshake_timeout=0.3)
+def test_a_connection_nobody_claims_is_closed() -> None:
+    made = DirectListener(socket_path(), handshake_timeout=0.3)
     made.start()
     try:
         client = connect(made.path)
@@ -101,18 +109,38 @@ def test_a_connection_nobody_claims_is_closed(tmp_path: Path) -> None:
 
 
 def test_waiting_connections_are_capped(listener: DirectListener, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two wait for their calls; the third is closed unanswered rather than held, and its client, hearing no
+    answer, offers no key: its call stays on gRPC without waiting for a claim."""
     monkeypatch.setattr(direct_listener, "MAX_WAITING", 2)
-    held = [connect(listener.path) for _ in range(3)]
-    assert all(c is not None for c in held)
-    first, second, third = (c for c in held if c is not None)
-    # Accepted in order: two wait for their calls; the third is closed at once rather than held.
-    assert list(third.responses(lambda: True)) == []
+    first, second = connect(listener.path), connect(listener.path)
+    assert first is not None and second is not None
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(5)
+    raw.connect(listener.path)
+    assert raw.recv(1) == b""  # closed at once, no answer
+    raw.close()
+    assert connect(listener.path) is None
     for client in (first, second):
         conn = listener.claim(client.key, timeout=5.0)
         assert conn is not None
         conn.close()
-    for client in (first, second, third):
         client.close()
+    assert connect(listener.path) is not None  # room again
+
+
+def test_a_key_in_two_pieces_is_read_whole(listener: DirectListener) -> None:
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(5)
+    raw.connect(listener.path)
+    key = os.urandom(DIRECT_KEY_BYTES)
+    raw.sendall(key[:5])
+    assert listener.claim(key, timeout=0.3) is None
+    raw.sendall(key[5:])
+    assert raw.recv(1) == ACK
+    conn = listener.claim(key, timeout=5.0)
+    assert conn is not None
+    conn.close()
+    raw.close()
 
 
 def test_a_short_key_is_dropped(listener: DirectListener) -> None:
@@ -200,7 +228,8 @@ def test_requests_follow_the_switch_in_order(listener: DirectListener) -> None:
     conn = listener.claim(client.key, timeout=5.0)
     assert conn is not None
     sink = DirectSocket()
-    sink.attach(conn)
+    sink.claim(conn)
+    sink.attach()
     client.put(plan(1), None)
     client.switch()
     client.put(plan(2), None)
@@ -224,7 +253,8 @@ def test_progress_goes_on_the_connection_after_the_switch(listener: DirectListen
     conn = listener.claim(client.key, timeout=5.0)
     assert conn is not None
     sink = DirectSocket()
-    sink.attach(conn)
+    sink.claim(conn)
+    sink.attach()
     progress = Progress(0)
     client.switch()
     client.took_over(progress)  # gRPC's thread met the switch: the epoch it reported for goes on from here
@@ -259,6 +289,21 @@ def test_bad_requests_on_the_connection_are_refused(listener: DirectListener, ra
     client.close()
 
 
+def test_the_descriptor_is_closed_only_once_the_reader_let_go(listener: DirectListener) -> None:
+    sink, client = attached(listener)
+    conn = sink._conn
+    assert conn is not None
+    client.switch()
+    client.put(plan(1), None)
+    reading = sink.requests(always, 1 << 20)
+    assert next(reading).plan.consumed == 1  # a reader holds the connection now
+    sink.close()  # the call ends
+    assert conn.fileno() != -1, "closed under a reader's feet (its number could be reused)"
+    reading.close()
+    assert conn.fileno() == -1
+    client.close()
+
+
 def test_closing_wakes_the_reader_and_closes_after_it(listener: DirectListener) -> None:
     sink, client = attached(listener)
     got: list[pb.StreamRequest] = []
@@ -274,5 +319,21 @@ def test_closing_wakes_the_reader_and_closes_after_it(listener: DirectListener) 
 
 
 def test_requests_without_a_connection_are_a_bad_request() -> None:
-    with pytest.raises(BadRequestError, match="has none"):
+    with pytest.raises(BadRequestError, match="not attached"):
         list(with_direct_requests(iter([pb.StreamRequest(direct=pb.DirectRequests())]), DirectSocket(), always, 1024))
+
+
+def test_a_client_connects_only_to_a_direct_socket_of_its_own_in_shared_memory(tmp_path: Path) -> None:
+    """A daemon names the socket; a client writes only to one that can be a daemon's: in /dev/shm, named as a
+    daemon's direct socket, a socket, of its own user (not, say, another service's socket it could reach)."""
+    elsewhere = DirectListener(str(tmp_path / f"{SEGMENT_PREFIX}1-x-{DIRECT_SOCKET_SUFFIX}"), handshake_timeout=5.0)
+    elsewhere.start()
+    file_path = socket_path()
+    Path(file_path).write_bytes(b"")
+    try:
+        assert connect(elsewhere.path) is None
+        assert connect(file_path) is None
+        assert connect(os.path.join(SHM_DIR, "not-loaderd-direct")) is None
+    finally:
+        elsewhere.close()
+        os.unlink(file_path)
