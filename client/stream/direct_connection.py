@@ -19,6 +19,7 @@ import queue
 import socket
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -72,7 +73,9 @@ class DirectConnection:
             log.debug("no direct connection to %s (%s): the call stays on gRPC", path, exc)
             return None
         conn.setblocking(False)
-        return cls(conn, key, requests, stop)
+        made = cls(conn, key, requests, stop)
+        _open.add(made)
+        return made
 
     def responses(self, wanted: Callable[[], bool]) -> Iterator[bytes]:
         """Each response (a serialized StreamResponse) until the daemon closes the connection, or ``wanted()`` is
@@ -128,6 +131,14 @@ class DirectConnection:
     def _wanted(self) -> bool:
         return not self._stop.is_set()
 
+    def wake(self) -> None:
+        """Shut the connection down (the call is cancelled): a thread reading it reads its end at once, one writing
+        it stops. Takes no lock (a writer may hold it); the receiver still closes it."""
+        try:
+            self._conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already, or never connected
+
     def close(self) -> None:
         """Close the connection (after the call's stop signal is set, or when the daemon did not attach it: the
         requests then stay on gRPC). Idempotent."""
@@ -148,3 +159,18 @@ def _not_a_direct_socket(path: str) -> str:
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
         return "not a socket of this user's"
     return ""
+
+
+# Every connection of this process, so that a forked child closes its copies (the parent's calls end when the
+# parent goes, not when its last child does).
+_open: weakref.WeakSet[DirectConnection] = weakref.WeakSet()
+
+
+def _close_parents_connections() -> None:
+    for connection in list(_open):
+        connection._closed = True  # no lock: a parent's thread may have held it at the fork
+        connection._conn.close()
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_close_parents_connections)

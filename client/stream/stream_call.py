@@ -119,10 +119,12 @@ def _request_stream(
                 yield report
 
 
-def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: int) -> None:
+def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: int, direct: DirectConnection | None) -> None:
     if os.getpid() != pid:
         return  # a forked child: the call (and gRPC's state behind it) is the parent's
     stop.set()
+    if direct is not None:
+        direct.wake()  # the receiver, waiting on it, leaves now rather than at its next check
     requests.put(None)
     call.cancel()
 
@@ -149,7 +151,7 @@ class StreamCall:
         self._direct_key = direct.key if direct is not None else b""  # offered in the call's first open
         call = connection.stream_batches(_request_stream(self._requests, self._stop, self._sender, direct))
         # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
-        self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid)
+        self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid, direct)
         receiver = CallReceiver(call, session, address, self._route, self._stop, direct)
         self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         self._receiver.start()

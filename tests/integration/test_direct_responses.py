@@ -21,11 +21,13 @@ from support.compare import assert_same_batches
 from support.daemons import oracle_loader, running_daemon
 
 from loaderd import RemoteDataLoader
+from loaderd.server.rpc.direct_listener import DirectListener
 from loaderd.stream import call_receiver, direct_connection, stream_call
 from loaderd.stream.direct_connection import DirectConnection
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, send_frame
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, DIRECT_SOCKET_SUFFIX, send_frame
 from loaderd.wire.framing import Frame, read_frame
+from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
 
 N = 40
 BATCH = 4
@@ -124,3 +126,28 @@ def test_a_connection_the_daemon_never_heard_of_leaves_the_call_on_grpc(tmp_path
     assert_same_batches(got, list(oracle_loader(datasets.Gated(N, str(gate), width=WIDTH), batch_size=BATCH)))
     assert kinds[0] == "direct:0", kinds
     assert "direct socket" not in log and "shared memory" in log, log
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_closes_its_copies_of_the_direct_connections() -> None:
+    """A child forked by the trainer (a DataLoader of its own, a subprocess) must not keep the daemon's end of its
+    parent's calls open: the daemon sees the parent go when the parent goes."""
+    path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}-{DIRECT_SOCKET_SUFFIX}")
+    listener = DirectListener(path, handshake_timeout=5.0)
+    listener.start()
+    try:
+        client = DirectConnection.connect(path, queue.Queue(), threading.Event())
+        assert client is not None
+        conn = listener.claim(client.key, timeout=5.0)
+        assert conn is not None
+        pid = os.fork()
+        if pid == 0:  # the child: its copy is closed already
+            os._exit(0 if client._conn.fileno() == -1 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child kept its copy of the parent's direct connection"
+        client.close()  # the parent's, now the only one: the daemon's end reads the end at once
+        conn.settimeout(5)
+        assert conn.recv(1) == b""
+        conn.close()
+    finally:
+        listener.close()
