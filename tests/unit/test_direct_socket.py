@@ -41,12 +41,15 @@ def listener() -> Iterator[DirectListener]:
     made.close()
 
 
-def connect(path: str, stop: threading.Event | None = None) -> DirectConnection | None:
-    return DirectConnection.connect(path, queue.Queue(), stop or threading.Event())
+def connect(path: str, stop: threading.Event | None = None, requests: queue.Queue[Any] | None = None) -> DirectConnection | None:
+    return DirectConnection.connect(path, requests if requests is not None else queue.Queue(), stop or threading.Event())
 
 
-def attached(listener: DirectListener, stop: threading.Event | None = None) -> tuple[DirectSocket, DirectConnection]:
-    client = connect(listener.path, stop)
+def attached(
+    listener: DirectListener, stop: threading.Event | None = None, requests: queue.Queue[Any] | None = None
+) -> tuple[DirectSocket, DirectConnection]:
+    """A client's connection, claimed by the daemon's side and attached (``requests``: the call's queue for gRPC)."""
+    client = connect(listener.path, stop, requests)
     assert client is not None
     conn = listener.claim(client.key, timeout=5.0)
     assert conn is not None, "the listener never handed over the connection that sent its key"
@@ -222,14 +225,7 @@ def test_requests_follow_the_switch_in_order(listener: DirectListener) -> None:
     """Requests put before the switch are queued for gRPC, the switch's ``direct`` after them; later ones are
     written on the connection; the daemon reads gRPC's up to ``direct``, then the connection's."""
     requests: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
-    client = DirectConnection.connect(listener.path, requests, stop)
-    assert client is not None
-    conn = listener.claim(client.key, timeout=5.0)
-    assert conn is not None
-    sink = DirectSocket()
-    sink.claim(conn)
-    sink.attach()
+    sink, client = attached(listener, requests=requests)
     client.put(plan(1), None)
     client.switch()
     client.put(plan(2), None)
@@ -247,14 +243,7 @@ def test_requests_follow_the_switch_in_order(listener: DirectListener) -> None:
 
 
 def test_progress_goes_on_the_connection_after_the_switch(listener: DirectListener) -> None:
-    requests: queue.Queue[Any] = queue.Queue()
-    client = DirectConnection.connect(listener.path, requests, threading.Event())
-    assert client is not None
-    conn = listener.claim(client.key, timeout=5.0)
-    assert conn is not None
-    sink = DirectSocket()
-    sink.claim(conn)
-    sink.attach()
+    sink, client = attached(listener)
     progress = Progress(0)
     client.switch()
     client.took_over(progress)  # gRPC's thread met the switch: the epoch it reported for goes on from here
