@@ -221,14 +221,16 @@ class CallReceiver:
         """The call's responses: on gRPC until the daemon answers the direct connection it was offered; if attached,
         the rest from the connection until the daemon closes it (or the call stops); then the call's end on gRPC (its
         status)."""
+        answered = False
         for raw in self._call:
             frame = read_frame(raw)
             if frame.kind != "direct" or frame.message is None:
                 yield frame
                 continue
             direct = self._direct
-            if direct is None:
-                raise LoaderdError("daemon answered a direct connection the call did not offer")
+            if direct is None or answered:
+                raise LoaderdError("daemon answered a direct connection the call did not offer (or answered twice)")
+            answered = True
             if not frame.message.direct.attached:
                 direct.close()  # not found in time: everything stays on gRPC (its puts keep queuing there)
                 continue

@@ -47,6 +47,7 @@ class DirectConnection:
         self._requests = requests
         self._stop = stop
         self._lock = threading.Lock()
+        self._fd_lock = threading.Lock()  # orders wake() (no writer lock: a writer may hold that) against close()
         self._switched = False
         self._closed = False
         self._progress: Progress | None = None  # once switched: the epoch opened last (its progress goes from here)
@@ -134,15 +135,16 @@ class DirectConnection:
     def wake(self) -> None:
         """Shut the connection down (the call is cancelled): a thread reading it reads its end at once, one writing
         it stops. Takes no lock (a writer may hold it); the receiver still closes it."""
-        try:
-            self._conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # closed already, or never connected
+        with self._fd_lock:  # not while close() lets the descriptor's number go (it could name another by then)
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already
 
     def close(self) -> None:
         """Close the connection (after the call's stop signal is set, or when the daemon did not attach it: the
         requests then stay on gRPC). Idempotent."""
-        with self._lock:
+        with self._lock, self._fd_lock:
             self._closed = True
             self._conn.close()
 

@@ -7,8 +7,8 @@ The format and the handshake are in loaderd/wire/direct_frames.py. This side:
 - one thread (``loaderd-direct``, owned and joined by ``close``) accepts connections and reads each one's key
   without blocking on any of them; a connection whose key is complete gets one byte back (``ACK``: the client
   offers the key only then, so a connection refused here never makes a call wait for it) and waits to be claimed;
-- a call's servicer thread ``claim``s the connection by the key its client named in ``open`` (waiting up to a
-  timeout: the client connects before it sends ``open``, but the key may not have been read yet);
+- a call's servicer thread ``claim``s the connection by the key its client named in ``open`` (the client names it
+  only once answered, so it is there; the wait, up to a timeout, is for a client that named a key it never sent);
 - a connection nobody claims within ``handshake_timeout`` of its arrival is closed, and at most ``MAX_WAITING``
   wait at once (more are closed as they come, unanswered: their calls stay on gRPC): a local process of the
   daemon's user cannot hold more of the daemon's descriptors. A key that arrives twice keeps the first connection.
@@ -50,7 +50,7 @@ class DirectListener:
             os.chmod(path, 0o600)  # before listen(): until then every connect is refused
             self._listener.listen(MAX_WAITING)
         except OSError:
-            self._listener.close()
+            self._close_listener()
             raise
         self._listener.setblocking(False)
         self._lock = threading.Condition()
@@ -90,6 +90,10 @@ class DirectListener:
             self._lock.notify_all()
         for conn in waiting:
             conn.close()
+        self._close_listener()
+
+    def _close_listener(self) -> None:
+        """Close the listening socket and remove its file (a connect is then refused at once). Idempotent."""
         self._listener.close()
         try:
             os.unlink(self.path)
@@ -110,6 +114,7 @@ class DirectListener:
         except Exception:  # a bug here must not leave clients waiting: they fall back to gRPC
             log.exception("the direct socket's thread failed; calls stay on gRPC")
             self._stop.set()  # claims return at once
+            self._close_listener()  # and clients' connects fail at once, rather than wait for an answer
         finally:
             selector.close()
 
@@ -128,7 +133,7 @@ class DirectListener:
             return
         with self._lock:
             full = len(self._reading) + len(self._ready) >= MAX_WAITING
-            if uid == os.getuid() and not full:
+            if uid == os.geteuid() and not full:
                 conn.setblocking(False)
                 self._reading[conn] = (time.monotonic(), bytearray())
                 selector.register(conn, selectors.EVENT_READ)
@@ -156,17 +161,18 @@ class DirectListener:
         with self._lock:
             del self._reading[conn]
             whole = bytes(key) if data and bytes(key) not in self._ready else None
+            if whole is not None:
+                self._ready[whole] = (arrived, conn)  # filed before the answer: the call that names it finds it
+                self._lock.notify_all()
         if whole is not None:
             try:
                 conn.send(ACK, socket.MSG_NOSIGNAL)  # an empty socket takes one byte at once
+                return
             except OSError:
-                whole = None
-        if whole is None:
-            conn.close()  # closed before its key was whole, a key already waiting, or gone before the answer
-            return
-        with self._lock:
-            self._ready[whole] = (arrived, conn)  # the call that names it claims it
-            self._lock.notify_all()
+                with self._lock:
+                    if self._ready.get(whole, (0.0, None))[1] is conn:
+                        del self._ready[whole]
+        conn.close()  # closed before its key was whole, a key already waiting, or gone before the answer
 
     def _expire(self, selector: selectors.BaseSelector) -> None:
         stale = time.monotonic() - self._timeout

@@ -58,8 +58,10 @@ class DirectSocket:
         ``BadRequestError`` for one that does not parse or is longer than ``max_bytes``."""
         with self._lock:
             conn = self._conn
-            if conn is None or self._closing or not self.attached:
-                raise BadRequestError("'direct' on a call whose direct connection is not attached (or is closed)")
+            if self._closing:
+                return  # the call is ending anyway
+            if conn is None or not self.attached:
+                raise BadRequestError("'direct' on a call whose direct connection is not attached")
             self._users += 1
         try:
             for raw in read_frames(conn, wanted, max_bytes):

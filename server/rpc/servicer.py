@@ -217,7 +217,8 @@ class LoaderServicer:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with an 'open' request", Reason.BAD_REQUEST)
         key = first.open.direct_key
         if key:
-            # Claimed before anything may refuse the call, so that its connection goes with it (StreamBatches' finally).
+            # Claimed before anything here may refuse the call, so that its connection goes with it (StreamBatches'
+            # finally). A call refused before its first message leaves its connection to the listener's expiry.
             if len(key) != DIRECT_KEY_BYTES:
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"direct_key has {len(key)} bytes, not {DIRECT_KEY_BYTES}", Reason.BAD_REQUEST)
             conn = self._session_host.claim_direct(key)
@@ -290,6 +291,8 @@ class LoaderServicer:
             attach = session is not None and direct.claimed
             yield framing.direct_message(attach)
             if attach:
+                # Before the request reader starts (``reader.attach`` in _serve_stream): the client's ``direct`` may
+                # follow at once, and the reader serves it only from an attached connection.
                 direct.attach()
             else:
                 direct.close()

@@ -59,7 +59,8 @@ log = logging.getLogger("loaderd.sessions")
 
 # How often the session's handler re-checks that its client is still there.
 _POLL_S = 0.25
-# How long a call waits for its direct connection's key to be read (the client connected before it sent ``open``).
+# How long a call waits for the direct connection its client named (it names one only once the daemon answered it, so
+# the wait is for a client that named a key it never sent).
 DIRECT_CLAIM_S = 1.0
 
 
