@@ -10,14 +10,18 @@ is closed once no reader uses it (never under a reader's feet, where the number 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Generator, Iterator
 
+import grpc
+
 from loaderd.server.rpc.handlers import parse
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.v1 import loaderd_pb2 as pb
-from loaderd.wire.direct_frames import FrameTooLarge, read_frames, send_frame
+from loaderd.wire.direct_frames import DirectClosed, FrameTooLarge, read_frames, send_frame
+from loaderd.wire.reasons import Reason, abort
 
 
 class DirectSocket:
@@ -105,3 +109,20 @@ def with_direct_requests(
             yield request
         else:
             yield from direct.requests(wanted, max_bytes)
+
+
+def respond(messages: Generator[bytes, None, None], direct: DirectSocket, context: grpc.ServicerContext) -> Iterator[bytes]:
+    """A call's responses (``messages``, closed at the end): yielded to gRPC until ``direct`` is attached, then
+    written on it. gRPC no longer takes them then, so nothing else stops them once the call is over: each send
+    checks the call, and a frame cut short ends the call's writing; a client that closed its end ends the call
+    (UNAVAILABLE)."""
+    with contextlib.closing(messages):
+        for message in messages:
+            if not direct.attached:
+                yield message
+                continue
+            try:
+                if not (context.is_active() and direct.send(message, context.is_active)):
+                    return
+            except DirectClosed as exc:
+                abort(context, grpc.StatusCode.UNAVAILABLE, f"the client's direct connection closed ({exc})", Reason.UNAVAILABLE)

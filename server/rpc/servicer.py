@@ -9,7 +9,6 @@ callback that closes its stream, so the pool stops working for it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Generator, Iterator
@@ -20,11 +19,12 @@ import grpc
 from loaderd.errors import LimitExceededError, clip
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.process.throttle import LogThrottle
-from loaderd.server.rpc.admission import Admission, AdmissionRefused, Ticket
+from loaderd.server.rpc.admission import Admission, Ticket
 from loaderd.server.rpc.batch_groups import JOINED_PAYLOAD_BYTES, add_ready
 from loaderd.server.rpc.call_requests import CallRequests
-from loaderd.server.rpc.direct_socket import DirectSocket, with_direct_requests
+from loaderd.server.rpc.direct_socket import DirectSocket, respond, with_direct_requests
 from loaderd.server.rpc.drain import DrainSignal
+from loaderd.server.rpc.refusals import FAILURES, REFUSED, refusal
 from loaderd.server.rpc.requests import (
     BadRequestError,
     Opening,
@@ -35,17 +35,17 @@ from loaderd.server.rpc.requests import (
     shown,
 )
 from loaderd.server.rpc.sessions import ClientSession, SessionForeignError, SessionHost
+from loaderd.server.rpc.status_reply import STATUS_MAX_BYTES, bounded_status
 from loaderd.server.rpc.watchdog import Watchdog
 from loaderd.server.scheduling.catalog import Catalog, UnknownDatasetError
 from loaderd.server.scheduling.ledger import SlotLedger
 from loaderd.server.scheduling.producer import END, Delivery, FailReason, StreamFailed
 from loaderd.server.scheduling.scheduler import Scheduler
-from loaderd.server.scheduling.share import ShareMismatchError
 from loaderd.server.scheduling.stream import BatchStream
 from loaderd.server.security.auth import Authenticator
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire import framing
-from loaderd.wire.direct_frames import DIRECT_KEY_BYTES, DirectClosed
+from loaderd.wire.direct_frames import DIRECT_KEY_BYTES
 from loaderd.wire.reasons import Reason, abort
 
 log = logging.getLogger("loaderd.servicer")
@@ -54,32 +54,6 @@ log = logging.getLogger("loaderd.servicer")
 _POLL_S = 0.25
 # Names the calls' request-reader threads.
 _call_ids = itertools.count(1)
-STATUS_MAX_BYTES = (4 << 20) - (64 << 10)
-
-# Why a request is refused -> the status code and reason the client sees (the first class that matches).
-_REFUSALS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
-    UnknownDatasetError: (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_DATASET),
-    BadRequestError: (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_REQUEST),
-    RevisionMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, Reason.REVISION_MISMATCH),
-    ShareMismatchError: (grpc.StatusCode.FAILED_PRECONDITION, Reason.SHARE_MISMATCH),
-    AdmissionRefused: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.ADMISSION_LIMIT),
-    LimitExceededError: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REQUEST_LIMIT),
-}
-_REFUSED = tuple(_REFUSALS)
-
-# Why a stream failed (the daemon's reason) -> the status code and reason the client sees.
-_FAILURES: dict[FailReason, tuple[grpc.StatusCode, Reason]] = {
-    FailReason.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, Reason.UNAVAILABLE),
-    FailReason.INTERNAL: (grpc.StatusCode.INTERNAL, Reason.INTERNAL),
-    FailReason.INVALID: (grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_REQUEST),
-    FailReason.MISMATCH: (grpc.StatusCode.FAILED_PRECONDITION, Reason.SHARE_MISMATCH),
-    FailReason.LIMIT: (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REQUEST_LIMIT),
-}
-
-
-def _refusal(exc: Exception) -> tuple[grpc.StatusCode, Reason]:
-    return next(refusal for kind, refusal in _REFUSALS.items() if isinstance(exc, kind))
-
 
 class LoaderServicer:
     """Implements loaderd.v1.Loader."""
@@ -138,7 +112,7 @@ class LoaderServicer:
 
     def _refuse(self, context: grpc.ServicerContext, exc: Exception, what: str) -> NoReturn:
         self._throttle.log(logging.WARNING, type(exc).__name__, "%s from %s refused: %s", what, context.peer(), exc)
-        code, reason = _refusal(exc)
+        code, reason = refusal(exc)
         abort(context, code, str(exc), reason)
 
     def _first(self, requests: Iterator[Any], context: grpc.ServicerContext, what: str) -> Any:
@@ -189,17 +163,7 @@ class LoaderServicer:
         context.add_callback(ticket.release)
         direct = DirectSocket()
         try:
-            with contextlib.closing(self._serve_call(request_iterator, context, direct)) as messages:
-                for message in messages:
-                    if not direct.attached:
-                        yield message
-                        continue
-                    # gRPC no longer takes the messages, so nothing else stops them once the call is over.
-                    try:
-                        if not (context.is_active() and direct.send(message, context.is_active)):
-                            return
-                    except DirectClosed as exc:
-                        abort(context, grpc.StatusCode.UNAVAILABLE, f"the client's direct connection closed ({exc})", Reason.UNAVAILABLE)
+            yield from respond(self._serve_call(request_iterator, context, direct), direct, context)
         finally:
             direct.close()
             ticket.release()
@@ -283,7 +247,7 @@ class LoaderServicer:
                 identity=identity.name,
             )
             epoch.ticket = self._admission.admit_client_stream(f"session {session.session_id}" if session is not None else context.peer())
-        except _REFUSED as exc:
+        except REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")
         if opening.direct_key and not direct.attached:  # the call's first open (a later one's key is ignored)
             # Only a stream through a same-host session uses it. When attached, the answer is the call's last
@@ -313,7 +277,7 @@ class LoaderServicer:
         """One epoch's stream, opened; ``direct``: its responses go on the call's direct connection (for the log)."""
         try:
             stream = self._scheduler.open_stream(checked.spec, checked.share)
-        except _REFUSED as exc:
+        except REFUSED as exc:
             self._refuse(context, exc, f"stream from {who}")
         spec = stream.spec
         log.info(
@@ -334,7 +298,7 @@ class LoaderServicer:
             ended = yield from self._deliver(stream, session, context)
         except StreamFailed as failure:
             log.warning("stream %d of %s failed: %s", stream.stream_id, who, failure)
-            code, reason = _FAILURES[failure.reason]
+            code, reason = FAILURES[failure.reason]
             abort(context, code, str(failure), reason)
         finally:
             if not ended:
@@ -477,12 +441,3 @@ class _EpochHold:
         ticket, self.ticket = self.ticket, None
         if ticket is not None:
             ticket.release()
-
-
-def bounded_status(reply: pb.StatusResponse, limit: int) -> pb.StatusResponse:
-    """``reply`` cut to fit one message: the stream list goes first (newest streams dropped)."""
-    while reply.ByteSize() > limit and len(reply.streams):
-        del reply.streams[len(reply.streams) // 2 :]
-    while reply.ByteSize() > limit and len(reply.shares):
-        del reply.shares[len(reply.shares) // 2 :]
-    return reply

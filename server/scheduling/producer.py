@@ -91,7 +91,7 @@ class WorkerSlots:
 
 class FailReason(enum.Enum):
     """Why a stream cannot go on, in the daemon's terms (the RPC layer maps each to a gRPC status:
-    server/rpc/servicer.py ``_FAILURES``)."""
+    server/rpc/refusals.py ``FAILURES``)."""
 
     UNAVAILABLE = "unavailable"  # the daemon cannot serve it (stopping, no worker can run it): elsewhere, it may
     INTERNAL = "internal"  # the daemon failed handling it: its own bug

@@ -273,6 +273,6 @@ def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
 def test_every_failure_reason_has_one_status() -> None:
     """The daemon's domain says why a stream failed; the RPC layer alone turns that into a gRPC status
     (pyproject's import-linter contracts keep grpc out of the domain layers)."""
-    from loaderd.server.rpc.servicer import _FAILURES
+    from loaderd.server.rpc.refusals import FAILURES as _FAILURES
 
     assert set(_FAILURES) == set(FailReason)
