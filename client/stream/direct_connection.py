@@ -8,7 +8,9 @@ it is written on the connection by the thread that puts it, with no hand-off to 
 reports the caller's progress (``report``) every ``PROGRESS_S``. The receiver closes the connection when it leaves.
 
 The lock orders the switch against ``put``s and writes against ``close``: a write that waits on a full socket
-re-checks the call's stop signal every ``POLL_S``.
+re-checks the call's stop signal every ``POLL_S``. The progress has a lock of its own, and gRPC's sending thread
+takes only that one before it sends the ``direct`` marker: a write after the switch may wait for the daemon to read
+the socket, which the daemon does only once that marker reached it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class DirectConnection:
         self._conn = conn
         self._requests = requests
         self._stop = stop
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # writes; then, if both, the progress lock
+        self._progress_lock = threading.Lock()  # self._progress and its fields, once switched
         self._fd_lock = threading.Lock()  # orders wake() (no writer lock: a writer may hold that) against close()
         self._switched = False
         self._closed = False
@@ -99,23 +102,26 @@ class DirectConnection:
             if not self._switched:
                 self._requests.put((request, opens))
                 return
-            if opens is not None:
-                self._progress = opens
-            elif self._progress is not None and request.plan.consumed > self._progress.reported:
-                self._progress.reported = request.plan.consumed
+            with self._progress_lock:
+                if opens is not None:
+                    self._progress = opens
+                elif self._progress is not None:
+                    self._progress.sent(request)
             self._write(request)
 
     def took_over(self, progress: Progress | None) -> None:
         """gRPC's sending thread met the switch: ``progress`` (the epoch it reported for) goes on from here, unless
-        an epoch opened since."""
-        with self._lock:
+        an epoch opened since. Never waits on a write (the daemon reads the socket only after this thread sent
+        the marker)."""
+        with self._progress_lock:
             if self._progress is None:
                 self._progress = progress
 
     def report(self) -> None:
         """Send the caller's progress, if no message has said it yet (gRPC's sending thread, after the switch)."""
         with self._lock:
-            report = self._progress.report() if self._progress is not None else None
+            with self._progress_lock:
+                report = self._progress.report() if self._progress is not None else None
             if report is not None:
                 self._write(report)
 

@@ -57,7 +57,7 @@ class Progress:
 
     The epoch's iterator thread writes ``consumed`` and ``stalled_us``; the call's sending thread reads
     them and writes ``reported`` (the most any message sent for this epoch said), alone until the call's
-    requests move to its direct connection, and from then on under that connection's lock, as the threads that
+    requests move to its direct connection, and from then on under that connection's progress lock, as the threads that
     write requests there do (loaderd.stream.direct_connection). Plain ints."""
 
     __slots__ = ("consumed", "reported", "stalled_us")
@@ -75,6 +75,11 @@ class Progress:
         self.reported = consumed
         # No batches, no end, no released leases (those travel only on plans of batches, and on the session).
         return pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=self.stalled_us))
+
+    def sent(self, request: pb.StreamRequest) -> None:
+        """``request`` is on its way: the progress its plan carries needs no report."""
+        if request.plan.consumed > self.reported:
+            self.reported = request.plan.consumed
 
 
 def _request_stream(
@@ -104,8 +109,8 @@ def _request_stream(
             elif request.WhichOneof("kind") == "direct" and direct is not None:
                 direct.took_over(progress)
                 switched = True
-            elif progress is not None and request.plan.consumed > progress.reported:
-                progress.reported = request.plan.consumed
+            elif progress is not None:
+                progress.sent(request)
             yield request
         if time.monotonic() - reported_at < PROGRESS_S:
             continue

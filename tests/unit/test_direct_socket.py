@@ -260,6 +260,29 @@ def test_progress_goes_on_the_connection_after_the_switch(listener: DirectListen
     sink.close()
 
 
+def test_the_sending_thread_meets_the_switch_while_a_write_waits_for_the_daemon(listener: DirectListener) -> None:
+    """The daemon reads the connection only once gRPC brought it the ``direct`` marker: a plan written after the
+    switch and larger than the socket's buffers waits for that, so gRPC's sending thread, taking the switch over
+    before it sends the marker, must not wait on the write (the deadlock CI met at 8f9c5a3)."""
+    sink, client = attached(listener)
+    client.switch()
+    big = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=range(1 << 20))], consumed=1))
+    writer = threading.Thread(target=client.put, args=(big, None))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive(), "the plan fit the socket's buffers: nothing here waits"
+    took = threading.Thread(target=client.took_over, args=(Progress(0),))
+    took.start()
+    took.join(5)
+    assert not took.is_alive(), "gRPC's sending thread waited on a write only the marker it holds could finish"
+    got = next(sink.requests(always, big.ByteSize() + 16))  # the marker reached the daemon: it reads the plan
+    writer.join(5)
+    assert not writer.is_alive()
+    assert got == big
+    client.close()
+    sink.close()
+
+
 @pytest.mark.parametrize(
     ("raw", "why"),
     [
