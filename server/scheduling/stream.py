@@ -150,7 +150,10 @@ class BatchStream:
             self.planned += 1
         self.plan_end = self.plan_end or end
         self._ask_upstream()
-        self.cond.notify_all()
+        if end:
+            # Only the plan's end can change what the servicer waits for (``next_delivery``: the stream may be
+            # finished now); batches to make are the scheduler's news, and a woken servicer would find nothing.
+            self.cond.notify_all()
 
     def _take_pending(self) -> tuple[int, Indices]:
         seq, indices = self.pending.popleft()

@@ -176,3 +176,36 @@ def test_a_positioned_stream_seeds_each_batch_by_its_epoch_position_and_delivers
     for seq in (2, 0, 1):
         stream.resolve(batch_delivery(seq))
     assert [d.seq for d in drain(stream)] == [0, 1, 2, -1]
+
+
+class _CountedCondition(threading.Condition):
+    """A held condition (``held_lock``) that counts its ``notify_all`` calls: each wakes a waiting servicer."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self.woken = 0
+        self.acquire()
+
+    def notify_all(self) -> None:
+        self.woken += 1
+        super().notify_all()
+
+
+def test_a_plan_wakes_the_servicer_only_with_its_end() -> None:
+    """A plan's batches are the scheduler's to make (it is woken for them); the servicer waits for a batch or the
+    stream's end, so only the plan's end may change what it waits for."""
+    cond = _CountedCondition()
+    stream = lone_stream(map_spec(window=8), cond=cond)
+    stream.add_plan([(0,), (1,)], end=False)
+    stream.progress(1, 0)
+    stream.add_plan([], end=False)  # progress alone
+    assert cond.woken == 0
+    dispatch_all(stream)
+    stream.resolve(batch_delivery(0))
+    stream.resolve(batch_delivery(1))
+    assert cond.woken == 2
+    assert [d.seq for d in (stream.next_delivery(0), stream.next_delivery(0))] == [0, 1]
+    assert stream.next_delivery(0) is None  # no end yet: not finished
+    stream.add_plan([], end=True)
+    assert cond.woken == 3
+    assert stream.next_delivery(0) is END
