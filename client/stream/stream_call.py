@@ -116,6 +116,7 @@ def _request_stream(
             continue
         if switched and direct is not None:
             reported_at = time.monotonic()
+            # Only after the marker went out: report() may wait on a write that only the marker lets finish.
             direct.report()
         elif progress is not None:
             report = progress.report()

@@ -9,18 +9,20 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from loaderd.channel.threads import SenderThread
 from loaderd.server.rpc import direct_listener
 from loaderd.server.rpc.direct_listener import DirectListener
 from loaderd.server.rpc.direct_socket import DirectSocket, with_direct_requests
 from loaderd.server.rpc.requests import BadRequestError
 from loaderd.stream.direct_connection import DirectConnection
-from loaderd.stream.stream_call import Progress
+from loaderd.stream.stream_call import Progress, _request_stream
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.direct_frames import ACK, DIRECT_KEY_BYTES, DIRECT_SOCKET_SUFFIX, PREFIX, READ_BYTES, DirectClosed
 from loaderd.wire.limits import SEGMENT_PREFIX, SHM_DIR
@@ -262,25 +264,37 @@ def test_progress_goes_on_the_connection_after_the_switch(listener: DirectListen
 
 def test_the_sending_thread_meets_the_switch_while_a_write_waits_for_the_daemon(listener: DirectListener) -> None:
     """The daemon reads the connection only once gRPC brought it the ``direct`` marker: a plan written after the
-    switch and larger than the socket's buffers waits for that, so gRPC's sending thread, taking the switch over
-    before it sends the marker, must not wait on the write (the deadlock CI met at 8f9c5a3)."""
-    sink, client = attached(listener)
+    switch and larger than the socket's buffers waits for that, so gRPC's sending thread (the call's real request
+    iterator) must hand out the marker while that write waits (the deadlock CI met at 8f9c5a3)."""
+    stop = threading.Event()
+    requests: queue.Queue[Any] = queue.Queue()
+    sink, client = attached(listener, stop=stop, requests=requests)
+    iterator = _request_stream(requests, stop, SenderThread(), client)
     client.switch()
     big = pb.StreamRequest(plan=pb.PlanBatches(batches=[pb.IndexBatch(indices=range(1 << 20))], consumed=1))
-    writer = threading.Thread(target=client.put, args=(big, None))
-    writer.start()
-    writer.join(0.3)
-    assert writer.is_alive(), "the plan fit the socket's buffers: nothing here waits"
-    took = threading.Thread(target=client.took_over, args=(Progress(0),))
-    took.start()
-    took.join(5)
-    assert not took.is_alive(), "gRPC's sending thread waited on a write only the marker it holds could finish"
-    got = next(sink.requests(always, big.ByteSize() + 16))  # the marker reached the daemon: it reads the plan
-    writer.join(5)
-    assert not writer.is_alive()
-    assert got == big
-    client.close()
-    sink.close()
+    writer = threading.Thread(target=client.put, args=(big, None), daemon=True)
+    sent: list[pb.StreamRequest] = []
+    sender = threading.Thread(target=lambda: sent.append(next(iterator)), daemon=True)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 10
+        # The writer holds the connection's lock while the socket is full (the state the deadlock needs).
+        while not (client._lock.locked() and writer.is_alive()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.is_alive() and client._lock.locked(), "the plan fit the socket's buffers: nothing here waits"
+        sender.start()
+        sender.join(5)
+        assert [r.WhichOneof("kind") for r in sent] == ["direct"], "gRPC's sending thread waited on the write"
+        got = next(sink.requests(always, big.ByteSize() + 16))  # the marker reached the daemon: it reads the plan
+        writer.join(5)
+        assert not writer.is_alive()
+        assert got == big
+    finally:
+        stop.set()  # a writer still waiting leaves within a poll
+        writer.join(5)
+        sender.join(5)
+        client.close()
+        sink.close()
 
 
 @pytest.mark.parametrize(
