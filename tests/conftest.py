@@ -5,12 +5,25 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.daemons import RunningDaemon, running_daemon
+from support.daemons import LIVE_DAEMONS, RunningDaemon, dump_threads, running_daemon
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with each running daemon's threads' stacks and the end of its log:
+    where a daemon stopped answering (a CI run that failed that way once said nothing of the daemon)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for daemon in list(LIVE_DAEMONS):
+            dumped = dump_threads(daemon)
+            if dumped:
+                report.sections.append((f"loaderd daemon at {daemon.address}: its threads and log", dumped))
+    return report
 
 
 @pytest.fixture(params=["shm", "grpc"])

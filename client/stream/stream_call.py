@@ -33,6 +33,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from loaderd.channel.threads import SenderThread, join_all, track
@@ -135,6 +136,24 @@ def _cancel(call: Any, stop: threading.Event, requests: queue.Queue[Any], pid: i
     call.cancel()
 
 
+@dataclass(frozen=True)
+class CallThreads:
+    """One call's threads: its receiver, and gRPC's thread that sends its requests (once it started).
+    Holding them holds nothing of the call, so an owner joins them even after the call was collected."""
+
+    receiver: threading.Thread
+    sender: SenderThread
+
+    @property
+    def alive(self) -> bool:
+        sender = self.sender.thread
+        return self.receiver.is_alive() or (sender is not None and sender.is_alive())
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for both to leave (after the call was cancelled); True if they did."""
+        return join_all((self.receiver, self.sender.thread), timeout)
+
+
 class StreamCall:
     """One StreamBatches call; its methods are called from an epoch iterator's thread."""
 
@@ -159,9 +178,10 @@ class StreamCall:
         # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
         self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid, direct)
         receiver = CallReceiver(call, session, address, self._route, self._stop, direct)
-        self._receiver = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
-        self._receiver.start()
-        track(self._receiver)  # joined at exit, even once this object is gone (loaderd.channel.threads)
+        thread = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
+        thread.start()
+        track(thread)  # joined at exit, even once this object is gone (loaderd.channel.threads)
+        self.threads = CallThreads(thread, self._sender)
         connection.track_stream(self._closer)
 
     def open(self, opening: pb.OpenStream, epoch: CallEpoch, progress: Progress) -> bool:
@@ -222,7 +242,7 @@ class StreamCall:
         """Wait up to ``timeout`` s for the call's threads to leave (after ``cancel``); True if they did."""
         if self._pid != os.getpid():
             return True  # a forked child has no such threads
-        return join_all((self._receiver, self._sender.thread), timeout)
+        return self.threads.join(timeout)
 
 
 class StreamCalls:
@@ -233,6 +253,10 @@ class StreamCalls:
         self._lock = threading.Lock()
         self._parked: dict[str, StreamCall] = {}
         self._made: weakref.WeakSet[StreamCall] = weakref.WeakSet()  # a call nobody holds cancels itself
+        # The threads of every call made, until they end: a call collected (and so cancelled) a moment
+        # before ``close`` leaves the WeakSet while its receiver is still on its way out.
+        self._threads: list[CallThreads] = []
+        self._pid = os.getpid()
         self._closed = False
 
     def new(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall:
@@ -242,6 +266,8 @@ class StreamCalls:
                 raise LoaderdError("this RemoteDataLoader is closed")
             call = StreamCall(address, connection, session)
             self._made.add(call)
+            self._threads = [threads for threads in self._threads if threads.alive]
+            self._threads.append(call.threads)
         return call
 
     def close(self, timeout: float) -> bool:
@@ -251,11 +277,14 @@ class StreamCalls:
         with self._lock:
             self._closed = True
             calls = list(self._made)
+            threads, self._threads = self._threads, []
             self._parked.clear()
         for call in calls:
             call.cancel()
+        if self._pid != os.getpid():
+            return True  # a forked child: the calls and their threads are the parent's
         deadline = time.monotonic() + timeout
-        return all([call.join(deadline - time.monotonic()) for call in calls])
+        return all([each.join(deadline - time.monotonic()) for each in threads])
 
     def open_calls(self) -> list[StreamCall]:
         """The parked calls that have not ended (at most one per daemon address)."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -67,6 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
     # The flags replace the config's values, so the pool's processes (which read the config) log alike.
     config = dataclasses.replace(config, log_level=args.log_level or config.log_level, log_format=args.log_format or config.log_format)
     configure_logging(config.log_level, config.log_format)
+    # `kill -USR1` writes every thread's stack to stderr (the log), the daemon going on: for one that
+    # stops answering. faulthandler writes from its C handler, so a thread holding the GIL or a lock
+    # for ever cannot stop the dump.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
     signals = StopSignals()
     signals.install()

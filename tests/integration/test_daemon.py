@@ -22,7 +22,17 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.compare import assert_same_batches
-from support.daemons import STARTUP_TIMEOUT_S, RunningDaemon, oracle_loader, popen_serve, running_daemon, serve_command, wait_serving, write_config
+from support.daemons import (
+    STARTUP_TIMEOUT_S,
+    RunningDaemon,
+    dump_threads,
+    oracle_loader,
+    popen_serve,
+    running_daemon,
+    serve_command,
+    wait_serving,
+    write_config,
+)
 from support.datasets import Squares
 from support.processes import cmdline, descendants, still_running
 
@@ -584,6 +594,19 @@ def test_health_service_reports_serving(start_daemon: Callable[..., RunningDaemo
         first = next(iter(stream))
         stream.cancel()
     assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.timeout(120)
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(start_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = start_daemon(SQUARES, workers=1)
+    dumped = dump_threads(daemon)
+    # The main thread waiting for a signal, the scheduler's round, the gRPC server's loop: every thread, not one.
+    for where in ("server/app/cli.py", "server/scheduling/scheduler.py", "grpc/_server.py"):
+        assert where in dumped, dumped
+    assert dumped.count("Thread 0x") >= 5, dumped
+    got = list(RemoteDataLoader("sq", batch_size=10, address=daemon.address))
+    assert_same_batches(got, list(oracle_loader(Squares(50), batch_size=10)))
+    _stop_and_check(daemon, signal.SIGTERM)
 
 
 # ------------------------------------------------------------------ logs

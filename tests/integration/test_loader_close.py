@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 
@@ -57,3 +58,21 @@ def test_close_mid_epoch_ends_the_epoch_and_its_threads(start_daemon: Callable[.
     # The daemon let the stream go: another loader of this process streams at once.
     with RemoteDataLoader("squares", batch_size=100, address=daemon.address, transport=transport) as other:
         assert [b[1].tolist() for b in other] == [list(range(i, i + 100)) for i in range(0, 400, 100)]
+
+
+@pytest.mark.timeout(120)
+def test_close_joins_the_threads_of_a_call_collected_just_before(start_daemon: Callable[..., RunningDaemon], transport: str) -> None:
+    """A call nobody holds is cancelled by its finalizer and leaves the loader's set of calls, while its
+    receiver is still on its way out: close() joins that receiver too (a CI run once found one alive)."""
+    daemon = start_daemon({"squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 40}}}, workers=1)
+    before = set(threading.enumerate())
+    loader = RemoteDataLoader("squares", batch_size=4, address=daemon.address, transport=transport)
+    fleet, calls = loader._fleet, loader._calls  # the loader's daemons and the owner of its calls
+    address = next(iter(fleet.members))
+    call = calls.new(address, fleet.connection(address), fleet.session_for(address))
+    receiver = call.threads.receiver
+    del call
+    gc.collect()
+    loader.close()
+    assert not receiver.is_alive()
+    assert loader_threads(before) == []

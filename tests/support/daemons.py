@@ -195,13 +195,20 @@ def running_daemon(
         log_path = tmp / "daemon.log"
         process = popen_serve(config_path, log_path, *serve_args)
         daemon = RunningDaemon(process, f"unix://{socket_path}", socket_path, config_path, log_path)
+        LIVE_DAEMONS.append(daemon)
         wait_serving(daemon.address, process, log_path, STARTUP_TIMEOUT_S)
         if tcp:
             for line in daemon.log().splitlines():
                 if "listening on 127.0.0.1:" in line:
                     daemon.extra_addresses.append(line.rsplit(" ", 1)[-1])
             assert daemon.extra_addresses, f"no TCP address in the log:\n{daemon.log()}"
-        yield daemon
+        try:
+            yield daemon
+        except BaseException as exc:  # the block failed: say what the daemon was doing, before it is killed below
+            dumped = dump_threads(daemon)
+            if dumped:
+                exc.add_note(f"loaderd daemon at {daemon.address}: its threads and log:\n{dumped}")
+            raise
         if process.poll() is None:
             code = daemon.stop()
             assert code == 0, f"daemon exited with {code}:\n{daemon.log()}"
@@ -209,10 +216,38 @@ def running_daemon(
         else:
             assert not expect_running, f"daemon died during the tests ({process.returncode}):\n{daemon.log()}"
     finally:
+        LIVE_DAEMONS[:] = [d for d in LIVE_DAEMONS if d.process is not process]
         if process is not None and process.poll() is None:
             process.kill()
             process.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The daemons `running_daemon` started that have not ended yet (the suite's failure report dumps their threads).
+LIVE_DAEMONS: list[RunningDaemon] = []
+# How much of a daemon's log a failure report shows before its threads' stacks.
+LOG_LINES_BEFORE_DUMP = 40
+
+
+def dump_threads(daemon: RunningDaemon, timeout: float = 3.0) -> str:
+    """The end of ``daemon``'s log with every one of its threads' stacks (``kill -USR1``, server/app/cli.py),
+    for a failure's report: what a daemon that stopped answering was doing. "" if it no longer runs."""
+    if daemon.process.poll() is not None or not daemon.log_path.exists():
+        return ""
+    before = daemon.log_path.stat().st_size
+    daemon.process.send_signal(signal.SIGUSR1)
+    # The dump is written from a signal handler, thread after thread: done once the log stops growing.
+    deadline, size, still_since = time.monotonic() + timeout, before, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = daemon.log_path.stat().st_size
+        if now != size:
+            size, still_since = now, time.monotonic()
+        elif size > before and time.monotonic() - still_since > 0.3:
+            break
+    lines = daemon.log().splitlines()
+    dumped = next((i for i, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))), len(lines))
+    return "\n".join(lines[max(0, dumped - LOG_LINES_BEFORE_DUMP) :])
 
 
 @dataclass
