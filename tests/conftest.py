@@ -20,7 +20,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.when == "call" and report.failed:
         for daemon in list(LIVE_DAEMONS):
-            dumped = dump_threads(daemon)
+            try:
+                dumped = dump_threads(daemon)
+            except (Exception, pytest.fail.Exception) as exc:  # the report must come out (a timeout may fire here too)
+                dumped = f"no dump: {exc!r}"
             if dumped:
                 report.sections.append((f"loaderd daemon at {daemon.address}: its threads and log", dumped))
     return report

@@ -251,7 +251,7 @@ class RemoteDataLoader:
         iterator, planned = self._epochs.end()
         deadline = time.monotonic() + timeout
         self._slow_path.close(timeout)
-        joined = self._calls.close(timeout)
+        joined = self._calls.close(deadline - time.monotonic())
         for epoch in (iterator, planned):
             if epoch is not None:
                 joined &= epoch.join(deadline - time.monotonic())

@@ -143,14 +143,20 @@ class CallThreads:
 
     receiver: threading.Thread
     sender: SenderThread
+    pid: int  # the process that made the call: a forked child has no such threads
 
     @property
     def alive(self) -> bool:
+        """Whether they are this process's and either still runs (a sender not started yet counts as ended)."""
         sender = self.sender.thread
-        return self.receiver.is_alive() or (sender is not None and sender.is_alive())
+        mine = self.pid == os.getpid()
+        return mine and (self.receiver.is_alive() or (sender is not None and sender.is_alive()))
 
     def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for both to leave (after the call was cancelled); True if they did."""
+        """Wait up to ``timeout`` s for both to leave (after the call was cancelled); True if they did
+        (at once in a process forked since: they are its parent's)."""
+        if self.pid != os.getpid():
+            return True
         return join_all((self.receiver, self.sender.thread), timeout)
 
 
@@ -181,7 +187,7 @@ class StreamCall:
         thread = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         thread.start()
         track(thread)  # joined at exit, even once this object is gone (loaderd.channel.threads)
-        self.threads = CallThreads(thread, self._sender)
+        self.threads = CallThreads(thread, self._sender, self._pid)
         connection.track_stream(self._closer)
 
     def open(self, opening: pb.OpenStream, epoch: CallEpoch, progress: Progress) -> bool:
@@ -238,12 +244,6 @@ class StreamCall:
         """End the call (the daemon closes what it serves on it). Idempotent."""
         self._closer()
 
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the call's threads to leave (after ``cancel``); True if they did."""
-        if self._pid != os.getpid():
-            return True  # a forked child has no such threads
-        return self.threads.join(timeout)
-
 
 class StreamCalls:
     """A loader's calls: the owner of every call its epochs open, and of those parked between epochs
@@ -256,7 +256,6 @@ class StreamCalls:
         # The threads of every call made, until they end: a call collected (and so cancelled) a moment
         # before ``close`` leaves the WeakSet while its receiver is still on its way out.
         self._threads: list[CallThreads] = []
-        self._pid = os.getpid()
         self._closed = False
 
     def new(self, address: str, connection: DaemonConnection, session: ShmSession | None) -> StreamCall:
@@ -281,8 +280,6 @@ class StreamCalls:
             self._parked.clear()
         for call in calls:
             call.cancel()
-        if self._pid != os.getpid():
-            return True  # a forked child: the calls and their threads are the parent's
         deadline = time.monotonic() + timeout
         return all([each.join(deadline - time.monotonic()) for each in threads])
 

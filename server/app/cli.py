@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -25,6 +23,7 @@ from loaderd.server.config.schema import ConfigError, ListenSpec, LoaderConfig, 
 from loaderd.server.ops.notify import SystemdNotifier, start_watchdog_pings
 from loaderd.server.ops.status import ClientKey, ClientRate, client_rates, format_status, status_json
 from loaderd.server.pool.fork_server import PoolStartError
+from loaderd.server.process import stack_dumps
 from loaderd.server.process.host_cpu import usable_cpus
 from loaderd.server.process.log_format import LOG_FORMATS, configure_logging
 from loaderd.server.security.listeners import ListenError
@@ -69,10 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     # The flags replace the config's values, so the pool's processes (which read the config) log alike.
     config = dataclasses.replace(config, log_level=args.log_level or config.log_level, log_format=args.log_format or config.log_format)
     configure_logging(config.log_level, config.log_format)
-    # `kill -USR1` writes every thread's stack to stderr (the log), the daemon going on: for one that
-    # stops answering. faulthandler writes from its C handler, so a thread holding the GIL or a lock
-    # for ever cannot stop the dump.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    stack_dumps.install()  # `kill -USR1`: every thread's stack in the log (for a daemon that stops answering)
     # SIGTERM drains first (clients move away), then stops; SIGINT, or a second SIGTERM, stops at once.
     signals = StopSignals()
     signals.install()

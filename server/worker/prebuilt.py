@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loaderd.server.config.schema import DatasetSpec
-from loaderd.server.process import glibc_tunables
+from loaderd.server.process import glibc_tunables, stack_dumps
 from loaderd.server.process.log_format import configure_logging
 from loaderd.server.worker.user_code import apply_python_path, import_config_module, resolve, user_error
 
@@ -104,6 +104,7 @@ def take(spec: DatasetSpec) -> Any:
 
 def build_from_environment() -> None:
     """Build what ``ENV`` names (in the fork server, before it forks); record each failure as its message."""
+    stack_dumps.install()  # the fork server is signalled with its daemon too (a process group, a unit)
     path = os.environ.pop(ENV, None)  # popped: the workers' own children must not build again
     if not path:
         return

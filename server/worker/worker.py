@@ -22,6 +22,7 @@ import torch
 
 from loaderd.errors import clip
 from loaderd.server.cache.item_store import open_store
+from loaderd.server.process import stack_dumps
 from loaderd.server.process.heap import give_back_free_pages, tune_heap
 from loaderd.server.process.log_format import configure_logging
 from loaderd.server.process.multiprocessing_private import drop_fork_server_handle
@@ -111,6 +112,7 @@ def run_worker(spec: WorkerSpec) -> None:
     gc.freeze()
     # The daemon owns shutdown; a terminal's Ctrl-C must not kill workers mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stack_dumps.install()  # a worker signalled with its daemon dumps its stacks too, and lives
     # Like torch's DataLoader workers: one intra-op thread each, or N workers oversubscribe the cores.
     torch.set_num_threads(1)
     # The daemon's level and format (a dataset's own log lines included): workers share its stderr.

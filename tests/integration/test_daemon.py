@@ -30,6 +30,7 @@ from support.daemons import (
     popen_serve,
     running_daemon,
     serve_command,
+    wait_for,
     wait_serving,
     write_config,
 )
@@ -597,13 +598,22 @@ def test_health_service_reports_serving(start_daemon: Callable[..., RunningDaemo
 
 
 @pytest.mark.timeout(120)
-def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(start_daemon: Callable[..., RunningDaemon]) -> None:
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_every_process_serves_on(start_daemon: Callable[..., RunningDaemon]) -> None:
     daemon = start_daemon(SQUARES, workers=1)
     dumped = dump_threads(daemon)
     # The main thread waiting for a signal, the scheduler's round, the gRPC server's loop: every thread, not one.
     for where in ("server/app/cli.py", "server/scheduling/scheduler.py", "grpc/_server.py"):
         assert where in dumped, dumped
     assert dumped.count("Thread 0x") >= 5, dumped
+    # Its fork server and worker signalled too: they dump and live. (Not multiprocessing's resource tracker, a
+    # process of its own that SIGUSR1 ends: the docs say to signal the daemon's main process.)
+    children = [p for p in descendants(daemon.process.pid) if "resource_tracker" not in cmdline(p)]
+    assert len(children) >= 2, children
+    before = daemon.log_path.stat().st_size
+    for child in children:
+        os.kill(child.pid, signal.SIGUSR1)
+    wait_for(lambda: "server/worker/worker.py" in daemon.log_path.read_bytes()[before:].decode(errors="replace"), 10, "the worker's dump")
+    assert all(child.is_running() for child in children), children
     got = list(RemoteDataLoader("sq", batch_size=10, address=daemon.address))
     assert_same_batches(got, list(oracle_loader(Squares(50), batch_size=10)))
     _stop_and_check(daemon, signal.SIGTERM)

@@ -204,7 +204,7 @@ def running_daemon(
             assert daemon.extra_addresses, f"no TCP address in the log:\n{daemon.log()}"
         try:
             yield daemon
-        except BaseException as exc:  # the block failed: say what the daemon was doing, before it is killed below
+        except (Exception, pytest.fail.Exception) as exc:  # the block failed (or timed out): what the daemon was doing, before it is killed
             dumped = dump_threads(daemon)
             if dumped:
                 exc.add_note(f"loaderd daemon at {daemon.address}: its threads and log:\n{dumped}")
@@ -230,13 +230,15 @@ LOG_LINES_BEFORE_DUMP = 40
 
 
 def dump_threads(daemon: RunningDaemon, timeout: float = 3.0) -> str:
-    """The end of ``daemon``'s log with every one of its threads' stacks (``kill -USR1``, server/app/cli.py),
-    for a failure's report: what a daemon that stopped answering was doing. "" if it no longer runs."""
+    """The end of ``daemon``'s log with every one of its threads' stacks (``kill -USR1``:
+    server/process/stack_dumps.py), for a failure's report: what a daemon that stopped answering was
+    doing. "" if it no longer runs."""
     if daemon.process.poll() is not None or not daemon.log_path.exists():
         return ""
     before = daemon.log_path.stat().st_size
     daemon.process.send_signal(signal.SIGUSR1)
-    # The dump is written from a signal handler, thread after thread: done once the log stops growing.
+    # The dump is written from a signal handler, thread after thread: done once the log stops growing
+    # (a stopped daemon writes nothing: the log's end, then, without its stacks).
     deadline, size, still_since = time.monotonic() + timeout, before, time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.05)
@@ -245,9 +247,9 @@ def dump_threads(daemon: RunningDaemon, timeout: float = 3.0) -> str:
             size, still_since = now, time.monotonic()
         elif size > before and time.monotonic() - still_since > 0.3:
             break
-    lines = daemon.log().splitlines()
-    dumped = next((i for i, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))), len(lines))
-    return "\n".join(lines[max(0, dumped - LOG_LINES_BEFORE_DUMP) :])
+    logged = daemon.log_path.read_bytes()
+    earlier = logged[:before].decode(errors="replace").splitlines()[-LOG_LINES_BEFORE_DUMP:]
+    return "\n".join([*earlier, logged[before:].decode(errors="replace")])
 
 
 @dataclass
