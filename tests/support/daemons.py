@@ -205,7 +205,10 @@ def running_daemon(
         try:
             yield daemon
         except (Exception, pytest.fail.Exception) as exc:  # the block failed (or timed out): what the daemon was doing, before it is killed
-            dumped = dump_threads(daemon)
+            try:
+                dumped = dump_threads(daemon)
+            except Exception as failed:  # the test's own failure must come out as it is
+                dumped = f"no dump: {failed!r}"
             if dumped:
                 exc.add_note(f"loaderd daemon at {daemon.address}: its threads and log:\n{dumped}")
             raise
