@@ -612,7 +612,7 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_every_process_serves_
     before = daemon.log_path.stat().st_size
     for child in children:
         os.kill(child.pid, signal.SIGUSR1)
-    wait_for(lambda: "server/worker/worker.py" in daemon.log_path.read_bytes()[before:].decode(errors="replace"), 10, "the worker's dump")
+    wait_for(lambda: "server/worker/worker.py" in daemon.log(before), 10, "the worker's dump")
     assert all(child.is_running() for child in children), children
     got = list(RemoteDataLoader("sq", batch_size=10, address=daemon.address))
     assert_same_batches(got, list(oracle_loader(Squares(50), batch_size=10)))

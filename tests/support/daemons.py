@@ -46,8 +46,10 @@ class RunningDaemon:
     log_path: Path
     extra_addresses: list[str] = field(default_factory=list)
 
-    def log(self) -> str:
-        return self.log_path.read_text()
+    def log(self, since: int = 0) -> str:
+        """The daemon's log from byte ``since`` on (a ``log_path.stat().st_size`` taken earlier). Bytes that
+        do not decode are replaced: a dataset may print anything, and a test's message must still come out."""
+        return self.log_path.read_bytes()[since:].decode(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Signal the daemon and wait for it to exit; returns its exit code."""
@@ -250,7 +252,7 @@ def dump_threads(daemon: RunningDaemon, timeout: float = 3.0) -> str:
             size, still_since = now, time.monotonic()
         elif size > before and time.monotonic() - still_since > 0.3:
             break
-    logged = daemon.log_path.read_bytes()
+    logged = daemon.log_path.read_bytes()  # once: the part before the signal and the dump, split where it was sent
     earlier = logged[:before].decode(errors="replace").splitlines()[-LOG_LINES_BEFORE_DUMP:]
     return "\n".join([*earlier, logged[before:].decode(errors="replace")])
 
