@@ -8,8 +8,9 @@ batches on its own stream takes it (``take``; protocol revision 5,
 its own per batch when the loop runs faster than a period. What no plan takes
 goes out on the session call, many leases to a message: while anything is
 pending the session's sender ``tick``s once a period and sends what waited a
-whole period (so a lease waits one to two periods); it sleeps otherwise, and
-``release`` says when it must be woken. A stream stopped early is
+whole period (so a lease waits one to two periods; the period backs off while
+plans carry everything: ``loaderd.shm.release_period``); it sleeps otherwise,
+and ``release`` says when it must be woken. A stream stopped early is
 ``abandon``ed: the daemon takes back every lease of it except those still
 claimed, so its pending ones are forgotten here.
 

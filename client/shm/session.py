@@ -30,6 +30,7 @@ from loaderd.channel.threads import SenderThread, track
 from loaderd.errors import LoaderdError, TransportError
 from loaderd.shm.copy_fence import CopyFence
 from loaderd.shm.leases import Leases
+from loaderd.shm.release_period import ReleasePeriod
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.wire.limits import PROTOCOL_REVISION, SHM_DIR, is_segment_name
 from loaderd.wire.mapping import SharedMapping
@@ -39,12 +40,16 @@ log = logging.getLogger("loaderd.session")
 _POLL_S = 0.25
 # How long closing a session waits for its watcher thread to leave (its call is cancelled first).
 _CLOSE_JOIN_S = 1.0
-# How long a dropped lease waits (one to two periods) for a plan message of its stream to carry it
-# before the session call sends it: long enough to span a few batches, short enough that a worker
-# gets its slot back while the next batches are made.
+# The shortest period of the session's release ticks: a dropped lease waits one to two periods for a
+# plan message of its stream to carry it before the session call sends it: long enough to span a few
+# batches, short enough that a worker gets its slot back while the next batches are made.
 RELEASE_PERIOD_S = 0.005
+# While plans carry the releases the period grows to this many times RELEASE_PERIOD_S (loaderd.shm.release_period).
+_RELEASE_BACKOFF = 16
 # Queued by a release when the sender sleeps: start ticking.
 _TICK = object()
+# Queued when a stream sent its last plan: what it drops from now on goes by the session, soon.
+_HURRY = object()
 # Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
 _MAX_MAPPINGS = 1024
 # Tries to lock the challenge file (a millisecond apart).
@@ -299,6 +304,7 @@ class ShmSession:
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
         self._sender.seen()
         tick_at: float | None = None  # while releases are pending: when to send those no plan took
+        period = ReleasePeriod(RELEASE_PERIOD_S, _RELEASE_BACKOFF)
         while not self._stop.is_set():
             wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
             try:
@@ -306,7 +312,8 @@ class ShmSession:
             except queue.Empty:
                 if tick_at is not None:
                     due, ticking = self._leases.tick()
-                    tick_at = time.monotonic() + RELEASE_PERIOD_S if ticking else None
+                    wait = period.ticked(bool(due), RELEASE_PERIOD_S)
+                    tick_at = time.monotonic() + wait if ticking else None
                     if due:
                         yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
                 continue
@@ -314,7 +321,12 @@ class ShmSession:
                 return
             if item is _TICK:
                 if tick_at is None:
-                    tick_at = time.monotonic() + RELEASE_PERIOD_S
+                    tick_at = time.monotonic() + period.seconds
+                continue
+            if item is _HURRY:
+                wait = period.hurry(RELEASE_PERIOD_S)
+                if tick_at is not None:
+                    tick_at = min(tick_at, time.monotonic() + wait)
                 continue
             assert isinstance(item, pb.SessionRequest)
             yield item
@@ -331,6 +343,15 @@ class ShmSession:
             return
         if self._leases.release(lease) and not self._stop.is_set():
             self._requests.put(_TICK)
+
+    def plans_ended(self) -> None:
+        """A stream sent its last plan: the leases it drops from now on go out within one or two of
+        the shortest periods (no plan of its will carry them)."""
+        successor = self._successor
+        if successor is not None:
+            successor.plans_ended()
+        elif not self._stop.is_set():
+            self._requests.put(_HURRY)
 
     def take_released(self, stream_token: int) -> list[int]:
         """The dropped leases of stream ``stream_token`` not yet sent, for its next plan message to carry."""

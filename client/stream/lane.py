@@ -166,6 +166,8 @@ class Lane:
         self._call.send(pb.StreamRequest(plan=plan))
         if end:
             self.ended = True
+            if self._plan_releases is not None:
+                self._plan_releases.plans_ended()
 
     def caller_at(self, consumed: int, stalled_us: int) -> None:
         """The caller took every position before ``consumed`` (waiting ``stalled_us`` in all): noted as

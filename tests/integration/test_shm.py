@@ -464,6 +464,25 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     assert len(by_plan) >= batches // 2, f"{len(by_plan)} of {batches} leases rode plans, {len(by_session)} the session"
 
 
+@pytest.mark.timeout(90)
+def test_each_epochs_last_plan_tells_the_session_to_send_its_releases_soon(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While plans carry the releases the session's tick backs off (loaderd.shm.release_period); an
+    epoch's last plan brings it back to the shortest, so the batches dropped after it (no plan of
+    theirs follows) go back within milliseconds, not after the longest period."""
+    ended: list[int] = []
+    plans_ended = ShmSession.plans_ended
+
+    def counted(self: ShmSession) -> None:
+        ended.append(self.session_id)
+        plans_ended(self)
+
+    monkeypatch.setattr(ShmSession, "plans_ended", counted)
+    by_plan, by_session = release_routes(monkeypatch)
+    batches = shm_epochs(roomy.get(), 3)
+    assert len(ended) == 3 and len(set(ended)) == 1, f"last plans told the session {ended}"
+    wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
+
+
 # ------------------------------------------------------------------ 6. transport choice
 
 
