@@ -150,6 +150,9 @@ class RemoteLoaderIter:
             for lane, asked in groups.items():
                 lane.send(positions.requests(asked), stalled_us)
         self._hedge()
+        if self._plan.final_stretch:
+            for lane in self._lanes.by_address.values():
+                lane.final_stretch()
         if not self._half_closed and self._plan.complete:
             # Every batch arrived: let the daemons finish the streams cleanly.
             self._half_closed = True

@@ -56,6 +56,12 @@ class Plan(Protocol):
         """Every position of a sized plan is planned (the loader may plan its next epoch ahead)."""
         ...
 
+    @property
+    def final_stretch(self) -> bool:
+        """No plan message follows before the caller reaches the epoch's end (all is planned, but for a
+        last batch planned only when asked for): the lanes' dropped leases ride no plan from now on."""
+        ...
+
 
 class Credited(Protocol):
     """What a ``CreditPlan`` needs of its lane."""
@@ -143,6 +149,13 @@ class SamplerPlan:
     def all_out(self) -> bool:
         return self._plan_length is not None and self.planned >= self._plan_length
 
+    @property
+    def final_stretch(self) -> bool:
+        if self.done:
+            return True
+        held_back = 1 if self._last_batch_draws else 0  # top_up plans that one when the caller asks for it
+        return self._plan_length is not None and self.planned >= self._plan_length - held_back
+
 
 class CreditPlan:
     """An IterableDataset's plan: the daemon's, paced by the credit the client grants its lane."""
@@ -178,6 +191,10 @@ class CreditPlan:
     @property
     def all_out(self) -> bool:
         return False  # no length: the daemon's replicas say where the epoch ends
+
+    @property
+    def final_stretch(self) -> bool:
+        return False  # credit messages carry no leases: the session sends them all
 
 
 def _as_indices(item: Any, auto_collation: bool) -> list[int]:

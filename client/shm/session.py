@@ -48,7 +48,7 @@ RELEASE_PERIOD_S = 0.005
 _RELEASE_BACKOFF = 16
 # Queued by a release when the sender sleeps: start ticking.
 _TICK = object()
-# Queued when a stream sent its last plan: what it drops from now on goes by the session, soon.
+# Queued when a stream's epoch reaches its final stretch: what it drops from now on goes by the session, soon.
 _HURRY = object()
 # Mappings kept open for reuse; a segment mapped once is pre-faulted from then on.
 _MAX_MAPPINGS = 1024
@@ -312,7 +312,7 @@ class ShmSession:
             except queue.Empty:
                 if tick_at is not None:
                     due, ticking = self._leases.tick()
-                    wait = period.ticked(bool(due), RELEASE_PERIOD_S)
+                    wait = period.ticked(bool(due), ticking, RELEASE_PERIOD_S)
                     tick_at = time.monotonic() + wait if ticking else None
                     if due:
                         yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
@@ -345,8 +345,8 @@ class ShmSession:
             self._requests.put(_TICK)
 
     def plans_ended(self) -> None:
-        """A stream sent its last plan: the leases it drops from now on go out within one or two of
-        the shortest periods (no plan of its will carry them)."""
+        """A stream's epoch is in its final stretch (``Lane.final_stretch``): the leases dropped from now on
+        go out within one or two of the shortest periods (no plan of its will carry them)."""
         successor = self._successor
         if successor is not None:
             successor.plans_ended()

@@ -121,6 +121,7 @@ class Lane:
         self._token = token
         # Plans carry this stream's released leases (those no plan takes, the session sends).
         self._plan_releases = session
+        self._stretch_told = False  # final_stretch told the session
         opening.session_id = session.session_id if session is not None else 0
         opening.stream_token = token
         epoch = CallEpoch(functools.partial(_post, weakref.ref(self), events), token, pin_memory, buffers)
@@ -166,8 +167,13 @@ class Lane:
         self._call.send(pb.StreamRequest(plan=plan))
         if end:
             self.ended = True
-            if self._plan_releases is not None:
-                self._plan_releases.plans_ended()
+
+    def final_stretch(self) -> None:
+        """The epoch's plan is out but for what the caller's last steps ask: the batches this lane's caller
+        drops from now on ride no plan, so the session sends them soon (``ShmSession.plans_ended``). Idempotent."""
+        if not self._stretch_told and self._plan_releases is not None:
+            self._stretch_told = True
+            self._plan_releases.plans_ended()
 
     def caller_at(self, consumed: int, stalled_us: int) -> None:
         """The caller took every position before ``consumed`` (waiting ``stalled_us`` in all): noted as

@@ -465,10 +465,10 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
 
 
 @pytest.mark.timeout(90)
-def test_each_epochs_last_plan_tells_the_session_to_send_its_releases_soon(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While plans carry the releases the session's tick backs off (loaderd.shm.release_period); an
-    epoch's last plan brings it back to the shortest, so the batches dropped after it (no plan of
-    theirs follows) go back within milliseconds, not after the longest period."""
+def test_each_epochs_final_stretch_tells_the_session_to_send_its_releases_soon(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While plans carry the releases the session's tick backs off (loaderd.shm.release_period); once an
+    epoch's plan is out (its final stretch) it is back to the shortest, so the batches dropped after
+    (no plan of theirs follows) go back within milliseconds, not after the longest period."""
     ended: list[int] = []
     plans_ended = ShmSession.plans_ended
 

@@ -116,3 +116,21 @@ def test_an_iterable_epoch_ends_where_the_daemon_ended_its_lane() -> None:
     plan.ended(7)
     assert not plan.over(6) and plan.over(7)
     assert not plan.complete, "the daemon ends the lane's plan, not the client"
+
+
+def test_the_final_stretch_starts_once_nothing_is_planned_before_the_caller_reaches_the_end() -> None:
+    """From then on no plan message carries the lanes' dropped leases: the session is told to send them soon."""
+    held, _ = sampler_plan(Sampler(12), capacity=8, plan_length=12, last_batch_draws=True)
+    held.top_up(0, 0.0)
+    assert held.planned == 8 and not held.final_stretch
+    held.top_up(4, 0.0)
+    assert held.planned == 11 and held.final_stretch, "all but the last batch, which waits to be asked for"
+    plain, _ = sampler_plan(Sampler(12), capacity=8, plan_length=12)
+    plain.top_up(3, 0.0)
+    assert plain.planned == 11 and not plain.final_stretch
+    plain.top_up(5, 0.0)
+    assert plain.planned == 12 and plain.final_stretch
+    unsized, _ = sampler_plan(Sampler(3), capacity=8)
+    unsized.top_up(0, 0.0)
+    assert unsized.done and unsized.final_stretch
+    assert CreditPlan({}, 0).final_stretch is False
