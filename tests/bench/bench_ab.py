@@ -1,7 +1,7 @@
 """A/B benchmark: this checkout's client and daemon against a commit's, on bench_loaders' workloads.
 
     python tests/bench/bench_ab.py --baseline COMMIT [--workloads f32:grpc,f32:shm,u8:grpc,tiny:shm]
-                                   [--rounds 4] [--seconds 6] [--workers 2] [--step-ms 0] [--quick]
+                                   [--rounds 4] [--seconds 6] [--workers 2] [--step-ms 0] [--epoch-batches 0] [--quick]
 
 Both sides run from copies laid out the same way (tests/bench/source_trees.py:
 the commit's code from git archive, this checkout's as it is on disk), each in
@@ -10,7 +10,9 @@ daemon (bench_loaders.start_daemon, same datasets) from the same tree. Every
 trial: one warm-up epoch, then ``--seconds`` of ``RemoteDataLoader(shuffle=True)``
 (default prefetch_factor) reading whole epochs; with ``--step-ms``, the trainer
 sleeps that long after each batch (a training step that leaves the CPU to the
-loader, as a GPU step does, so the loader's waits show). ``first:shm`` (or ``first:grpc``),
+loader, as a GPU step does, so the loader's waits show); with ``--epoch-batches N``,
+the workload's dataset holds N batches (bench_loaders' f32 and u8 hold 32, so an
+epoch's ends weigh on every figure; a training set's epochs are far longer). ``first:shm`` (or ``first:grpc``),
 not in the default list, instead times the first batch of a new loader in fresh client processes on the
 warm daemon, as bench_loaders does (``RemoteDataLoader('tiny', 32)``; the client
 processes import the same tree). Rounds alternate the order (ABBA) so both sides
@@ -129,9 +131,14 @@ def _segments(daemon_pid: int) -> dict[str, float]:
     return {"shm segments": float(len(sizes)), "shm MB": sum(sizes) / 1e6}
 
 
-def trial(workload: str, transport: str, seconds: float, workers: int, step_s: float) -> dict[str, float]:
-    """Runs in the tree's trainer process, against a daemon of the same tree: one measurement."""
-    daemon = bl.start_daemon(workers, env=dict(os.environ))
+def trial(workload: str, transport: str, seconds: float, workers: int, step_s: float, epoch_batches: int = 0) -> dict[str, float]:
+    """Runs in the tree's trainer process, against a daemon of the same tree: one measurement. ``epoch_batches``:
+    the workload's dataset holds that many batches (0: bench_loaders' own size)."""
+    datasets = None
+    if epoch_batches and workload in bl.DATASETS:
+        kwargs = {**bl.DATASETS[workload], "n": BATCH_SIZES[workload] * epoch_batches}
+        datasets = {workload: {"dataset": "bench_datasets:InMemory", "kwargs": kwargs}}
+    daemon = bl.start_daemon(workers, datasets, env=dict(os.environ))
     try:
         bl.wait_serving(daemon, bl.STARTUP_TIMEOUT_S)
         address = daemon.tcp_address if transport == "grpc" else daemon.unix_address
@@ -149,9 +156,10 @@ def trial(workload: str, transport: str, seconds: float, workers: int, step_s: f
 # ---------------------------------------------------------------- the run
 
 
-def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int, step_s: float) -> dict[str, float]:
+def run_trial(tree: Tree, workload: str, transport: str, seconds: float, workers: int, step_s: float, epoch_batches: int) -> dict[str, float]:
     """One trial in a process of ``tree``; one that overruns gets SIGTERM (it stops its daemon), then SIGKILL."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--trial", workload, transport, str(seconds), str(workers), str(step_s)]
+    here = str(Path(__file__).resolve())
+    command = [sys.executable, here, "--trial", workload, transport, str(seconds), str(workers), str(step_s), str(epoch_batches)]
     trial_process = subprocess.Popen(command, env=tree.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = trial_process.communicate(timeout=TRIAL_TIMEOUT_S)
@@ -212,10 +220,11 @@ def _construct_cells(runs: list[dict[str, float]]) -> list[str]:
     return [f"{_median(runs, 'construct ms'):.1f}"]
 
 
-def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results, step_ms: float = 0.0) -> None:
+def report(workloads: list[tuple[str, str]], trees: list[Tree], results: Results, step_ms: float = 0.0, epoch_batches: int = 0) -> None:
     this, base = trees
     step = f", the trainer sleeping {step_ms:g} ms a batch" if step_ms else ""
-    print(f"## A/B: {this.label} vs {base.label}{step}\n")
+    epochs = f", epochs of {epoch_batches} batches" if epoch_batches else ""
+    print(f"## A/B: {this.label} vs {base.label}{step}{epochs}\n")
     loaders = [w for w in workloads if w[0] != FIRST]
     if loaders:
         _table(
@@ -246,7 +255,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     if argv[:1] == ["--trial"]:
         workload, transport, seconds, workers, step_s = argv[1], argv[2], float(argv[3]), int(argv[4]), float(argv[5])
-        print(json.dumps(trial(workload, transport, seconds, workers, step_s)), flush=True)
+        print(json.dumps(trial(workload, transport, seconds, workers, step_s, int(argv[6]))), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="the commit to compare with (its code, from git archive)")
@@ -256,6 +265,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="the daemon's pool size")
     parser.add_argument("--step-ms", type=float, default=0.0, help="the trainer sleeps this long after each batch")
     parser.add_argument("--quick", action="store_true", help="1 round of 0.5 s (a smoke run)")
+    parser.add_argument(
+        "--epoch-batches", type=int, default=0, help="each workload's epoch holds this many batches (default: bench_loaders' sizes, 32 for f32 and u8)"
+    )
     args = parser.parse_args(argv)
     items = [item.strip() for item in args.workloads.split(",") if item.strip()]
     workloads = list(dict.fromkeys((item.partition(":")[0], item.partition(":")[2]) for item in items))
@@ -275,13 +287,13 @@ def main(argv: list[str]) -> int:
             for rnd in range(rounds):
                 for workload, transport in workloads:
                     for tree in trees if rnd % 2 == 0 else trees[::-1]:
-                        result = run_trial(tree, workload, transport, seconds, args.workers, args.step_ms / 1000)
+                        result = run_trial(tree, workload, transport, seconds, args.workers, args.step_ms / 1000, args.epoch_batches)
                         results.setdefault((tree.label, workload, transport), []).append(result)
                         log(f"round {rnd + 1}, {workload}:{transport}, {tree.label}: {_headline(result)}")
         except RuntimeError as exc:
             log(f"trial failed: {exc}")
             return 1
-    report(workloads, trees, results, args.step_ms)
+    report(workloads, trees, results, args.step_ms, args.epoch_batches)
     return 0
 
 

@@ -186,10 +186,10 @@ AB = Path(__file__).resolve().parents[1] / "bench" / "bench_ab.py"
 
 @pytest.mark.timeout(180)
 def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
-    bench = run_bench(AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:grpc,first:shm"], timeout=150)
+    bench = run_bench(AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:grpc,first:shm", "--epoch-batches", "64"], timeout=150)
     out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
-    assert "## A/B: this checkout vs baseline HEAD" in out, out
+    assert "## A/B: this checkout vs baseline HEAD, epochs of 64 batches" in out, out
     for source in ("this checkout", "baseline HEAD"):
         # ... CPU ms (3 roles), faults (2), wake-ups a batch (a thread of the path sleeps at least once a batch), segments, MB.
         throughput = rf"^\| tiny:grpc \| {source} \| [\d,.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d,]+ \| ([\d.]+) \| [\d,]+ \| [\d,]+ \| [\d.]+ \|$"
