@@ -304,7 +304,7 @@ class ShmSession:
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
         self._sender.seen()
         tick_at: float | None = None  # while releases are pending: when to send those no plan took
-        period = ReleasePeriod(RELEASE_PERIOD_S, _RELEASE_BACKOFF)
+        period = ReleasePeriod(_RELEASE_BACKOFF)
         while not self._stop.is_set():
             wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
             try:
@@ -312,8 +312,8 @@ class ShmSession:
             except queue.Empty:
                 if tick_at is not None:
                     due, ticking = self._leases.tick()
-                    wait = period.ticked(bool(due), ticking, RELEASE_PERIOD_S)
-                    tick_at = time.monotonic() + wait if ticking else None
+                    next_tick = period.ticked(bool(due), ticking, RELEASE_PERIOD_S)
+                    tick_at = time.monotonic() + next_tick if ticking else None
                     if due:
                         yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
                 continue
@@ -321,12 +321,12 @@ class ShmSession:
                 return
             if item is _TICK:
                 if tick_at is None:
-                    tick_at = time.monotonic() + period.seconds
+                    tick_at = time.monotonic() + period.seconds(RELEASE_PERIOD_S)
                 continue
             if item is _HURRY:
-                wait = period.hurry(RELEASE_PERIOD_S)
+                next_tick = period.hurry(RELEASE_PERIOD_S)
                 if tick_at is not None:
-                    tick_at = min(tick_at, time.monotonic() + wait)
+                    tick_at = min(tick_at, time.monotonic() + next_tick)
                 continue
             assert isinstance(item, pb.SessionRequest)
             yield item
@@ -344,13 +344,14 @@ class ShmSession:
         if self._leases.release(lease) and not self._stop.is_set():
             self._requests.put(_TICK)
 
-    def plans_ended(self) -> None:
-        """A stream's epoch is in its final stretch (``Lane.final_stretch``): the leases dropped from now on
-        go out within one or two of the shortest periods (no plan of its will carry them)."""
+    def hurry_releases(self) -> None:
+        """A stream's epoch is in its final stretch (``Lane.final_stretch``): no plan of its will carry the
+        leases dropped from now on, so the sender ticks at the shortest period until nothing is pending
+        (``loaderd.shm.release_period``)."""
         successor = self._successor
         if successor is not None:
-            successor.plans_ended()
-        elif not self._stop.is_set():
+            successor.hurry_releases()
+        elif os.getpid() == self._pid and not self._stop.is_set():  # a forked child's streams are not this session's
             self._requests.put(_HURRY)
 
     def take_released(self, stream_token: int) -> list[int]:

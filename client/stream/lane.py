@@ -170,10 +170,10 @@ class Lane:
 
     def final_stretch(self) -> None:
         """The epoch's plan is out but for what the caller's last steps ask: the batches this lane's caller
-        drops from now on ride no plan, so the session sends them soon (``ShmSession.plans_ended``). Idempotent."""
+        drops from now on ride no plan, so the session sends them soon (``ShmSession.hurry_releases``). Idempotent."""
         if not self._stretch_told and self._plan_releases is not None:
             self._stretch_told = True
-            self._plan_releases.plans_ended()
+            self._plan_releases.hurry_releases()
 
     def caller_at(self, consumed: int, stalled_us: int) -> None:
         """The caller took every position before ``consumed`` (waiting ``stalled_us`` in all): noted as

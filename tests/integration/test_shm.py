@@ -467,16 +467,17 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
 @pytest.mark.timeout(90)
 def test_each_epochs_final_stretch_tells_the_session_to_send_its_releases_soon(roomy: SharedDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """While plans carry the releases the session's tick backs off (loaderd.shm.release_period); once an
-    epoch's plan is out (its final stretch) it is back to the shortest, so the batches dropped after
-    (no plan of theirs follows) go back within milliseconds, not after the longest period."""
+    epoch's plan is out (its final stretch) the iterator tells the session, once per epoch, so the batches
+    dropped after (no plan of theirs follows) go back at the shortest period. (The period's own rules are
+    tests/unit/test_release_period.py's; this checks the wiring, and that every lease still goes back.)"""
     ended: list[int] = []
-    plans_ended = ShmSession.plans_ended
+    hurry_releases = ShmSession.hurry_releases
 
     def counted(self: ShmSession) -> None:
         ended.append(self.session_id)
-        plans_ended(self)
+        hurry_releases(self)
 
-    monkeypatch.setattr(ShmSession, "plans_ended", counted)
+    monkeypatch.setattr(ShmSession, "hurry_releases", counted)
     by_plan, by_session = release_routes(monkeypatch)
     batches = shm_epochs(roomy.get(), 3)
     assert len(ended) == 3 and len(set(ended)) == 1, f"last plans told the session {ended}"
