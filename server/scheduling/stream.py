@@ -281,7 +281,10 @@ class BatchStream:
                 self._drop(delivery)
                 delivery = Delivery(seq=seq)  # torch drops what a spent worker was still asked for
         self.ready[seq] = delivery
-        self.cond.notify_all()
+        if seq == self.next_seq:
+            # A batch ahead of the one the servicer waits for changes nothing it waits on (the stream is not finished
+            # while it is ready): one in three arrive so with 2 workers, and each woke the servicer for nothing.
+            self.cond.notify_all()
 
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:
