@@ -311,11 +311,11 @@ class ShmSession:
                 item = self._requests.get(timeout=wait)
             except queue.Empty:
                 if tick_at is not None:
-                    due, ticking = self._leases.tick()
-                    next_tick = period.ticked(bool(due), ticking, RELEASE_PERIOD_S)
-                    tick_at = time.monotonic() + next_tick if ticking else None
-                    if due:
-                        yield pb.SessionRequest(release=pb.SlotRelease(leases=due))
+                    tick = self._leases.tick()
+                    next_tick = period.ticked(bool(tick.due), tick.pending, RELEASE_PERIOD_S)
+                    tick_at = time.monotonic() + next_tick if tick.tick_on else None
+                    if tick.due:
+                        yield pb.SessionRequest(release=pb.SlotRelease(leases=tick.due))
                 continue
             if item is None:
                 return

@@ -52,7 +52,7 @@ import loaderd.shm.session
 import loaderd.stream.lane
 from loaderd import RemoteDataLoader
 from loaderd.server.shm import arena as loaderd_arena
-from loaderd.shm.leases import Leases
+from loaderd.shm.leases import Leases, Tick
 from loaderd.shm.session import ShmSession
 from loaderd.wire.direct_frames import DIRECT_SOCKET_SUFFIX
 
@@ -422,10 +422,10 @@ def release_routes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int
         by_plan.extend(leases)
         return leases
 
-    def counted_tick(self: Leases) -> tuple[list[int], bool]:
-        due, ticking = tick(self)
-        by_session.extend(due)
-        return due, ticking
+    def counted_tick(self: Leases) -> Tick:
+        found = tick(self)
+        by_session.extend(found.due)
+        return found
 
     monkeypatch.setattr(ShmSession, "take_released", counted_take)
     monkeypatch.setattr(Leases, "tick", counted_tick)

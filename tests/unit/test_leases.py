@@ -32,18 +32,32 @@ def test_a_plan_takes_its_own_streams_leases_only() -> None:
     dropped(leases, 3, token=7)
     assert leases.take(7) == [1, 3]
     assert leases.take(7) == []
-    assert leases.tick() == ([], True)  # lease 2 has now waited one tick
-    assert leases.tick() == ([2], False)
+    assert leases.tick() == ([], True, True)  # lease 2 has now waited one tick
+    assert leases.tick() == ([2], False, False)
 
 
 def test_a_lease_no_plan_takes_goes_out_on_the_second_tick_and_then_the_sender_sleeps() -> None:
     leases = Leases()
     dropped(leases, 1, token=7)
-    assert leases.tick() == ([], True)
+    assert leases.tick() == ([], True, True)
     assert dropped(leases, 2, token=7) is False  # the sender ticks already: no wake
-    assert leases.tick() == ([1], True)
-    assert leases.tick() == ([2], False)
+    assert leases.tick() == ([1], True, True)
+    assert leases.tick() == ([2], False, False)
     assert dropped(leases, 3, token=7) is True  # asleep again: the next release wakes it
+
+
+def test_while_releases_come_the_sender_ticks_on_though_plans_take_them_all() -> None:
+    """In a running loop plans carry nearly every lease: the sender ticks at its period rather than being woken
+    by each release after a tick that found nothing (two wake-ups where one serves)."""
+    leases = Leases()
+    assert dropped(leases, 1, token=7) is True
+    assert leases.take(7) == [1]
+    assert leases.tick() == ([], False, True)  # nothing pending, but the loop runs
+    assert dropped(leases, 2, token=7) is False
+    assert leases.take(7) == [2]
+    assert leases.tick() == ([], False, True)
+    assert leases.tick() == ([], False, False)  # a whole period without a release: sleep
+    assert dropped(leases, 3, token=7) is True
 
 
 def test_a_plan_takes_leases_of_both_generations_oldest_first() -> None:
@@ -52,7 +66,8 @@ def test_a_plan_takes_leases_of_both_generations_oldest_first() -> None:
     leases.tick()
     dropped(leases, 2, token=7)
     assert leases.take(7) == [1, 2]
-    assert leases.tick() == ([], False)
+    assert leases.tick() == ([], False, True)  # lease 2 came since the last tick
+    assert leases.tick() == ([], False, False)
 
 
 def test_a_lease_released_without_a_claim_is_still_sent() -> None:
@@ -71,8 +86,8 @@ def test_an_abandoned_stream_forgets_its_dropped_leases_and_lists_those_still_cl
     leases.claim(5, 8)
     assert leases.abandon(7) == [3]  # the daemon takes 1 and 2 back itself
     assert leases.take(7) == []
-    assert leases.tick() == ([], True)
-    assert leases.tick() == ([4], False)
+    assert leases.tick() == ([], True, True)
+    assert leases.tick() == ([4], False, False)
     assert leases.release(3) is True  # a kept lease still goes back, on the session
     assert leases.take(7) == [3]
     assert leases.claimed() == {5: 8}
@@ -143,4 +158,4 @@ def test_releases_that_reenter_from_garbage_collections_are_neither_lost_nor_sen
     # Every lease was released: sent, or forgotten with its abandoned stream (whose abandonment gives it back).
     forgotten = set(claimed) - set(got)
     assert all(lease not in kept for kept in abandoned.values() for lease in forgotten)
-    assert leases.tick() == ([], False) and leases.claimed() == {}
+    assert leases.tick() == ([], False, False) and leases.claimed() == {}
