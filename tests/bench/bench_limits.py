@@ -29,9 +29,10 @@ This script measures the floors under both, on this machine, in one run:
    (CPU of every process involved);
 5. the per-batch work of loaderd's own that no way of carrying a batch removes
    (a task and a result pickled, seeding, the layout encoded, the slot handle
-   framed, the client's tensors made over the slot), each step alone on one
-   thread: what is left of the control path once every message and wake-up is
-   shared by many batches.
+   framed, the client's tensors made over the slot), each step on one thread:
+   what is left of the control path once every message and wake-up is shared by
+   many batches; each alone (warm caches) and right after a batch's gather, as a
+   pool worker runs them (the gather's 12.6 MB leave the caches cold).
 
 Prints markdown to stdout. Figures move +-30% between runs on a shared machine:
 compare within one run.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -413,10 +415,16 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
 # ---------------------------------------------------------------- 5. the per-batch work no hop carries
 
 
-def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
-    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each
-    run alone on one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in
-    Python and protobuf beyond its gather, were every message and wake-up amortised away."""
+COLD_REPEAT = 150  # gathers, each followed by one timed call of a step
+
+
+def _per_batch_work(results: Any, repeat: int) -> None:
+    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each run on
+    one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in Python and protobuf
+    beyond its gather, were every message and wake-up amortised away. Each step twice: alone, over and over (its
+    code and data in the caches), and once right after a gather of a batch, as a pool worker runs it (the gather
+    reads 12.6 MB of the dataset through the caches, so what comes next finds them cold). Puts (alone, after a
+    gather) on ``results``."""
     import mmap
     import pickle
     import weakref
@@ -430,6 +438,7 @@ def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
     from loaderd.wire.batch_encoder import encode_batch
     from loaderd.wire.framing import read_frame, slot_message
 
+    torch.set_num_threads(1)
     segment = mmap.mmap(-1, NBYTES)  # as a worker's segment is mapped (the pages are not what is measured)
     slot = torch.frombuffer(segment, dtype=torch.uint8)
     batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
@@ -459,15 +468,57 @@ def per_batch_work_ms(repeat: int = 3000) -> dict[str, float]:
         "frame": lambda: slot_message(17, value, NBYTES, pb.SlotHandle(name=name, size=NBYTES, lease=12345).SerializeToString()),
         "view": client_view,
     }
-    costs: dict[str, float] = {}
+    alone: dict[str, float] = {}
     for key, step in steps.items():
         for _ in range(repeat // 10):  # warm
             step()
         start = time.process_time()
         for _ in range(repeat):
             step()
-        costs[key] = 1000 * (time.process_time() - start) / repeat
-    return costs  # the segment's mapping goes with the last tensor over it
+        alone[key] = 1000 * (time.process_time() - start) / repeat
+    # The pool worker's gather (as _pool_gather's): random items of the whole dataset into the next warm slot.
+    data = torch.ones((ITEMS, *SHAPE))
+    slots = [torch.ones((BATCH, *SHAPE)) for _ in range(POOL_SLOTS)]
+    generator = torch.Generator().manual_seed(os.getpid())
+    after_gather: dict[str, float] = {}
+    for key, step in steps.items():
+        times = []
+        for n in range(COLD_REPEAT):
+            indices = torch.randperm(ITEMS, generator=generator)[:BATCH].tolist()
+            torch.stack([data[i] for i in indices], 0, out=slots[n % POOL_SLOTS])
+            start = time.process_time()
+            step()
+            times.append(time.process_time() - start)
+        after_gather[key] = 1000 * statistics.median(times)
+    results.put((alone, after_gather))
+
+
+def per_batch_work_ms(repeat: int = 3000) -> tuple[dict[str, float], dict[str, float]]:
+    """``_per_batch_work``'s figures (alone, right after a gather), from a process started as the pool's fork server
+    is (its ``GLIBC_TUNABLES``: a worker's copies bypass the caches, server/process/glibc_tunables.py)."""
+    from loaderd.server.process import glibc_tunables
+
+    ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
+    results = ctx.Queue()
+    process = ctx.Process(target=_per_batch_work, args=(results, repeat), daemon=True)
+    original = os.environ.get(glibc_tunables.VARIABLE)
+    tunables = glibc_tunables.fork_server_value(original)
+    try:
+        if tunables is not None:
+            os.environ[glibc_tunables.VARIABLE] = tunables
+        process.start()
+    finally:
+        glibc_tunables.restore(original)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            alone, after_gather = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"measuring the per-batch work failed (its process: exit code {process.exitcode})") from None
+    process.join(30)
+    return alone, after_gather
 
 
 # ---------------------------------------------------------------- main
@@ -510,7 +561,7 @@ def main() -> int:
         units = grpc_message_cpu_ms(port, server_pid)
         units["pipe"] = pipe_round_trip_cpu_ms()
         units["thread"] = thread_handoff_cpu_ms()
-        work = per_batch_work_ms()
+        work, work_cold = per_batch_work_ms()
         stop.set()
         raw_server.join(30)
 
@@ -617,9 +668,9 @@ def main() -> int:
         f"({1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])) / torch_rate:.2f}x torch) "
         "even if loaderd added nothing else."
     )
-    out("\n### 5. The per-batch work no hop carries (loaderd's own steps for one f32 batch in shared memory, each alone on one thread)\n")
-    out("| step | where | CPU ms |")
-    out("| --- | --- | ---: |")
+    out("\n### 5. The per-batch work no hop carries (loaderd's own steps for one f32 batch in shared memory, on one thread)\n")
+    out("| step | where | CPU ms, alone | CPU ms, right after a batch's gather |")
+    out("| --- | --- | ---: | ---: |")
     for key, where, label in (
         ("task", "daemon, worker", f"a task made, pickled and unpickled ({BATCH} indices)"),
         ("seed", "worker", "torch's, random's and numpy's generators seeded for the batch"),
@@ -628,12 +679,15 @@ def main() -> int:
         ("frame", "daemon", "the slot handle framed as a `StreamResponse`"),
         ("view", "client", "the frame read, the batch's tensors made over the slot, its release tied to them"),
     ):
-        out(f"| {label} | {where} | {work[key]:.3f} |")
+        out(f"| {label} | {where} | {work[key]:.3f} | {work_cold[key]:.3f} |")
     floor = sum(work.values())
-    out(f"| all of them | | {floor:.3f} |")
+    floor_cold = sum(work_cold.values())
+    out(f"| all of them | | {floor:.3f} | {floor_cold:.3f} |")
     trainer_daemon = statistics.median(s["trainer"] + s["daemon"] for s in splits["shm"])
     out(
-        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work. "
+        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work alone, "
+        f"{floor_cold:.2f} ms ({floor_cold / floor:.1f}x) when each step follows a batch's gather, as in a pool worker (the "
+        "gather reads 12.6 MB through the caches: what runs next finds its code and data evicted). "
         f"{trainer_daemon:.2f} ms is the trainer's and the daemon's CPU (their messages, wake-ups, threads and rounds "
         f"around each batch, section 4's unit costs), and {shm_total - intrinsic - trainer_daemon:.2f} ms the pool's "
         "beyond its workers' gather timed alone (section 1)."
