@@ -347,6 +347,10 @@ class BatchStream:
                     self.next_seq += 1
                     self._ask_upstream()  # its window moved on
                     if delivery.skipped:
+                        if self.window_freed:
+                            # The window moved: the scheduler must hear it now (the caller wakes it), or the next
+                            # batch, not yet dispatched, would wait out the caller's whole timeout.
+                            return None
                         continue
                     if self.spec.iterable and self.replayed < self.spec.start:
                         # Resuming: the client had this batch before; the caller drops it.

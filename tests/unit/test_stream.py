@@ -56,6 +56,21 @@ def test_taking_a_batch_out_says_whether_it_freed_a_full_window() -> None:
     assert stream.next_delivery(0) is END and not stream.window_freed
 
 
+def test_a_skipped_batch_that_frees_the_window_returns_at_once_so_the_scheduler_hears_it() -> None:
+    """A spent replica's position is skipped, not sent; taking it out of a full window must reach the scheduler
+    before the servicer waits for the next batch, which is not dispatched until then."""
+    stream = lone_stream(map_spec(window=1))
+    stream.add_plan([(0,), (1,)], end=True)
+    assert [t.seq for t in dispatch_all(stream)] == [0]
+    stream.resolve(Delivery(seq=0))  # nothing to send: skipped
+    started = time.monotonic()
+    assert stream.next_delivery(5.0) is None and stream.window_freed
+    assert time.monotonic() - started < 1.0, "it waited for a batch the scheduler was not told to make"
+    assert [t.seq for t in dispatch_all(stream)] == [1]
+    stream.resolve(batch_delivery(1))
+    assert stream.next_delivery(0).seq == 1  # type: ignore[union-attr]
+
+
 def test_a_duplicate_result_is_released_not_delivered() -> None:
     released: list[FinishedBatch] = []
     stream = lone_stream(map_spec(), released.append)
