@@ -11,10 +11,11 @@ goes out on the session call, many leases to a message: the session's sender
 one to two periods; the period backs off while plans carry everything:
 ``loaderd.shm.release_period``). It ticks on while anything is pending or was
 released since its last tick, so in a running loop no release wakes it (in a
-fast one plans take every lease, and a wake-up per release, then one more for
-the tick, cost ~0.9 wake-ups a batch); it sleeps once a tick finds nothing
-new, and ``release`` says when it must be woken. A stream stopped early is
-``abandon``ed: the daemon takes back every lease of it except those still
+fast one plans take nearly every lease, and each release after a tick that
+found nothing pending woke it, then its tick did again); it sleeps once a tick
+finds nothing pending and no release since the tick before, and ``release``
+says when it must be woken. A stream stopped early is ``abandon``ed: the
+daemon takes back every lease of it except those still
 claimed, so its pending ones are forgotten here.
 
 Finalizers run wherever a garbage collection does, including on a thread in

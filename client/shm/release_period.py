@@ -12,8 +12,9 @@ shortest (``loaderd.shm.session.RELEASE_PERIOD_S``, read at each use):
 - a tick that sent something sets it back to 1, and so does an epoch's final
   stretch (``hurry``: its plan is out, so nothing it drops rides a plan from
   now on); after a hurry it stays 1 until a tick finds nothing pending at all;
-- a tick after one that left nothing pending (the first after the sender woke)
-  changes nothing: nothing could have been due, so it says nothing about plans.
+- a tick after one that left nothing pending (the first after the sender woke,
+  or one in a running loop after plans took everything) changes nothing:
+  nothing could have been due, so it says nothing about plans.
 
 Worst case: the period is the session's, shared by every stream of the process
 on that daemon. A lease no plan takes waits up to two of the longest periods

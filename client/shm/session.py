@@ -303,7 +303,7 @@ class ShmSession:
 
     def _request_stream(self) -> Iterator[pb.SessionRequest]:
         self._sender.seen()
-        tick_at: float | None = None  # while releases are pending: when to send those no plan took
+        tick_at: float | None = None  # while the sender ticks (releases pending or still coming): its next tick
         period = ReleasePeriod(_RELEASE_BACKOFF)
         while not self._stop.is_set():
             wait = _POLL_S if tick_at is None else max(0.0, tick_at - time.monotonic())
