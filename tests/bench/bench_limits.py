@@ -32,7 +32,7 @@ This script measures the floors under both, on this machine, in one run:
    framed, the client's tensors made over the slot), each step on one thread:
    what is left of the control path once every message and wake-up is shared by
    many batches; each alone (warm caches) and right after a batch's gather, as a
-   pool worker runs them (the gather's 12.6 MB leave the caches cold).
+   pool worker runs them (the gather's 12.6 MB leave the caches cold): batch_steps.py.
 
 Prints markdown to stdout. Figures move +-30% between runs on a shared machine:
 compare within one run.
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import queue
 import socket
 import statistics
 import sys
@@ -60,16 +59,12 @@ from torch.utils.data import DataLoader
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
+from batch_steps import BATCH, ITEMS, NBYTES, POOL_SLOTS, SHAPE, TASK_INDICES, WORKER_STEPS, per_batch_work_ms  # noqa: E402, F401 - bench_travel reads them here
 from bench_datasets import InMemory  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
-SHAPE = (3, 64, 64)
-BATCH = 256
-ITEMS = bl.DATASETS["f32"]["n"]
 MESSAGE = 12 << 20
 SMALL_BYTES = 120  # about a slot handle message
 SMALL_COUNT = 20000
-NBYTES = BATCH * SHAPE[0] * SHAPE[1] * SHAPE[2] * 4  # an f32 batch's payload
-TASK_INDICES = tuple(range(0, BATCH * 31, 31))  # a task's indices (bench_travel.py sends the same)
 
 
 def median_ms(fn: Callable[[], Any], repeat: int) -> float:
@@ -110,9 +105,6 @@ def copy_costs(repeat: int = 30) -> dict[str, float]:
     }
     costs["batch_mb"] = nbytes / 1e6
     return costs
-
-
-POOL_SLOTS = 4  # slots a pool worker cycles through at the default window (4 batches per worker)
 
 
 def _pool_gather(ready: Any, go: Any, results: Any, repeat: int) -> None:
@@ -412,115 +404,6 @@ def cpu_split(loader: Any, daemon_pid: int, seconds: float) -> tuple[float, dict
     return batches / elapsed, {role: 1000 * (after[role] - before[role]) / batches for role in before}, woken / batches
 
 
-# ---------------------------------------------------------------- 5. the per-batch work no hop carries
-
-
-COLD_REPEAT = 150  # gathers, each followed by one timed call of a step
-
-
-def _per_batch_work(results: Any, repeat: int) -> None:
-    """CPU ms of loaderd's own per-batch steps that stay whatever carries a batch between processes, each run on
-    one thread (no hop, no wait): what a shared-memory batch of the f32 workload costs in Python and protobuf
-    beyond its gather, were every message and wake-up amortised away. Each step twice: alone, over and over (its
-    code and data in the caches), and once right after a gather of a batch, as a pool worker runs it (the gather
-    reads 12.6 MB of the dataset through the caches, so what comes next finds them cold). Puts (alone, after a
-    gather) on ``results``."""
-    import mmap
-    import pickle
-    import weakref
-
-    from loaderd.server.scheduling.stream import fetch_task
-    from loaderd.server.shm.arena import SlotRef
-    from loaderd.server.worker.seeding import seed_everything
-    from loaderd.server.worker.tasks import BatchDone
-    from loaderd.v1 import loaderd_pb2 as pb
-    from loaderd.wire.batch_decoder import view_batch
-    from loaderd.wire.batch_encoder import encode_batch
-    from loaderd.wire.framing import read_frame, slot_message
-
-    torch.set_num_threads(1)
-    segment = mmap.mmap(-1, NBYTES)  # as a worker's segment is mapped (the pages are not what is measured)
-    slot = torch.frombuffer(segment, dtype=torch.uint8)
-    batch = slot.view(torch.float32).view(BATCH, *SHAPE)  # collated into the slot, as a pool worker does
-    value = encode_batch(batch, slot, NBYTES).value.SerializeToString()
-    name = "loaderd-12345-0123456789abcdef-w0g0-17"
-    done = BatchDone(stream_id=3, seq=17, value=value, payload_bytes=NBYTES, slot=SlotRef(name=name, size=NBYTES))
-    task = fetch_task(3, "f32", 17, TASK_INDICES, True, 1234)
-    handle = pb.SlotHandle(name=name, size=NBYTES, lease=12345).SerializeToString()
-    raw = slot_message(17, value, NBYTES, handle)
-    mapped = memoryview(segment)
-
-    def released() -> None:
-        pass
-
-    def client_view() -> None:
-        frame = read_frame(raw)
-        assert frame.header is not None
-        view = mapped[:NBYTES]
-        weakref.finalize(view, released)  # as a lease's release is tied to the batch's tensors
-        view_batch(frame.header, view)
-
-    steps: dict[str, Callable[[], Any]] = {
-        "task": lambda: pickle.loads(pickle.dumps(fetch_task(3, "f32", 17, TASK_INDICES, True, 1234))),
-        "seed": lambda: seed_everything(task.seed),
-        "encode": lambda: encode_batch(batch, slot, NBYTES).value.SerializeToString(),
-        "result": lambda: pickle.loads(pickle.dumps(done)),
-        "frame": lambda: slot_message(17, value, NBYTES, pb.SlotHandle(name=name, size=NBYTES, lease=12345).SerializeToString()),
-        "view": client_view,
-    }
-    alone: dict[str, float] = {}
-    for key, step in steps.items():
-        for _ in range(repeat // 10):  # warm
-            step()
-        start = time.process_time()
-        for _ in range(repeat):
-            step()
-        alone[key] = 1000 * (time.process_time() - start) / repeat
-    # The pool worker's gather (as _pool_gather's): random items of the whole dataset into the next warm slot.
-    data = torch.ones((ITEMS, *SHAPE))
-    slots = [torch.ones((BATCH, *SHAPE)) for _ in range(POOL_SLOTS)]
-    generator = torch.Generator().manual_seed(os.getpid())
-    after_gather: dict[str, float] = {}
-    for key, step in steps.items():
-        times = []
-        for n in range(COLD_REPEAT):
-            indices = torch.randperm(ITEMS, generator=generator)[:BATCH].tolist()
-            torch.stack([data[i] for i in indices], 0, out=slots[n % POOL_SLOTS])
-            start = time.process_time()
-            step()
-            times.append(time.process_time() - start)
-        after_gather[key] = 1000 * statistics.median(times)
-    results.put((alone, after_gather))
-
-
-def per_batch_work_ms(repeat: int = 3000) -> tuple[dict[str, float], dict[str, float]]:
-    """``_per_batch_work``'s figures (alone, right after a gather), from a process started as the pool's fork server
-    is (its ``GLIBC_TUNABLES``: a worker's copies bypass the caches, server/process/glibc_tunables.py)."""
-    from loaderd.server.process import glibc_tunables
-
-    ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
-    results = ctx.Queue()
-    process = ctx.Process(target=_per_batch_work, args=(results, repeat), daemon=True)
-    original = os.environ.get(glibc_tunables.VARIABLE)
-    tunables = glibc_tunables.fork_server_value(original)
-    try:
-        if tunables is not None:
-            os.environ[glibc_tunables.VARIABLE] = tunables
-        process.start()
-    finally:
-        glibc_tunables.restore(original)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            alone, after_gather = results.get(timeout=1.0)
-            break
-        except queue.Empty:
-            if not process.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"measuring the per-batch work failed (its process: exit code {process.exitcode})") from None
-    process.join(30)
-    return alone, after_gather
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -561,7 +444,7 @@ def main() -> int:
         units = grpc_message_cpu_ms(port, server_pid)
         units["pipe"] = pipe_round_trip_cpu_ms()
         units["thread"] = thread_handoff_cpu_ms()
-        work, work_cold = per_batch_work_ms()
+        work = per_batch_work_ms()
         stop.set()
         raw_server.join(30)
 
@@ -599,7 +482,10 @@ def main() -> int:
     for key, label in (
         ("getitem", f"the dataset's {BATCH} `__getitem__` calls (views, no copy)"),
         ("gather_slot", f"gather the same {BATCH} items again and again into one pre-faulted buffer (cache-warm: a floor, not a batch)"),
-        ("pool_gather_1", f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)"),
+        (
+            "pool_gather_1",
+            f"gather {BATCH} random items of the whole dataset into the next of {POOL_SLOTS} warm slots, as a pool worker does (CPU ms)",
+        ),
         ("pool_gather_n", f"the same, {args.workers} processes at once (the pool's workers share the memory bandwidth; CPU ms, median)"),
         ("gather_fresh_shm", f"gather {BATCH} items into a fresh shared-memory segment (torch's workers)"),
         ("contiguous", "one contiguous copy of the same bytes (memcpy)"),
@@ -626,7 +512,11 @@ def main() -> int:
     )
     out(f"\n### 3. Where the CPU goes (f32, batch {BATCH}; median of {args.rounds} interleaved rounds)\n")
     roles = list(splits["torch"][0])
-    out("| loader | batches/s | vs torch | " + " | ".join(f"{r} ms/batch" for r in roles) + " | total ms/batch | batches/s if every core were busy | context switches/batch |")
+    out(
+        "| loader | batches/s | vs torch | "
+        + " | ".join(f"{r} ms/batch" for r in roles)
+        + " | total ms/batch | batches/s if every core were busy | context switches/batch |"
+    )
     out("| --- | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: | ---: |")
     for kind in loaders:
         med = {r: statistics.median(s[r] for s in splits[kind]) for r in roles}
@@ -668,9 +558,12 @@ def main() -> int:
         f"({1000 * cores / (grpc_ms + statistics.median(s['pool workers'] for s in splits['grpc'])) / torch_rate:.2f}x torch) "
         "even if loaderd added nothing else."
     )
-    out("\n### 5. The per-batch work no hop carries (loaderd's own steps for one f32 batch in shared memory, on one thread)\n")
-    out("| step | where | CPU ms, alone | CPU ms, right after a batch's gather |")
-    out("| --- | --- | ---: | ---: |")
+    out("\n### 5. The per-batch work no hop carries (loaderd's own steps for one f32 batch in shared memory, on one thread: batch_steps.py)\n")
+    out(
+        "| step | where | CPU ms, alone | CPU ms, right after a worker's gather of the dataset's random items | "
+        "the same after a read of a batch's bytes (the control) |"
+    )
+    out("| --- | --- | ---: | ---: | ---: |")
     for key, where, label in (
         ("task", "daemon, worker", f"a task made, pickled and unpickled ({BATCH} indices)"),
         ("seed", "worker", "torch's, random's and numpy's generators seeded for the batch"),
@@ -679,18 +572,24 @@ def main() -> int:
         ("frame", "daemon", "the slot handle framed as a `StreamResponse`"),
         ("view", "client", "the frame read, the batch's tensors made over the slot, its release tied to them"),
     ):
-        out(f"| {label} | {where} | {work[key]:.3f} | {work_cold[key]:.3f} |")
-    floor = sum(work.values())
-    floor_cold = sum(work_cold.values())
-    out(f"| all of them | | {floor:.3f} | {floor_cold:.3f} |")
+        after = f"{work.after_gather[key]:.3f} | {work.after_read[key]:.3f}" if key in WORKER_STEPS else "- | -"
+        out(f"| {label} | {where} | {work.alone[key]:.3f} | {after} |")
+    floor = sum(work.alone.values())
+    worker_alone = sum(work.alone[key] for key in WORKER_STEPS)
+    worker_after = sum(work.after_gather.values())
+    worker_control = sum(work.after_read.values())
+    out(f"| all of them | | {floor:.3f} | | |")
+    out(f"| the worker's ({', '.join(WORKER_STEPS)}) | | {worker_alone:.3f} | {worker_after:.3f} | {worker_control:.3f} |")
     trainer_daemon = statistics.median(s["trainer"] + s["daemon"] for s in splits["shm"])
     out(
-        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work alone, "
-        f"{floor_cold:.2f} ms ({floor_cold / floor:.1f}x) when each step follows a batch's gather, as in a pool worker (the "
-        "gather reads 12.6 MB through the caches: what runs next finds its code and data evicted). "
+        f"\nOf the control path's {shm_total - intrinsic:.2f} ms a batch (section 3), {floor:.2f} ms is this work, timed alone. "
         f"{trainer_daemon:.2f} ms is the trainer's and the daemon's CPU (their messages, wake-ups, threads and rounds "
         f"around each batch, section 4's unit costs), and {shm_total - intrinsic - trainer_daemon:.2f} ms the pool's "
-        "beyond its workers' gather timed alone (section 1)."
+        "beyond its workers' gather timed alone (section 1). "
+        f"The worker's steps take {worker_after:.2f} ms right after a gather of the dataset ({worker_after / worker_alone:.1f}x "
+        f"their {worker_alone:.2f} ms alone; {worker_control / worker_alone:.1f}x after a mere read of a batch's bytes): "
+        "the batch's 12.6 MB leave the core's L1 and L2 caches holding it, so each step after the gather fetches its "
+        "code and data again."
     )
     raw_one = max(grpc_rates[1])[0]
     loaderd_gb = statistics.median(rates["grpc"]) * mb / 1000

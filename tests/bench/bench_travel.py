@@ -241,8 +241,7 @@ def main() -> int:
     # worker idle while the client reads: either changes what is measured.
     if any(g < 1 or g >= WINDOW or WINDOW % g for g in groups) or any(p not in ("direct", "relay") for p in paths):
         parser.error(f"groups divide {WINDOW} and are below it (1, 2, 4); paths are direct and relay")
-    steps = bench_limits.per_batch_work_ms()
-    floor = sum(steps.values())
+    floor = sum(bench_limits.per_batch_work_ms(after_gather=False).alone.values())
     results: dict[tuple[str, int], list[tuple[float, float, float]]] = {(p, g): [] for p in paths for g in groups}
     for r in range(rounds):
         keys = list(results) if r % 2 == 0 else list(reversed(results))
