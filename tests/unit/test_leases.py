@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 
@@ -114,6 +115,39 @@ def test_a_release_racing_an_abandon_is_either_given_back_by_it_or_sent() -> Non
         thread.join()
         sent = leases.take(7) + leases.tick()[0] + leases.tick()[0]
         assert set(sent) >= set(kept), (kept, sent)  # a kept lease must be released later
+
+
+def test_a_sender_asleep_is_woken_for_every_lease_it_has_not_sent() -> None:
+    """Whatever the interleaving of a thread's releases with the sender's ticks, the sender goes to sleep only
+    when a release will wake it (or nothing is left): run as the session's sender, it sends every lease."""
+    for _ in range(50):
+        leases = Leases()
+        woken = threading.Event()
+
+        def drop_all() -> None:
+            for lease in range(1, 40):
+                leases.claim(lease, 7)
+                if leases.release(lease):
+                    woken.set()
+                if lease % 4 == 0:
+                    time.sleep(0.0002)  # a pause: the sender may fall asleep between releases
+
+        thread = threading.Thread(target=drop_all)
+        thread.start()
+        sent: list[int] = []
+        while True:
+            tick = leases.tick()
+            sent.extend(tick.due)
+            if tick.tick_on:
+                continue
+            # Asleep: only a release's wake brings the sender back (no tick of its own, which would hide a lease left).
+            while not woken.wait(0.001) and thread.is_alive():
+                pass
+            if not woken.is_set():
+                break  # the releases ended and owe no wake
+            woken.clear()
+        thread.join()
+        assert sorted(sent) == list(range(1, 40))
 
 
 def test_releases_that_reenter_from_garbage_collections_are_neither_lost_nor_sent_twice() -> None:
