@@ -15,8 +15,8 @@ fast one plans take nearly every lease, and each release after a tick that
 found nothing pending woke it, then its tick did again); it sleeps once a tick
 finds nothing pending and no release since the tick before, and ``release``
 says when it must be woken. A stream stopped early is ``abandon``ed: the
-daemon takes back every lease of it except those still
-claimed, so its pending ones are forgotten here.
+daemon takes back every lease of it except those still claimed, so its
+pending ones are forgotten here.
 
 Finalizers run wherever a garbage collection does, including on a thread in
 the middle of one of these methods. So every method holds one reentrant lock
