@@ -81,10 +81,10 @@ class Leases:
             due = self._old
             self._old = self._young
             self._young = {}
-            pending = bool(self._old)
-            self._ticking = pending or self._released
+            # Whatever is pending now was released since the last tick, so that alone says whether to tick on.
+            self._ticking = self._released
             self._released = False
-            return Tick([lease for leases in due.values() for lease in leases], pending, self._ticking)
+            return Tick([lease for leases in due.values() for lease in leases], bool(self._old), self._ticking)
 
     def abandon(self, token: int) -> list[int]:
         """Stream ``token`` stopped early: forget its dropped leases (the daemon takes them back) and

@@ -143,24 +143,31 @@ def _measure_into(results: Any, repeat: int) -> None:
     results.put(measure(repeat, after_gather=True))
 
 
-def per_batch_work_ms(repeat: int = 3000, after_gather: bool = True) -> StepCosts:
-    """The steps' costs. With ``after_gather``, from a process started as the pool's fork server is (its
-    ``GLIBC_TUNABLES``: a worker's copies bypass the caches, server/process/glibc_tunables.py); else here, alone."""
-    if not after_gather:
-        return measure(repeat, after_gather=False)
+def start_as_pool_workers(processes: list[Any]) -> None:
+    """Start ``processes`` (spawned) with the ``GLIBC_TUNABLES`` the pool's fork server starts with (its workers'
+    copies bypass the caches: server/process/glibc_tunables.py); this process's own setting is put back after."""
     from loaderd.server.process import glibc_tunables
 
-    ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
-    results = ctx.Queue()
-    process = ctx.Process(target=_measure_into, args=(results, repeat), daemon=True)
     original = os.environ.get(glibc_tunables.VARIABLE)
     tunables = glibc_tunables.fork_server_value(original)
     try:
         if tunables is not None:
             os.environ[glibc_tunables.VARIABLE] = tunables
-        process.start()
+        for process in processes:
+            process.start()
     finally:
         glibc_tunables.restore(original)
+
+
+def per_batch_work_ms(repeat: int = 3000, after_gather: bool = True) -> StepCosts:
+    """The steps' costs. With ``after_gather``, from a process started as the pool's fork server is (its
+    ``GLIBC_TUNABLES``: a worker's copies bypass the caches, server/process/glibc_tunables.py); else here, alone."""
+    if not after_gather:
+        return measure(repeat, after_gather=False)
+    ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
+    results = ctx.Queue()
+    process = ctx.Process(target=_measure_into, args=(results, repeat), daemon=True)
+    start_as_pool_workers([process])
     deadline = time.monotonic() + _WAIT_S
     try:
         while True:

@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import bench_loaders as bl  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
-from batch_steps import BATCH, ITEMS, NBYTES, POOL_SLOTS, SHAPE, TASK_INDICES, WORKER_STEPS, per_batch_work_ms  # noqa: E402, F401 - bench_travel reads them here
+from batch_steps import BATCH, ITEMS, NBYTES, POOL_SLOTS, SHAPE, TASK_INDICES, WORKER_STEPS, per_batch_work_ms, start_as_pool_workers  # noqa: E402, F401 - bench_travel reads them here
 from bench_datasets import InMemory  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
 
 MESSAGE = 12 << 20
@@ -129,20 +129,10 @@ def pool_gather_ms(processes: int, repeat: int = 60) -> float:
     """CPU ms per batch of ``processes`` pool-like gatherers running at once (median of their medians): what a
     batch of the f32 workload costs a worker beside the others, sharing the memory bandwidth. They start as
     the pool's fork server does, with its ``GLIBC_TUNABLES`` (non-temporal copies: server/process/glibc_tunables.py)."""
-    from loaderd.server.process import glibc_tunables
-
     ctx = multiprocessing.get_context("spawn")  # glibc reads its tunables when a process starts
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=_pool_gather, args=(ready, go, results, repeat), daemon=True) for _ in range(processes)]
-    original = os.environ.get(glibc_tunables.VARIABLE)
-    tunables = glibc_tunables.fork_server_value(original)
-    try:
-        if tunables is not None:
-            os.environ[glibc_tunables.VARIABLE] = tunables
-        for w in workers:
-            w.start()
-    finally:
-        glibc_tunables.restore(original)
+    start_as_pool_workers(workers)
     for _ in workers:
         ready.get(timeout=120)
     go.set()
