@@ -28,6 +28,7 @@ from loaderd.server.scheduling.catalog import Catalog
 from loaderd.server.scheduling.client_tally import ClientTally
 from loaderd.server.scheduling.dispatcher import PER_WORKER, Dispatcher
 from loaderd.server.scheduling.elastic import ElasticPool, SchedulerClocks, SchedulerHooks
+from loaderd.server.scheduling.held_wakeups import HeldWakeups
 from loaderd.server.scheduling.ledger import SlotLedger
 from loaderd.server.scheduling.pool_protocol import Pool, SchedulerPolicy
 from loaderd.server.scheduling.producer import Delivery, FailReason, StreamFailed
@@ -47,12 +48,12 @@ from loaderd.server.worker.tasks import (
     Indices,
     ReleaseStream,
     ReplicaExhausted,
-    Result,
     SettleCache,
     SlotsRetired,
     Task,
     WorkerReady,
     WorkerStartFailed,
+    stream_of,
 )
 
 log = logging.getLogger("loaderd.scheduler")
@@ -66,13 +67,6 @@ FATAL_WINDOW_S = 60.0
 BatchObserver = Callable[[str, float], None]
 # Told why, once, when the scheduler cannot go on (the daemon then says NOT_SERVING and exits).
 FatalHandler = Callable[[str], None]
-
-
-def _stream_of(result: Result) -> int | None:
-    """The stream a worker's result is for; None for what concerns the worker alone."""
-    if isinstance(result, (BatchDone, BatchFailed, ReplicaExhausted)):
-        return result.stream_id
-    return None
 
 
 class Scheduler:
@@ -123,6 +117,7 @@ class Scheduler:
             self._fit_windows(target=policy.min_workers)
         self._failures: deque[float] = deque()
         self._wake = WakePipe()
+        self._wakeups = HeldWakeups()  # servicers woken as a round ends (server/scheduling/held_wakeups.py)
         self._stop = threading.Event()
         self._stop_reason = ""  # stop's reason: the status of every stream failed by it, later ones too
         self._thread = threading.Thread(target=self._run, name="loaderd-scheduler", daemon=True)
@@ -162,7 +157,7 @@ class Scheduler:
         """A new stream (a consumer of ``share``'s job if given); ShareMismatchError if it cannot join."""
         with self._lock:
             job = self._join(share) if share is not None else None
-            stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, upstream=job)
+            stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, job, wake_servicer=self._wakeups.wake)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
@@ -337,9 +332,14 @@ class Scheduler:
     def step(self, timeout: float) -> None:
         """One round: dispatch what fits, wait up to ``timeout`` for the pool, handle what came."""
         with self._lock:
-            self._dispatcher.dispatch(self._supervisor.accepting(), self._supervisor.slots, self._submit)
+            try:
+                self._dispatcher.dispatch(self._supervisor.accepting(), self._supervisor.slots, self._submit)
+            finally:
+                self._wakeups.wake_held()
         events = self._pool.poll(timeout, extra=[self._wake.readable])
         self._wake.drain()
+        with self._lock:
+            self._wakeups.hold()
         for event in events:
             # One event's failure fails what it concerns, not the round's other events.
             try:
@@ -350,7 +350,7 @@ class Scheduler:
             except Exception as exc:
                 log.exception("handling %s failed", type(event).__name__)
                 if isinstance(event, WorkerMessage):
-                    self._fail_producer(_stream_of(event.result), exc)
+                    self._fail_producer(stream_of(event.result), exc)
         self._deadlines.check(time.monotonic())
         if self._elastic is not None:
             self._elastic.tick()  # before the supervisor's: slots that join start this round (it never raises)

@@ -121,6 +121,9 @@ class BatchStream:
     replica_turn: int = 0
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
     replica_slot: dict[int, int] = field(default_factory=dict)  # replica -> the worker slot it lives in (sticky)
+    # Wakes the servicer when the batch it waits for arrives (the scheduler's holds it to its round's end:
+    # server/scheduling/held_wakeups.py); None: ``notify_waiters`` at once.
+    wake_servicer: Callable[[BatchStream], None] | None = None
 
     def __post_init__(self) -> None:
         self.dispatch_window = self.spec.window
@@ -284,7 +287,14 @@ class BatchStream:
         if seq == self.next_seq:
             # A batch ahead of the one the servicer waits for changes nothing it waits on (the stream is not finished
             # while it is ready): one in three arrive so with 2 workers, and each woke the servicer for nothing.
-            self.cond.notify_all()
+            if self.wake_servicer is not None:
+                self.wake_servicer(self)
+            else:
+                self.notify_waiters()
+
+    def notify_waiters(self) -> None:
+        """Wake the servicer waiting in ``next_delivery`` (under the lock)."""
+        self.cond.notify_all()
 
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:

@@ -156,6 +156,13 @@ class SlotsRetired:
 Result = WorkerReady | WorkerStartFailed | BatchDone | BatchFailed | ReplicaExhausted | SlotsRetired
 
 
+def stream_of(result: Result) -> int | None:
+    """The stream a worker's result is for; None for what concerns the worker alone."""
+    if isinstance(result, (BatchDone, BatchFailed, ReplicaExhausted)):
+        return result.stream_id
+    return None
+
+
 def send_result(conn: Connection, result: Result) -> None:
     """Send one result to the daemon (read there with ``Connection.recv``).
 

@@ -7,6 +7,7 @@ what the fake workers did.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -268,6 +269,35 @@ def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
     sched.stop()
     assert "loaderd-scheduler" not in {t.name for t in threading.enumerate()}
 
+
+
+def test_a_servicer_is_woken_for_its_batch_once_the_round_that_resolved_it_ends(scheduler: Scheduler, pool: FakePool) -> None:
+    """A round's results are handled under the lock: a servicer woken mid-round would block on the lock (and the GIL)
+    at once and wake again (server/scheduling/held_wakeups.py). Its wake-up waits for the next round's dispatch."""
+    stream = scheduler.open_stream(map_spec(window=4))
+    plan(scheduler, stream, 1)
+    scheduler.step(0)
+    got: list[object] = []
+    waiting = threading.Event()
+
+    def servicer() -> None:
+        waiting.set()
+        got.append(stream.next_delivery(5.0))
+
+    thread = threading.Thread(target=servicer)
+    thread.start()
+    assert waiting.wait(5.0)
+    deadline = time.monotonic() + 5.0
+    while not stream.cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        thread.join(0.001)  # until it waits on the stream's condition (CPython's Condition lists its waiters)
+    assert stream.cond._waiters, "the servicer never waited"  # type: ignore[attr-defined]
+    pool.finish(pool.batch_tasks()[0][1])
+    scheduler.step(0)  # the batch is resolved: the servicer's wake-up is held
+    thread.join(0.2)  # time to wake, were it woken (it waits up to 5 s otherwise)
+    assert thread.is_alive() and got == [], "woken before the round ended"
+    scheduler.step(0)  # the next round, before it waits for the pool, wakes it
+    thread.join(5.0)
+    assert [d.seq for d in got] == [0]  # type: ignore[attr-defined]
 
 
 def test_every_failure_reason_has_one_status() -> None:

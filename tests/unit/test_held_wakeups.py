@@ -1,0 +1,48 @@
+"""HeldWakeups: a servicer's wake-up asked during the scheduler's round waits for the round's end, and only then."""
+
+from __future__ import annotations
+
+import pytest
+
+from loaderd.server.scheduling.held_wakeups import HeldWakeups
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Stream:
+    """A stream as HeldWakeups sees it: it counts its servicer's wake-ups."""
+
+    def __init__(self) -> None:
+        self.woken = 0
+
+    def notify_waiters(self) -> None:
+        self.woken += 1
+
+
+def test_a_wake_up_between_rounds_is_not_held() -> None:
+    wakeups, stream = HeldWakeups(), Stream()
+    wakeups.wake(stream)
+    assert stream.woken == 1
+
+
+def test_wake_ups_during_a_round_wait_for_its_end() -> None:
+    wakeups, a, b = HeldWakeups(), Stream(), Stream()
+    wakeups.hold()
+    wakeups.wake(a)
+    wakeups.wake(b)
+    assert (a.woken, b.woken) == (0, 0)
+    wakeups.wake_held()
+    assert (a.woken, b.woken) == (1, 1)
+    wakeups.wake_held()  # nothing held twice
+    assert (a.woken, b.woken) == (1, 1)
+
+
+def test_after_the_round_ends_wake_ups_go_at_once_until_the_next_round() -> None:
+    wakeups, stream = HeldWakeups(), Stream()
+    wakeups.hold()
+    wakeups.wake_held()
+    wakeups.wake(stream)
+    assert stream.woken == 1
+    wakeups.hold()
+    wakeups.wake(stream)
+    assert stream.woken == 1
