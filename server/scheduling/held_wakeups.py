@@ -1,4 +1,4 @@
-"""HeldWakeups: a servicer waiting for its stream's next batch is woken when the scheduler's round ends, not mid-round.
+"""HeldWakeups: a servicer waiting for its stream's next batch is woken when the scheduler next waits for the pool.
 
 The scheduler's thread handles a round's results under its lock, one by one, then dispatches and waits for the pool.
 A servicer woken as soon as its batch is resolved wakes into a thread that still holds the lock and the GIL: it
@@ -8,11 +8,14 @@ about to wait, the wake-up finds both free: 1.53 times a batch.
 
 The rules (every method under the scheduler's lock, which the streams' conditions share):
 
-* ``hold`` when the scheduler's thread starts handling what the pool sent: wake-ups asked from then on are held;
-* ``wake_held`` before it waits again, whatever happened in between (a round that failed too): the held ones are
-  woken, and later ones are woken at once until the next ``hold``;
-* so a held wake-up waits at most for the rest of one round, and one asked while the scheduler waits (a servicer's
-  thread resolving a shared job's buffered batch, a test driving ``step``) is never held.
+* ``hold`` once the scheduler's thread has what the pool sent: wake-ups asked from then on, by any thread, are held;
+* ``wake_held`` when its next dispatch is done, just before it waits for the pool again (in a ``finally``: after a
+  dispatch that failed too), and when its thread ends: the held ones are woken, and later ones at once until the
+  next ``hold``;
+* so a wake-up asked while the scheduler waits for the pool goes at once, and a held one waits for the rest of the
+  round (a replacement worker's fork included, after a death), plus 50 ms after a round that failed. Nothing waits
+  longer than the servicer's own poll (``_POLL_S`` in server/rpc/servicer.py, 0.25 s): it looks for its batch then
+  whether woken or not.
 """
 
 from __future__ import annotations
@@ -27,18 +30,18 @@ class Waiter(Protocol):
 
 
 class HeldWakeups:
-    """The wake-ups held during one round of the scheduler."""
+    """The wake-ups held from ``hold`` until the scheduler next waits for the pool."""
 
     def __init__(self) -> None:
         self._held: list[Waiter] = []
         self._holding = False
 
     def hold(self) -> None:
-        """The scheduler's round begins: hold wake-ups from now."""
+        """The scheduler has what the pool sent: hold wake-ups from now."""
         self._holding = True
 
     def wake(self, waiter: Waiter) -> None:
-        """Wake ``waiter``'s servicer: at the round's end, or now between rounds."""
+        """Wake ``waiter``'s servicer: once the scheduler next waits for the pool, or now if it waits already."""
         if self._holding:
             self._held.append(waiter)
         else:

@@ -115,9 +115,9 @@ class Scheduler:
             hooks = SchedulerHooks(clocks=self._clocks, idle=self._dispatcher.idle, pinned=self._pinned, resized=self._resized)
             self._elastic = ElasticPool(sizer, self._supervisor, pool, hooks, clock=clock)
             self._fit_windows(target=policy.min_workers)
-        self._failures: deque[float] = deque()
+        self._failures: deque[float] = deque(maxlen=FATAL_FAILURES)  # when the last rounds failed
         self._wake = WakePipe()
-        self._wakeups = HeldWakeups()  # servicers woken as a round ends (server/scheduling/held_wakeups.py)
+        self._wakeups = HeldWakeups()  # servicers woken when this thread next waits (server/scheduling/held_wakeups.py)
         self._stop = threading.Event()
         self._stop_reason = ""  # stop's reason: the status of every stream failed by it, later ones too
         self._thread = threading.Thread(target=self._run, name="loaderd-scheduler", daemon=True)
@@ -157,7 +157,8 @@ class Scheduler:
         """A new stream (a consumer of ``share``'s job if given); ShareMismatchError if it cannot join."""
         with self._lock:
             job = self._join(share) if share is not None else None
-            stream = BatchStream(next(self._ids), spec, threading.Condition(self._lock), self._ledger.release, job, wake_servicer=self._wakeups.wake)
+            cond = threading.Condition(self._lock)
+            stream = BatchStream(next(self._ids), spec, cond, self._ledger.release, upstream=job, wake_servicer=self._wakeups.wake)
             if job is not None:
                 job.attach(stream)
                 self._job_of[stream.stream_id] = job
@@ -299,29 +300,30 @@ class Scheduler:
     # ------------------------------------------------------------ thread
 
     def _run(self) -> None:
-        """The scheduler thread: rounds until stopped. No exception ends it: a failed
-        round is logged and the next one runs; only a scheduler that keeps failing
-        (FATAL_FAILURES within FATAL_WINDOW_S) gives up and tells ``on_fatal``."""
-        while not self._stop.is_set():
-            try:
-                self.step(0.5)
-            except Exception as exc:
-                if self._stop.is_set():
-                    break
-                log.exception("scheduler round failed; carrying on")
-                if self._failed(f"{type(exc).__name__}: {clip(str(exc), 300)}"):
-                    return
-                self._stop.wait(0.05)  # a round that fails at once must not spin
+        """The scheduler thread: rounds until stopped. No exception ends it: a failed round is logged and the next one
+        runs; only a scheduler that keeps failing (FATAL_FAILURES within FATAL_WINDOW_S) gives up and tells ``on_fatal``."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.step(0.5)
+                except Exception as exc:
+                    if self._stop.is_set():
+                        break
+                    log.exception("scheduler round failed; carrying on")
+                    if self._failed(f"{type(exc).__name__}: {clip(str(exc), 300)}"):
+                        return
+                    self._stop.wait(0.05)  # a round that fails at once must not spin
+        finally:
+            with self._lock:  # this thread waits no more: the held wake-ups go now, later ones at once
+                self._wakeups.wake_held()
 
     def _failed(self, why: str) -> bool:
         """Count one failed round; True (and ``on_fatal`` told) if the scheduler must give up."""
         now = time.monotonic()
         self._failures.append(now)
-        while self._failures and self._failures[0] < now - FATAL_WINDOW_S:
-            self._failures.popleft()
-        if len(self._failures) < FATAL_FAILURES:
+        if len(self._failures) < FATAL_FAILURES or self._failures[0] < now - FATAL_WINDOW_S:
             return False
-        self._fatal(f"the scheduler failed {len(self._failures)} times within {FATAL_WINDOW_S:g}s (last: {why})")
+        self._fatal(f"the scheduler failed {FATAL_FAILURES} times within {FATAL_WINDOW_S:g}s (last: {why})")
         return True
 
     def _fatal(self, why: str) -> None:

@@ -83,6 +83,10 @@ class _ReplicaCursor:
     exhausted_at: int | None = None
 
 
+def _notify_now(stream: BatchStream) -> None:
+    stream.notify_waiters()
+
+
 @dataclass
 class BatchStream:
     stream_id: int
@@ -121,9 +125,9 @@ class BatchStream:
     replica_turn: int = 0
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
     replica_slot: dict[int, int] = field(default_factory=dict)  # replica -> the worker slot it lives in (sticky)
-    # Wakes the servicer when the batch it waits for arrives (the scheduler's holds it to its round's end:
-    # server/scheduling/held_wakeups.py); None: ``notify_waiters`` at once.
-    wake_servicer: Callable[[BatchStream], None] | None = None
+    # Wakes the servicer when the batch it waits for arrives, under the lock: at once (``notify_waiters``), or when the
+    # scheduler next waits for the pool (its ``HeldWakeups.wake``: server/scheduling/held_wakeups.py).
+    wake_servicer: Callable[[BatchStream], None] = _notify_now
 
     def __post_init__(self) -> None:
         self.dispatch_window = self.spec.window
@@ -287,10 +291,7 @@ class BatchStream:
         if seq == self.next_seq:
             # A batch ahead of the one the servicer waits for changes nothing it waits on (the stream is not finished
             # while it is ready): one in three arrive so with 2 workers, and each woke the servicer for nothing.
-            if self.wake_servicer is not None:
-                self.wake_servicer(self)
-            else:
-                self.notify_waiters()
+            self.wake_servicer(self)
 
     def notify_waiters(self) -> None:
         """Wake the servicer waiting in ``next_delivery`` (under the lock)."""

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import pytest
 from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
 from loaderd.errors import exception_from_remote
-from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER
+from loaderd.server.pool.pool import PoolEvent
+from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER, Dispatcher
 from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
-from loaderd.server.scheduling.producer import END, FailReason, StreamFailed
+from loaderd.server.scheduling.producer import END, FailReason, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.scheduler import Scheduler
 from loaderd.server.scheduling.share import ShareKey, ShareMismatchError
-from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream
+from loaderd.server.scheduling.stream import BatchStream
+from loaderd.server.worker.tasks import FetchTask, IterTask, ReleaseStream, Task
 from loaderd.v1 import loaderd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(10)
@@ -271,33 +274,80 @@ def test_the_thread_runs_steps_until_stopped(pool: FakePool) -> None:
 
 
 
-def test_a_servicer_is_woken_for_its_batch_once_the_round_that_resolved_it_ends(scheduler: Scheduler, pool: FakePool) -> None:
-    """A round's results are handled under the lock: a servicer woken mid-round would block on the lock (and the GIL)
-    at once and wake again (server/scheduling/held_wakeups.py). Its wake-up waits for the next round's dispatch."""
-    stream = scheduler.open_stream(map_spec(window=4))
-    plan(scheduler, stream, 1)
-    scheduler.step(0)
-    got: list[object] = []
-    waiting = threading.Event()
+class WatchedPool(FakePool):
+    """Notes, each time the scheduler waits for it, whether a servicer still waits on ``watched``'s condition."""
 
-    def servicer() -> None:
-        waiting.set()
-        got.append(stream.next_delivery(5.0))
+    def __init__(self) -> None:
+        super().__init__(size=2)
+        self.watched: BatchStream | None = None
+        self.servicer_waiting: list[bool] = []
 
-    thread = threading.Thread(target=servicer)
+    def poll(self, timeout: float, extra: Sequence[Any] = ()) -> list[PoolEvent]:
+        if self.watched is not None:
+            self.servicer_waiting.append(bool(self.watched.cond._waiters))  # type: ignore[attr-defined]
+        return super().poll(timeout, extra)
+
+
+class FailingDispatcher(Dispatcher):
+    """Its dispatch raises once ``fail`` is set (a round that fails)."""
+
+    fail = False
+
+    def dispatch(self, ready: Iterable[int], slots: WorkerSlots, submit: Callable[[int, Task], None]) -> None:
+        if self.fail:
+            raise RuntimeError("dispatch failed")
+        super().dispatch(ready, slots, submit)
+
+
+def _servicer_waiting(stream: BatchStream) -> tuple[threading.Thread, list[Any]]:
+    """A thread waiting (up to 5 s) in ``next_delivery`` as a servicer does, and the list its delivery goes to; returned
+    once it waits on the stream's condition (CPython's Condition lists its waiters: a notify takes them off at once)."""
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(stream.next_delivery(5.0)))
     thread.start()
-    assert waiting.wait(5.0)
     deadline = time.monotonic() + 5.0
     while not stream.cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        thread.join(0.001)  # until it waits on the stream's condition (CPython's Condition lists its waiters)
+        thread.join(0.001)
     assert stream.cond._waiters, "the servicer never waited"  # type: ignore[attr-defined]
+    return thread, got
+
+
+def test_a_servicer_is_woken_for_its_batch_just_before_the_scheduler_waits_again() -> None:
+    """A round's results are handled under the lock: a servicer woken mid-round would block on the lock (and the GIL)
+    at once and wake again (server/scheduling/held_wakeups.py). It is woken after the next dispatch, before the wait."""
+    pool = WatchedPool()
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4))
+    stream = sched.open_stream(map_spec(window=4))
+    plan(sched, stream, 1)
+    sched.step(0)
+    thread, got = _servicer_waiting(stream)
+    pool.watched = stream
     pool.finish(pool.batch_tasks()[0][1])
-    scheduler.step(0)  # the batch is resolved: the servicer's wake-up is held
-    thread.join(0.2)  # time to wake, were it woken (it waits up to 5 s otherwise)
-    assert thread.is_alive() and got == [], "woken before the round ended"
-    scheduler.step(0)  # the next round, before it waits for the pool, wakes it
+    sched.step(0)  # the batch is resolved: the servicer's wake-up is held ...
+    assert stream.cond._waiters, "woken before the scheduler waited again"  # type: ignore[attr-defined]
+    sched.step(0)  # ... until this round's dispatch is done
+    assert pool.servicer_waiting == [True, False]
     thread.join(5.0)
-    assert [d.seq for d in got] == [0]  # type: ignore[attr-defined]
+    assert [d.seq for d in got] == [0]
+    sched.stop()
+
+
+def test_a_round_whose_dispatch_fails_still_wakes_the_servicers_it_held() -> None:
+    pool = FakePool(size=2)
+    dispatcher = FailingDispatcher(pool.size)
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4), dispatcher=dispatcher)
+    stream = sched.open_stream(map_spec(window=4))
+    plan(sched, stream, 1)
+    sched.step(0)
+    thread, got = _servicer_waiting(stream)
+    pool.finish(pool.batch_tasks()[0][1])
+    sched.step(0)
+    dispatcher.fail = True
+    with pytest.raises(RuntimeError, match="dispatch failed"):
+        sched.step(0)
+    thread.join(5.0)
+    assert [d.seq for d in got] == [0]
+    sched.stop()
 
 
 def test_every_failure_reason_has_one_status() -> None:
