@@ -48,7 +48,8 @@ class HeldWakeups:
             waiter.notify_waiters()
 
     def wake_held(self) -> None:
-        """The scheduler is about to wait: wake what was held, and wake at once until the next ``hold``."""
+        """The scheduler is about to wait for the pool (or its thread ends): wake what was held, and at once until the
+        next ``hold``."""
         self._holding = False
         held, self._held = self._held, []
         for waiter in held:

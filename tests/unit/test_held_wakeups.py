@@ -1,4 +1,5 @@
-"""HeldWakeups: a servicer's wake-up asked during the scheduler's round waits for the round's end, and only then."""
+"""HeldWakeups: a servicer's wake-up asked after ``hold`` waits for ``wake_held`` (the scheduler about to wait for the
+pool); one asked while the scheduler waits goes at once."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ class Stream:
         self.woken += 1
 
 
-def test_a_wake_up_between_rounds_is_not_held() -> None:
+def test_a_wake_up_while_the_scheduler_waits_is_not_held() -> None:
     wakeups, stream = HeldWakeups(), Stream()
     wakeups.wake(stream)
     assert stream.woken == 1
 
 
-def test_wake_ups_during_a_round_wait_for_its_end() -> None:
+def test_wake_ups_after_hold_wait_for_wake_held() -> None:
     wakeups, a, b = HeldWakeups(), Stream(), Stream()
     wakeups.hold()
     wakeups.wake(a)
@@ -37,7 +38,7 @@ def test_wake_ups_during_a_round_wait_for_its_end() -> None:
     assert (a.woken, b.woken) == (1, 1)
 
 
-def test_after_the_round_ends_wake_ups_go_at_once_until_the_next_round() -> None:
+def test_after_wake_held_wake_ups_go_at_once_until_the_next_hold() -> None:
     wakeups, stream = HeldWakeups(), Stream()
     wakeups.hold()
     wakeups.wake_held()
@@ -46,3 +47,5 @@ def test_after_the_round_ends_wake_ups_go_at_once_until_the_next_round() -> None
     wakeups.hold()
     wakeups.wake(stream)
     assert stream.woken == 1
+    wakeups.wake_held()
+    assert stream.woken == 2

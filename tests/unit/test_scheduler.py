@@ -16,7 +16,8 @@ from support.fakes import FakePool, LedgerLog, catalog, drain, iter_spec, map_sp
 
 from loaderd.errors import exception_from_remote
 from loaderd.server.pool.pool import PoolEvent
-from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER, Dispatcher
+from loaderd.server.scheduling import scheduler as scheduler_module
+from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER, Dispatcher, InFlight, TaskKey
 from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
 from loaderd.server.scheduling.producer import END, FailReason, StreamFailed, WorkerSlots
 from loaderd.server.scheduling.scheduler import Scheduler
@@ -288,22 +289,36 @@ class WatchedPool(FakePool):
         return super().poll(timeout, extra)
 
 
-class FailingDispatcher(Dispatcher):
-    """Its dispatch raises once ``fail`` is set (a round that fails)."""
+class ProbedDispatcher(Dispatcher):
+    """Notes whether a servicer still waits on ``watched``'s condition when it dispatches; ``fail_dispatch`` and
+    ``fail_running`` make a round fail (before the pool is polled, or after, in the task deadlines' check)."""
 
-    fail = False
+    watched: BatchStream | None = None
+    fail_dispatch = False
+    fail_running = False
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.servicer_waiting: list[bool] = []
 
     def dispatch(self, ready: Iterable[int], slots: WorkerSlots, submit: Callable[[int, Task], None]) -> None:
-        if self.fail:
+        if self.watched is not None:
+            self.servicer_waiting.append(bool(self.watched.cond._waiters))  # type: ignore[attr-defined]
+        if self.fail_dispatch:
             raise RuntimeError("dispatch failed")
         super().dispatch(ready, slots, submit)
+
+    def running(self) -> Iterator[tuple[int, TaskKey, InFlight]]:
+        if self.fail_running:
+            raise RuntimeError("the deadlines' check failed")
+        return super().running()
 
 
 def _servicer_waiting(stream: BatchStream) -> tuple[threading.Thread, list[Any]]:
     """A thread waiting (up to 5 s) in ``next_delivery`` as a servicer does, and the list its delivery goes to; returned
     once it waits on the stream's condition (CPython's Condition lists its waiters: a notify takes them off at once)."""
     got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.append(stream.next_delivery(5.0)))
+    thread = threading.Thread(target=lambda: got.append(stream.next_delivery(5.0)), daemon=True)
     thread.start()
     deadline = time.monotonic() + 5.0
     while not stream.cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
@@ -312,42 +327,70 @@ def _servicer_waiting(stream: BatchStream) -> tuple[threading.Thread, list[Any]]
     return thread, got
 
 
-def test_a_servicer_is_woken_for_its_batch_just_before_the_scheduler_waits_again() -> None:
-    """A round's results are handled under the lock: a servicer woken mid-round would block on the lock (and the GIL)
-    at once and wake again (server/scheduling/held_wakeups.py). It is woken after the next dispatch, before the wait."""
-    pool = WatchedPool()
-    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4))
+def _with_a_batch_resolved(sched: Scheduler, pool: FakePool) -> tuple[BatchStream, threading.Thread, list[Any]]:
+    """A stream whose servicer waits, and whose first batch the fake pool has finished (the next poll hands it over)."""
     stream = sched.open_stream(map_spec(window=4))
     plan(sched, stream, 1)
     sched.step(0)
     thread, got = _servicer_waiting(stream)
-    pool.watched = stream
     pool.finish(pool.batch_tasks()[0][1])
-    sched.step(0)  # the batch is resolved: the servicer's wake-up is held ...
-    assert stream.cond._waiters, "woken before the scheduler waited again"  # type: ignore[attr-defined]
-    sched.step(0)  # ... until this round's dispatch is done
-    assert pool.servicer_waiting == [True, False]
-    thread.join(5.0)
-    assert [d.seq for d in got] == [0]
-    sched.stop()
+    return stream, thread, got
+
+
+def test_a_servicer_is_woken_for_its_batch_after_the_next_dispatch_before_the_scheduler_waits() -> None:
+    """A round's results are handled under the lock, and so is the dispatch: a servicer woken before either is done
+    would block on the lock (and the GIL) at once and wake again (server/scheduling/held_wakeups.py)."""
+    pool = WatchedPool()
+    dispatcher = ProbedDispatcher(pool.size)
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4), dispatcher=dispatcher)
+    try:
+        stream, thread, got = _with_a_batch_resolved(sched, pool)
+        pool.watched = dispatcher.watched = stream
+        sched.step(0)  # the batch is resolved: the servicer's wake-up is held ...
+        assert stream.cond._waiters, "woken before the scheduler waited again"  # type: ignore[attr-defined]
+        sched.step(0)  # ... through the next dispatch, and no longer once the scheduler waits for the pool
+        assert dispatcher.servicer_waiting == [True, True]
+        assert pool.servicer_waiting == [True, False]
+        thread.join(5.0)
+        assert [d.seq for d in got] == [0]
+    finally:
+        sched.stop()
 
 
 def test_a_round_whose_dispatch_fails_still_wakes_the_servicers_it_held() -> None:
     pool = FakePool(size=2)
-    dispatcher = FailingDispatcher(pool.size)
+    dispatcher = ProbedDispatcher(pool.size)
     sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(share_buffer=4), dispatcher=dispatcher)
-    stream = sched.open_stream(map_spec(window=4))
-    plan(sched, stream, 1)
-    sched.step(0)
-    thread, got = _servicer_waiting(stream)
-    pool.finish(pool.batch_tasks()[0][1])
-    sched.step(0)
-    dispatcher.fail = True
-    with pytest.raises(RuntimeError, match="dispatch failed"):
+    try:
+        _, thread, got = _with_a_batch_resolved(sched, pool)
         sched.step(0)
-    thread.join(5.0)
-    assert [d.seq for d in got] == [0]
-    sched.stop()
+        dispatcher.fail_dispatch = True
+        with pytest.raises(RuntimeError, match="dispatch failed"):
+            sched.step(0)
+        thread.join(5.0)
+        assert [d.seq for d in got] == [0]
+    finally:
+        sched.stop()
+
+
+def test_a_scheduler_that_gives_up_wakes_the_servicers_it_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its thread ends mid-round (the round failed once too often): nothing would wake them after."""
+    monkeypatch.setattr(scheduler_module, "FATAL_FAILURES", 1)
+    pool = FakePool(size=2)
+    dispatcher = ProbedDispatcher(pool.size)
+    fatal: list[str] = []
+    policy = SchedulerPolicy(share_buffer=4, task_timeouts={"m": 60.0})  # the deadlines' check runs each round
+    sched = Scheduler(pool, LedgerLog().ledger(), catalog(), policy, on_fatal=fatal.append, dispatcher=dispatcher)
+    try:
+        _, thread, got = _with_a_batch_resolved(sched, pool)
+        dispatcher.fail_running = True  # the thread's first round resolves the batch, then fails
+        sched.start()
+        assert sched.join(5.0), "the scheduler did not give up"
+        thread.join(5.0)
+        assert [d.seq for d in got] == [0]
+        assert fatal and "the deadlines' check failed" in fatal[0]
+    finally:
+        sched.stop()
 
 
 def test_every_failure_reason_has_one_status() -> None:
