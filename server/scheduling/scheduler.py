@@ -340,8 +340,7 @@ class Scheduler:
                 self._wakeups.wake_held()
         events = self._pool.poll(timeout, extra=[self._wake.readable])
         self._wake.drain()
-        with self._lock:
-            self._wakeups.hold()
+        self._wakeups.hold()  # no lock needed (server/scheduling/held_wakeups.py)
         for event in events:
             # One event's failure fails what it concerns, not the round's other events.
             try:

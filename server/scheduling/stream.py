@@ -17,6 +17,7 @@ All methods are called with the scheduler's lock held unless they say otherwise;
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import time
 from collections import deque
@@ -83,10 +84,6 @@ class _ReplicaCursor:
     exhausted_at: int | None = None
 
 
-def _notify_now(stream: BatchStream) -> None:
-    stream.notify_waiters()
-
-
 @dataclass
 class BatchStream:
     stream_id: int
@@ -125,9 +122,9 @@ class BatchStream:
     replica_turn: int = 0
     slot_replica: dict[int, tuple[int, int]] = field(default_factory=dict)
     replica_slot: dict[int, int] = field(default_factory=dict)  # replica -> the worker slot it lives in (sticky)
-    # Wakes the servicer when the batch it waits for arrives, under the lock: at once (``notify_waiters``), or when the
-    # scheduler next waits for the pool (its ``HeldWakeups.wake``: server/scheduling/held_wakeups.py).
-    wake_servicer: Callable[[BatchStream], None] = _notify_now
+    # Wakes the servicer waiting on ``cond`` when the batch it waits for arrives, under the lock: at once (the default),
+    # or when the scheduler next waits for the pool (its ``HeldWakeups.wake``: server/scheduling/held_wakeups.py).
+    wake_servicer: Callable[[threading.Condition], None] = operator.methodcaller("notify_all")
 
     def __post_init__(self) -> None:
         self.dispatch_window = self.spec.window
@@ -291,11 +288,7 @@ class BatchStream:
         if seq == self.next_seq:
             # A batch ahead of the one the servicer waits for changes nothing it waits on (the stream is not finished
             # while it is ready): one in three arrive so with 2 workers, and each woke the servicer for nothing.
-            self.wake_servicer(self)
-
-    def notify_waiters(self) -> None:
-        """Wake the servicer waiting in ``next_delivery`` (under the lock)."""
-        self.cond.notify_all()
+            self.wake_servicer(self.cond)
 
     def _drop(self, delivery: Delivery) -> None:
         if delivery.batch is not None:

@@ -11,12 +11,12 @@ pytestmark = pytest.mark.timeout(10)
 
 
 class Stream:
-    """A stream as HeldWakeups sees it: it counts its servicer's wake-ups."""
+    """A stream's condition as HeldWakeups sees it: it counts its servicer's wake-ups."""
 
     def __init__(self) -> None:
         self.woken = 0
 
-    def notify_waiters(self) -> None:
+    def notify_all(self) -> None:
         self.woken += 1
 
 
