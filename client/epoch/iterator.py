@@ -345,7 +345,10 @@ class RemoteLoaderIter:
             self._planned_ahead = False
             self._catch_up()
         self._top_up()
-        if not self._announced and self._plan.all_out:
+        # Once its calls were accepted too: a call of this epoch that a daemon refuses (its stream limits) reopens
+        # (``_handle``), and a call opened ahead for the next epoch meanwhile would take the place it needs. An
+        # epoch whose plan fits in its window is all out at its first next(), before any answer.
+        if not self._announced and self._plan.all_out and self._lanes.accepted:
             self._announced = True
             assert self._stream.plan_ahead is not None
             self._stream.plan_ahead.planned(self)

@@ -60,7 +60,9 @@ class EpochLanes:
     def window(self, pool_workers: int) -> int:
         """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica."""
         stream = self._stream
-        return window_size(stream.prefetch_factor, stream.num_workers if stream.iterable else pool_workers)
+        if stream.iterable:
+            return window_size(stream.prefetch_factor, stream.num_workers, iterable=True)
+        return window_size(stream.prefetch_factor, pool_workers)
 
     def _plan(self, lane: Lane) -> None:
         """A map-style lane (positioned, or a share's) of a loader without ``prefetch_factor`` plans by its
@@ -134,6 +136,11 @@ class EpochLanes:
         moved = self._positions.lane_lost(lane)
         if moved:
             log.info("loaderd: %d batch(es) of %r owed by %s move to another daemon", moved, self._stream.dataset, lane.address)
+
+    @property
+    def accepted(self) -> bool:
+        """Every open lane has answered: none of their daemons can still refuse its call (a refusal comes first)."""
+        return all(lane.answered for lane in self.by_address.values())
 
     @property
     def over_shared_memory(self) -> bool:

@@ -32,7 +32,9 @@ they would have at ``iter(loader)``, so the rules:
   the epoch as usual (``Readiness``). A lost call is failover as in any epoch. A
   call the daemon refused for its stream limits (the planned call is opened while
   the current epoch's is still counted) reopens on the loader's own call, whenever
-  the refusal comes, and the loader plans no more ahead.
+  the refusal comes, and the loader plans no more ahead. So an epoch plans the next
+  one only once each of its calls has answered (``EpochLanes.accepted``): a refusal
+  handled later would reopen beside the call planned meanwhile, and be refused again.
 * A miss at ``iter(loader)`` cancels the planned epoch (its lanes close; the
   daemon drops what it made and takes back its slots) and the epoch begins as
   usual; a miss at the first ``next()`` replans that epoch there, from the global

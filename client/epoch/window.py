@@ -1,15 +1,18 @@
 """A loader's window: how many batches a daemon may work ahead of the caller, and how many it plans ahead.
 
 With ``prefetch_factor`` given, both are torch's: that many per worker. By default the daemon may work
-4 per worker ahead (twice torch's 2: a batch crosses more hops than in a local DataLoader, and small
-batches need the depth: ``window_size``, what a stream is opened with), but a map-style loader plans
-fewer ahead for large batches (``planned_window``; a share's lanes too): each batch in flight holds a
-shared-memory slot that the pool worker and the training process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of
-batches per worker, never fewer than torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in
-flight with 2 workers instead of 8). Until the loader has received a batch it plans torch's 2 per worker,
-so that a first epoch of large batches makes no slots it then gives up (a worker keeps its slots for
-reuse); once one arrived, the open lanes plan what its bytes allow (``EpochLanes.resize``), and the loader
-keeps the figure for its later epochs. An iterable stream's credit is the daemon's (``window_size``).
+8 per pool worker ahead for a map-style loader, 4 per replica for an iterable one (``window_size``, what a
+stream is opened with): a batch crosses more hops than in a local DataLoader, small batches need the depth,
+and a map-style loader's quick batches come in groups of up to 4 that a worker holds back while it makes
+the next (server/worker/result_group.py): with 4 per worker, the batches held left the trainer waiting
+(bench_ab f32 0.93x). But a map-style loader plans fewer ahead for large batches (``planned_window``; a
+share's lanes too): each batch in flight holds a shared-memory slot that the pool worker and the training
+process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of batches per worker, never fewer than
+torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in flight with 2 workers, as before groups).
+Until the loader has received a batch it plans torch's 2 per worker, so that a first epoch of large
+batches makes no slots it then gives up (a worker keeps its slots for reuse); once one arrived, the open
+lanes plan what its bytes allow (``EpochLanes.resize``), and the loader keeps the figure for its later
+epochs. An iterable stream's credit is the daemon's (``window_size``).
 """
 
 from __future__ import annotations
@@ -18,23 +21,25 @@ from typing import Any
 
 from loaderd.wire.array_bytes import array_bytes
 
-DEFAULT_PREFETCH = 4  # batches per worker, by default
+MAP_PREFETCH = 8  # a map-style loader's batches per pool worker, by default
+ITERABLE_PREFETCH = 4  # an iterable loader's per replica, by default
 LEAST_PREFETCH = 2  # torch's default: the least a default window plans per worker
-# The batches a default window plans, per worker: 64 MiB keeps 4 per worker of batches up to 16 MiB
-# (bench_loaders' 12.6 and 9.6 MB ones).
+# The batches a default map-style window plans, per worker: 64 MiB (5 and 6 of bench_loaders' 12.6 and 9.6 MB
+# batches, torch's 2 of an image pipeline's 38.5 MB).
 WINDOW_BYTES_PER_WORKER = 64 << 20
 
 
-def window_size(prefetch_factor: int | None, parallelism: int) -> int:
-    """Batches the daemon may work ahead with ``parallelism`` workers (or iterable replicas): ``prefetch_factor``
-    each, by default ``DEFAULT_PREFETCH``."""
-    return (DEFAULT_PREFETCH if prefetch_factor is None else prefetch_factor) * max(1, parallelism)
+def window_size(prefetch_factor: int | None, parallelism: int, iterable: bool = False) -> int:
+    """Batches the daemon may work ahead with ``parallelism`` workers (or ``iterable`` replicas): ``prefetch_factor``
+    each, by default ``MAP_PREFETCH`` (``ITERABLE_PREFETCH``)."""
+    default = ITERABLE_PREFETCH if iterable else MAP_PREFETCH
+    return (default if prefetch_factor is None else prefetch_factor) * max(1, parallelism)
 
 
 def planned_window(bound: int, batch_bytes: int | None) -> int:
     """Batches a map-style loader without ``prefetch_factor`` plans ahead within its lane's default ``bound``
-    (``DEFAULT_PREFETCH`` per worker), for batches of ``batch_bytes`` (None: none seen yet), as the module says."""
-    workers = max(1, bound // DEFAULT_PREFETCH)
+    (``MAP_PREFETCH`` per worker), for batches of ``batch_bytes`` (None: none seen yet), as the module says."""
+    workers = max(1, bound // MAP_PREFETCH)
     least = min(bound, LEAST_PREFETCH * workers)
     if batch_bytes is None:
         return least

@@ -13,8 +13,11 @@ pipe only ``poll`` reads, through one ``PoolSelector`` (server/pool/selector.py)
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import struct
+import termios
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +41,14 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # Deferred news (a slot the worker may reuse) goes with the worker's next task; once this
 # many seconds old it goes on its own at the pool's next poll (the worker's idle trim needs it).
 _DEFER_S = 0.05
+# Results read from one worker in one round at most (two groups of server/worker/result_group.py's GROUP_SIZE).
+RESULTS_PER_ROUND = 8
+_COUNT = struct.Struct("i")
+
+
+def _readable_bytes(fd: int) -> int:
+    """Bytes waiting in pipe ``fd`` now (FIONREAD: one call, no selector, any descriptor number)."""
+    return int(_COUNT.unpack(fcntl.ioctl(fd, termios.FIONREAD, bytes(_COUNT.size)))[0])
 
 
 class PoolLostError(Exception):
@@ -381,9 +392,13 @@ class WorkerPool:
                 self._flush(worker)
             elif kind is RESULTS:
                 try:
-                    # One message a round: the selector is level-triggered, so more come next round
-                    # (``Connection.poll`` would build a selector of its own per call).
+                    # Every whole result a worker wrote together (server/worker/result_group.py), up to
+                    # ``RESULTS_PER_ROUND``: the selector is level-triggered, so more come next round.
                     events.append(self._receive(worker))
+                    for _ in range(RESULTS_PER_ROUND - 1):
+                        if not _readable_bytes(worker.fds[0]):
+                            break
+                        events.append(self._receive(worker))
                 except (EOFError, OSError):
                     died.append(worker)
             else:

@@ -5,15 +5,24 @@ Its rules:
 - Round-robin over producers, one task each per turn, so a stream cannot starve the others;
   the starting producer moves on by one every round.
 - At most ``PER_WORKER`` tasks queued per worker (one running and one waiting hides the pipe's
-  round trip). A task pinned to a worker (an iterable replica's, ``required``) waits for that
-  worker; any other goes to the worker with the most room.
+  round trip; a group of results held in the worker takes more). A task pinned to a worker (an
+  iterable replica's, ``required``) waits for that worker; any other goes to the worker with the
+  most room.
 - Per worker, the tasks sent and not answered, in the order the worker runs them: the first
   is running (``started_at``), the others queue behind it.
 - It keeps two clocks for the pool's sizing (server/scheduling/sizing.py): worker-seconds busy (holding
   a task), and seconds starved (a producer had a task ready while every ready worker was full).
+- A map-style task goes ``grouped`` (its worker may hold its result to write it with the next
+  ones, server/worker/result_group.py), unless its dataset has a ``task_timeout`` (a held result
+  would look like a batch still running, against its deadline) or it runs again after a death
+  that blamed no task (below).
 - A task whose worker died under it runs again, unless its workers died ``MAX_ATTEMPTS`` times
   running it: then it is handed back to be failed. Only the running task is blamed, and none
-  when the daemon ended the worker itself (a timeout, recycling).
+  when the daemon ended the worker itself (a timeout, recycling). The running task is the
+  first unanswered one, unless it and the one after it are ``grouped``: then the worker may
+  have finished it and held its result (it holds one only while the next task is in its pipe),
+  so no task is blamed and each of the worker's tasks runs again ungrouped, where the next
+  death names its task.
 
 Not thread-safe: the scheduler calls it under its lock.
 """
@@ -21,14 +30,16 @@ Not thread-safe: the scheduler calls it under its lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 
 from loaderd.server.scheduling.producer import Producer, WorkerSlots
-from loaderd.server.worker.tasks import BatchTask, Task
+from loaderd.server.worker.result_group import GROUP_SIZE
+from loaderd.server.worker.tasks import BatchTask, FetchTask, Task
 
-# Tasks queued per worker: one running and one waiting hides the pipe round trip.
-PER_WORKER = 2
+# Tasks queued per worker: one running and one waiting hides the pipe round trip; a worker holding a group of
+# results (server/worker/result_group.py) holds up to GROUP_SIZE - 1 more that the daemon has not heard of yet.
+PER_WORKER = GROUP_SIZE + 1
 # A batch that kills its worker this many times is reported to the client instead.
 MAX_ATTEMPTS = 3
 
@@ -59,8 +70,11 @@ class Spent:
 class Dispatcher:
     """The producers to draw from and the tasks each of ``workers`` worker slots holds."""
 
-    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic, timed: Collection[str] = ()) -> None:
+        """``timed``: the datasets with a ``task_timeout`` (their tasks never go grouped)."""
         self._producers: dict[int, Producer] = {}
+        self._timed = frozenset(timed)
+        self._ungrouped: set[TaskKey] = set()  # tasks to run again ungrouped (a death blamed none of them)
         self._turn = 0
         self._held: dict[int, dict[TaskKey, InFlight]] = {w: {} for w in range(workers)}
         self._attempts: dict[TaskKey, int] = {}  # tasks given back to their producer after a death
@@ -77,6 +91,8 @@ class Dispatcher:
 
     def remove(self, producer_id: int) -> None:
         self._producers.pop(producer_id, None)
+        for key in [k for k in self._ungrouped if k[0] == producer_id]:
+            self._ungrouped.discard(key)
 
     def producer(self, producer_id: int) -> Producer | None:
         return self._producers.get(producer_id)
@@ -105,6 +121,7 @@ class Dispatcher:
                     continue
                 producer.commit(task)
                 key = (task.stream_id, task.seq)
+                task = self._grouping(task, key)
                 record = InFlight(task, self._attempts.get(key, 0))
                 if not self._held[worker]:
                     record.started_at = record.sent_at  # an idle worker starts on it now
@@ -113,6 +130,13 @@ class Dispatcher:
                 submit(worker, task)
                 progress = True
         self._note_starved(capacity)
+
+    def _grouping(self, task: BatchTask, key: TaskKey) -> BatchTask:
+        """``task`` as it goes to its worker: ``grouped`` or not, as the module's rules say."""
+        if not isinstance(task, FetchTask):
+            return task
+        grouped = task.dataset not in self._timed and key not in self._ungrouped
+        return task if task.grouped == grouped else replace(task, grouped=grouped)
 
     def _note_starved(self, capacity: dict[int, int]) -> None:
         """After a dispatch: starved from now if every ready worker is full and a producer still has a task ready."""
@@ -147,6 +171,7 @@ class Dispatcher:
         held = self._held[worker_id]
         record = held.pop(key, None)
         self._attempts.pop(key, None)
+        self._ungrouped.discard(key)
         if held:
             head = next(iter(held.values()))
             if head.started_at is None:
@@ -159,6 +184,7 @@ class Dispatcher:
         """The task ``key`` will not be answered (its worker was killed for it) and is not to run again."""
         self._held[worker_id].pop(key, None)
         self._attempts.pop(key, None)
+        self._ungrouped.discard(key)
         if not self._held[worker_id]:
             self._release(worker_id)
 
@@ -167,19 +193,27 @@ class Dispatcher:
         except the tasks that reached ``MAX_ATTEMPTS``, returned for the caller to fail.
 
         A worker runs its tasks in dispatch order: only the first was running when it died,
-        and only it is blamed, when ``blame_running`` (the daemon did not end the worker itself).
+        and only it is blamed, when ``blame_running`` (the daemon did not end the worker itself),
+        unless it and the task after it are ``grouped``: then the worker may have finished the
+        first and held its result, none is blamed, and each runs again ungrouped.
         """
         lost = self._held[worker_id]
         self._held[worker_id] = {}
         self._release(worker_id)
+        # The worker holds a result only while the task after it is grouped and in its pipe (unanswered, so here).
+        unknown = len(lost) > 1 and all(isinstance(r.task, FetchTask) and r.task.grouped for r in list(lost.values())[:2])
         spent = []
         for position, (key, record) in enumerate(lost.items()):
             producer = self._producers.get(key[0])
             if producer is None:
+                self._ungrouped.discard(key)
                 continue
-            attempts = record.attempts + (1 if position == 0 and blame_running else 0)
+            attempts = record.attempts + (1 if position == 0 and blame_running and not unknown else 0)
+            if unknown and blame_running:
+                self._ungrouped.add(key)
             if attempts >= MAX_ATTEMPTS:
                 self._attempts.pop(key, None)
+                self._ungrouped.discard(key)
                 spent.append(Spent(producer, record.task, attempts))
             else:
                 self._attempts[key] = attempts

@@ -84,7 +84,7 @@ class Scheduler:
         caches: AutoCaches | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``dispatcher`` is a fresh ``Dispatcher(pool.size)`` unless given (tests read its table);
+        """``dispatcher`` is a fresh ``Dispatcher`` for the pool and the policy's timeouts unless given (tests read it);
         ``caches``: the datasets with ``cache: auto``, told each batch's cache figures until they decide; ``clock``: an
         elastic pool's sizing's (tests stop it)."""
         self._pool = pool
@@ -96,7 +96,7 @@ class Scheduler:
         self._caches = caches
         self._lock = threading.Lock()
         self._streams: dict[int, BatchStream] = {}  # every open client stream
-        self._dispatcher = dispatcher or Dispatcher(pool.size)  # draws from producers: streams and shared jobs
+        self._dispatcher = dispatcher or Dispatcher(pool.size, timed=policy.task_timeouts)  # draws from producers
         self._jobs: dict[tuple[str, int], SharedJob] = {}
         self._job_of: dict[int, SharedJob] = {}  # consumer stream id -> its job
         self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in catalog.datasets}

@@ -29,6 +29,7 @@ from loaderd.server.cache.usage import CacheDelta
 from loaderd.server.process.heap import give_back_free_pages
 from loaderd.server.worker.datasets import WorkerDataset, pool_info, set_worker_info
 from loaderd.server.worker.entry import WorkerSpec
+from loaderd.server.worker.result_group import HOLD_BELOW_S, ResultGroup
 from loaderd.server.worker.run_ahead import RunAhead
 from loaderd.server.worker.seeding import derive_seed, seed_everything
 from loaderd.server.worker.slot_collate import SlotArea, SlotFull, collate_into, collate_private, estimate_bytes
@@ -41,7 +42,6 @@ from loaderd.server.worker.tasks import (
     ReplicaExhausted,
     SlotsRetired,
     Task,
-    send_result,
 )
 from loaderd.wire.batch_encoder import encode_batch
 from loaderd.wire.limits import MAX_HEADER_BYTES
@@ -83,6 +83,8 @@ class BatchMaker:
         self.spec = spec
         self.datasets = datasets
         self.replicas: dict[tuple[int, int], _Replica] = {}
+        self.results = ResultGroup(spec.results)  # finished batches go several in one write (server/worker/result_group.py)
+        self._ahead = ahead
         # The next task's items, started while a batch of item threads is finished (server/worker/run_ahead.py).
         self._run_ahead = RunAhead(ahead, datasets, self._pool_info, spec.worker_id) if ahead is not None else None
         self.slots = SlotWriter(spec.shm_prefix, spec.shm_cap_bytes, freed=freed) if spec.shm_prefix else None
@@ -173,14 +175,14 @@ class BatchMaker:
     def fail(self, stream_id: int, seq: int, exc: BaseException, where: str) -> None:
         """Fail batch ``seq`` of stream ``stream_id``: ``exc`` goes back to its client as data."""
         err = capture_exception(exc, where, seq)
-        send_result(self.spec.results, BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
+        self.results.send(BatchFailed(stream_id=stream_id, seq=seq, error=err.SerializeToString()))
 
     # ------------------------------------------------------------ map-style
 
     def fetch(self, task: FetchTask) -> None:
         """Make and send a map-style batch (or its failure)."""
         ds = self.datasets[task.dataset]
-        started = time.perf_counter() if ds.sizer is not None else 0.0  # threads: auto measures the batch
+        started = time.perf_counter()  # held only if quick (server/worker/result_group.py); threads: auto measures it
         position = task.seq if task.position < 0 else task.position
         where = f"in pool worker {self.spec.worker_id} while fetching batch {position} of dataset {task.dataset!r}"
         job = None if self._run_ahead is None else self._run_ahead.take(task)  # seeded when its items started
@@ -214,7 +216,8 @@ class BatchMaker:
             return
         finally:
             set_worker_info(self._ahead_info())
-        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset)
+        hold = self._may_hold(task, time.perf_counter() - started)
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset, hold)
         if task.auto_collation and ds.sizer is not None:
             try:
                 self._sized(ds, len(cast(tuple[int, ...], task.indices)), time.perf_counter() - started)
@@ -244,8 +247,23 @@ class BatchMaker:
                 ds.sizer.last_rate,
             )
 
+    def _may_hold(self, task: FetchTask, seconds: float) -> bool:
+        """Whether ``task``'s result, made in ``seconds``, may wait for the next ones (server/worker/result_group.py)."""
+        if not task.grouped or seconds >= HOLD_BELOW_S or self._ahead is None:
+            return False
+        following = self._ahead()
+        return isinstance(following, FetchTask) and following.grouped
+
     def _send_encoded(
-        self, stream_id: int, seq: int, batch: Any, where: str, placed: tuple[str, SlotArea] | None, inline: bool, dataset: str = ""
+        self,
+        stream_id: int,
+        seq: int,
+        batch: Any,
+        where: str,
+        placed: tuple[str, SlotArea] | None,
+        inline: bool,
+        dataset: str = "",
+        hold: bool = False,
     ) -> None:
         ds = self.datasets.get(dataset)
         # The cache's counts since its last batch go with this one (the daemon sums them per dataset).
@@ -255,10 +273,9 @@ class BatchMaker:
         except TransportError as exc:
             self.fail(stream_id, seq, exc, where)
             return
-        conn = self.spec.results
-        send_result(conn, done)
+        self.results.send(done, hold=hold and not buffers)
         for buf in buffers:
-            conn.send_bytes(buf)
+            self.results.send_bytes(buf)
 
     # ------------------------------------------------------------ iterable
 
@@ -323,7 +340,7 @@ class BatchMaker:
             self.fail(task.stream_id, task.seq, exc, where)
             return
         if samples is None:
-            send_result(self.spec.results, ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
+            self.results.send(ReplicaExhausted(stream_id=task.stream_id, seq=task.seq))
             return
         try:
             batch, placed = self._collate(ds, samples, task.inline) if task.batch_size else (ds.convert(samples), None)
@@ -340,7 +357,7 @@ class BatchMaker:
         self.slots.trim(keep)
         retired = self._take_retired()
         if retired:
-            send_result(self.spec.results, SlotsRetired(retired))
+            self.results.send(SlotsRetired(retired))
 
     def release_stream(self, stream_id: int) -> None:
         """Forget a finished stream's iterable replicas."""

@@ -46,6 +46,8 @@ class FetchTask:
     inline: bool = False
     # The batch's position in the client's epoch (its seed follows it); -1: ``seq``.
     position: int = -1
+    # Its result may wait in the worker to go with the next ones (server/worker/result_group.py); the dispatcher sets it.
+    grouped: bool = False
 
 
 @dataclass(frozen=True)

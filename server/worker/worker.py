@@ -143,6 +143,8 @@ def run_worker(spec: WorkerSpec) -> None:
         busy_at = time.monotonic()
         heap_trimmed = False
         while True:
+            if batches.results.held and not inbox.wait(0):
+                batches.results.flush()  # never wait for work with results held (server/worker/result_group.py)
             if not inbox.wait(_PARENT_CHECK_S):
                 if os.getppid() != parent:  # the daemon (and its fork server) went away
                     return
@@ -154,6 +156,7 @@ def run_worker(spec: WorkerSpec) -> None:
                 continue
             task = inbox.take()  # EOFError once the daemon closed our task pipe (handled below: the worker ends)
             if task is None:
+                batches.results.flush()
                 return
             _handle(batches, task, spec.worker_id)
             busy_at = time.monotonic()

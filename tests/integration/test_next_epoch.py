@@ -22,6 +22,7 @@ from support.daemons import RunningDaemon, daemon_status, running_daemon, wait_f
 from torch.utils.data import DataLoader, RandomSampler
 
 from loaderd import RemoteDataLoader
+from loaderd.epoch.window import MAP_PREFETCH
 from loaderd.shm.session import ShmSession
 from loaderd.stream.lane import Lane
 from loaderd.stream.stream_call import StreamCall
@@ -71,8 +72,13 @@ def computed(daemon: RunningDaemon) -> int:
     return sum(d.batches_computed for d in daemon_status(daemon.address).datasets)
 
 
-# Batches a planned epoch makes before it is iterated: its first window (prefetch_factor 4 x 2 workers).
-WINDOW = 8
+# Batches a planned epoch makes before it is iterated: its first window (the default for small batches, 8 a worker x 2
+# workers), or the whole epoch where it is shorter.
+WINDOW = 2 * MAP_PREFETCH
+
+
+def first_window(batches: int) -> int:
+    return min(WINDOW, batches)
 
 
 def oracle(**kw: Any) -> DataLoader:
@@ -126,7 +132,7 @@ def test_planned_epochs_match_torch(
         # (The last epoch's stream may still be listed for a moment after its end.)
         stream = wait_for(lambda: only_stream(daemon), 10.0, "the next epoch's stream alone")
         assert stream.dataset == "squares" and stream.shm
-        wait_for(lambda: computed(daemon) - before == 4 * batches + WINDOW, 10.0, "the fifth epoch's first window")
+        wait_for(lambda: computed(daemon) - before == 4 * batches + first_window(batches), 10.0, "the fifth epoch's first window")
     else:  # over gRPC it is not planned ahead (a second call costs more than it saves)
         wait_for(lambda: not streams(daemon), 10.0, "the last epoch's stream to end")
         assert computed(daemon) - before == 4 * batches
@@ -143,7 +149,7 @@ def test_a_sampler_with_replacement_is_planned_ahead_too(remote: Any, daemon: Ru
         assert_same_batches(got[epoch], expected[epoch])
     assert torch.equal(rand_remote, rand_torch), "the global RNG was left elsewhere than torch leaves it"
     if transport == "shm":  # the fifth epoch's first window is made already: it was planned ahead
-        wait_for(lambda: computed(daemon) - before == 4 * 13 + WINDOW, 10.0, "the fifth epoch's first window")
+        wait_for(lambda: computed(daemon) - before == 4 * 13 + first_window(13), 10.0, "the fifth epoch's first window")
 
 
 def test_a_draw_between_epochs_cancels_the_plan(remote: Any, daemon: RunningDaemon) -> None:
@@ -224,8 +230,8 @@ def test_set_epoch_between_epochs(remote: Any, daemon: RunningDaemon, transport:
         assert_same_batches(got[epoch], want)
     assert torch.equal(rand_remote, torch.rand(1))
     if transport == "shm":  # epochs 2 and 7 planned ahead (7's first window made), 3 planned and dropped
-        wait_for(lambda: computed(daemon) - before >= 4 * 13 + WINDOW, 10.0, "the planned epochs' batches")
-        assert computed(daemon) - before <= 4 * 13 + 2 * WINDOW
+        wait_for(lambda: computed(daemon) - before >= 4 * 13 + first_window(13), 10.0, "the planned epochs' batches")
+        assert computed(daemon) - before <= 4 * 13 + 2 * first_window(13)
 
 
 def test_two_loaders_iterated_together(remote: Any) -> None:
@@ -275,7 +281,7 @@ def test_a_dropped_loader_lets_go_of_its_planned_window(daemon: RunningDaemon) -
     loader = RemoteDataLoader("blocks", address=daemon.address, transport="shm", batch_size=4, shuffle=True)
     for _ in range(2):  # the second epoch plans the third
         assert len(list(loader)) == 12
-    wait_for(lambda: claimed() >= claimed_before + WINDOW, 10.0, "the planned epoch's first window to arrive")
+    wait_for(lambda: claimed() >= claimed_before + first_window(12), 10.0, "the planned epoch's first window to arrive")
     del loader
     gc.collect()
     wait_for(
@@ -309,11 +315,16 @@ def test_calls_alternate_between_two(remote: Any, transport: str, monkeypatch: p
     assert len(opened) == (2 if transport == "shm" else 1), opened
 
 
-def test_a_refused_second_call_falls_back_to_an_epoch_begun_at_iter() -> None:
+@pytest.mark.parametrize("prefetch_factor", [2, None], ids=["plan-out-late", "plan-out-at-once"])
+def test_a_refused_second_call_falls_back_to_an_epoch_begun_at_iter(prefetch_factor: int | None) -> None:
     """With one stream per client, the planned epoch's call is refused: the epoch begins at iter() on
-    the loader's own call, as without planning ahead, and the batches are torch's."""
+    the loader's own call, as without planning ahead, and the batches are torch's. With the default window
+    the 13 batches' plan is all out at an epoch's first next(): the next epoch is planned only once this
+    one's call has answered (before, a refusal handled after that planning failed the epoch, 8 runs in 10)."""
     with running_daemon(DATASETS, prefix="ld-ne-", workers=2, limits={"max_streams_per_client": 1}) as daemon:
-        loader = RemoteDataLoader("squares", address=daemon.address, transport="shm", batch_size=8, shuffle=True)
+        loader = RemoteDataLoader(
+            "squares", address=daemon.address, transport="shm", batch_size=8, shuffle=True, prefetch_factor=prefetch_factor
+        )
         expected, rand_torch = epochs(oracle(batch_size=8, shuffle=True), 3)
         got, rand_remote = epochs(loader, 3)
         for epoch in range(3):

@@ -51,6 +51,7 @@ import loaderd
 import loaderd.shm.session
 import loaderd.stream.lane
 from loaderd import RemoteDataLoader
+from loaderd.epoch.window import MAP_PREFETCH
 from loaderd.server.shm import arena as loaderd_arena
 from loaderd.shm.leases import Leases, Tick
 from loaderd.shm.session import ShmSession
@@ -432,9 +433,9 @@ def release_routes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int
     return by_plan, by_session
 
 
-def shm_epochs(daemon: RunningDaemon, epochs: int) -> int:
+def shm_epochs(daemon: RunningDaemon, epochs: int, **remote_only: Any) -> int:
     """Run ``epochs`` shuffled epochs of "mid" over shared memory, checked against torch; the batches they had."""
-    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=5, epochs=epochs)
+    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=5, epochs=epochs, **remote_only)
     pid = daemon_pid(daemon)
     for epoch in range(epochs):
         for i, batch in enumerate(loader):
@@ -454,11 +455,12 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     # batch (a loaded 2-core CI machine: 34 of 75 once) sends most by the session, as designed; a
     # longer period makes the count below depend on the routing, not on the machine's speed.
     monkeypatch.setattr(loaderd.shm.session, "RELEASE_PERIOD_S", 0.05)
-    batches = shm_epochs(roomy.get(), 3)
+    batches = shm_epochs(roomy.get(), 3, prefetch_factor=4)
     # Earlier tests' batches share this process's session: their leases may be among those sent.
     wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
     assert len(set(by_plan + by_session)) == len(by_plan) + len(by_session), "a lease went back twice"
-    # The window (4 x 2 workers) is planned a quarter at a time: every plan but the epoch's first
+    # The window (4 x 2 workers: the default's 8 a worker would send the plan of an epoch's last 16 earlier, and
+    # their leases by the session) is planned a quarter at a time: every plan but the epoch's first
     # carries the leases dropped since the previous one, and only the last ~9 of each epoch's 25 go
     # by the session.
     assert len(by_plan) >= batches // 2, f"{len(by_plan)} of {batches} leases rode plans, {len(by_session)} the session"
@@ -756,8 +758,8 @@ def test_sigkilled_daemon_workers_exit_client_fails_and_next_daemon_sweeps(
             for _ in range(20):
                 extra.append(next(it))
         assert time.monotonic() - started < 10, "the client took too long to notice the daemon is gone"
-        # What the daemon sent before it died still arrives: at most its window (4 per worker).
-        assert len(extra) <= 8, f"{len(extra)} more batches from a dead daemon"
+        # What the daemon sent before it died still arrives: at most its window (2 workers).
+        assert len(extra) <= 2 * MAP_PREFETCH, f"{len(extra)} more batches from a dead daemon"
         for i, batch in enumerate(held + extra):
             assert_same(batch, want[i], f"batch {i} after the daemon died")
 

@@ -19,3 +19,12 @@ def pipe() -> Iterator[tuple[Connection, TaskPipe]]:
     yield reader, tasks
     tasks.close()
     reader.close()
+
+
+@pytest.fixture
+def results() -> Iterator[tuple[Connection, Connection]]:
+    """A real pipe as a worker's results travel: the daemon's read end, the worker's write end."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    yield reader, writer
+    reader.close()
+    writer.close()

@@ -54,6 +54,14 @@ class FakeProducer:
         return self.n - self.next_seq
 
 
+@dataclass
+class TimedProducer(FakeProducer):
+    """Tasks of dataset ``t`` (a dataset with a ``task_timeout`` in these tests)."""
+
+    def task(self, seq: int) -> FetchTask:
+        return FetchTask(stream_id=self.producer_id, dataset="t", seq=seq, indices=(seq,), auto_collation=True, seed=0)
+
+
 def run(dispatcher: Dispatcher, ready: list[int]) -> list[tuple[int, Task]]:
     sent: list[tuple[int, Task]] = []
     dispatcher.dispatch(ready, SLOTS, lambda worker, task: sent.append((worker, task)))
@@ -66,8 +74,8 @@ def test_each_worker_gets_its_queue_and_producers_take_turns() -> None:
     dispatcher.add(a)
     dispatcher.add(b)
     sent = run(dispatcher, [0, 1])
-    assert sorted(w for w, _ in sent) == [0, 0, 1, 1] and len(sent) == 2 * PER_WORKER
-    assert sorted(t.stream_id for _, t in sent) == [1, 1, 2, 2]
+    assert sorted(w for w, _ in sent) == [0] * PER_WORKER + [1] * PER_WORKER
+    assert sorted(t.stream_id for _, t in sent) == [1] * PER_WORKER + [2] * PER_WORKER
     assert run(dispatcher, [0, 1]) == [], "every queue is full until a worker answers"
     assert dispatcher.busy() == {0: PER_WORKER, 1: PER_WORKER}
 
@@ -81,25 +89,26 @@ def test_pinned_work_waits_for_its_worker() -> None:
 
 def test_an_answer_frees_room_and_starts_the_next_task() -> None:
     dispatcher = Dispatcher(1)
-    producer = FakeProducer(1, 5)
+    producer = FakeProducer(1, 2 * PER_WORKER)
     dispatcher.add(producer)
-    first, second = (task for _, task in run(dispatcher, [0]))
+    first, second, *_ = (task for _, task in run(dispatcher, [0]))
     assert [r.started_at is not None for _, _, r in dispatcher.running()] == [True]
     record = dispatcher.answered(0, (1, first.seq))
     assert record is not None and record.task is first
     [(worker, key, head)] = dispatcher.running()
     assert (worker, key, head.task) == (0, (1, second.seq), second) and head.started_at is not None
     assert dispatcher.answered(0, (1, first.seq)) is None, "a second answer finds nothing"
-    assert [task.seq for _, task in run(dispatcher, [0])] == [2]
+    assert [task.seq for _, task in run(dispatcher, [0])] == [PER_WORKER]
 
 
 def test_a_death_blames_only_the_running_task_and_requeues_all() -> None:
-    dispatcher = Dispatcher(1)
+    dispatcher = Dispatcher(1, timed={"m"})  # a dataset with a task_timeout: its tasks never go grouped
     producer = FakeProducer(1, 5)
     dispatcher.add(producer)
-    running, queued = (task for _, task in run(dispatcher, [0]))
+    running, queued, *rest = (task for _, task in run(dispatcher, [0]))
+    assert not running.grouped and not queued.grouped
     assert dispatcher.worker_lost(0, blame_running=True) == []
-    assert producer.retried == [running, queued]
+    assert producer.retried == [running, queued, *rest]
     assert (dispatcher.attempts((1, running.seq)), dispatcher.attempts((1, queued.seq))) == (1, 0)
     assert dispatcher.idle(0)
 
@@ -108,14 +117,55 @@ def test_a_death_the_daemon_caused_blames_nothing() -> None:
     dispatcher = Dispatcher(1)
     producer = FakeProducer(1, 5)
     dispatcher.add(producer)
-    running, _ = (task for _, task in run(dispatcher, [0]))
+    running, *_ = (task for _, task in run(dispatcher, [0]))
     dispatcher.worker_lost(0, blame_running=False)
     assert dispatcher.attempts((1, running.seq)) == 0 and producer.retried[0] is running
 
 
+def test_map_style_tasks_go_grouped_and_a_death_under_one_blames_none() -> None:
+    dispatcher = Dispatcher(1)
+    producer = FakeProducer(1, 2)
+    dispatcher.add(producer)
+    first = [task for _, task in run(dispatcher, [0])]
+    assert all(isinstance(t, FetchTask) and t.grouped for t in first)
+    # The worker may have finished the first and held its result: nobody is blamed, both run again ungrouped.
+    assert dispatcher.worker_lost(0, blame_running=True) == []
+    assert [t.seq for t in producer.retried] == [0, 1] and [dispatcher.attempts((1, t.seq)) for t in first] == [0, 0]
+    again = [task for _, task in run(dispatcher, [0])]
+    assert [(t.seq, t.grouped) for t in again] == [(0, False), (1, False)]
+    # Ungrouped, the first is the running one: the next death blames it alone.
+    assert dispatcher.worker_lost(0, blame_running=True) == []
+    assert [dispatcher.attempts((1, t.seq)) for t in first] == [1, 0]
+    again = [task for _, task in run(dispatcher, [0])]
+    dispatcher.answered(0, (1, again[0].seq))
+    dispatcher.answered(0, (1, again[1].seq))
+    producer.n = 4
+    assert [(t.seq, t.grouped) for _, t in run(dispatcher, [0])] == [(2, True), (3, True)], "new work goes grouped"
+
+
+def test_a_death_the_daemon_caused_leaves_tasks_grouped() -> None:
+    dispatcher = Dispatcher(1)
+    producer = FakeProducer(1, 2)
+    dispatcher.add(producer)
+    run(dispatcher, [0])
+    dispatcher.worker_lost(0, blame_running=False)
+    assert [(t.seq, t.grouped) for _, t in run(dispatcher, [0])] == [(0, True), (1, True)]
+
+
+def test_a_death_with_an_ungrouped_task_second_blames_the_first() -> None:
+    """The worker holds a result only while a grouped task follows it: with an ungrouped one next, the first ran."""
+    dispatcher = Dispatcher(1, timed={"t"})
+    dispatcher.add(FakeProducer(1, 1))
+    dispatcher.add(TimedProducer(2, 1))
+    sent = [task for _, task in run(dispatcher, [0])]
+    assert [(t.stream_id, t.grouped) for t in sent] == [(2, False), (1, True)]
+    dispatcher.worker_lost(0, blame_running=True)
+    assert (dispatcher.attempts((2, 0)), dispatcher.attempts((1, 0))) == (1, 0)
+
+
 def test_a_task_that_keeps_killing_workers_is_handed_back_to_be_failed() -> None:
     dispatcher = Dispatcher(1)
-    producer = FakeProducer(1, 1)
+    producer = FakeProducer(1, 1)  # one task: grouped, but alone in its worker, so it was the one running
     dispatcher.add(producer)
     for attempt in range(1, MAX_ATTEMPTS + 1):
         [(_, task)] = run(dispatcher, [0])

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from support.fakes import FakeClock, FakePool, LedgerLog, catalog, drain, iter_spec, map_spec
 
-from loaderd.server.scheduling.dispatcher import Dispatcher
+from loaderd.server.scheduling.dispatcher import PER_WORKER, Dispatcher
 from loaderd.server.scheduling.lifecycle import SlotState, WorkerLifecycle
 from loaderd.server.scheduling.pool_protocol import SchedulerPolicy
 from loaderd.server.scheduling.producer import WorkerSlots
@@ -153,15 +153,16 @@ def test_the_dispatcher_clocks_busy_worker_seconds_and_starved_seconds() -> None
     dispatcher = Dispatcher(2, clock)
     pool = FakePool(2)
     sched = Scheduler(pool, LedgerLog().ledger(), catalog(), SchedulerPolicy(), dispatcher=dispatcher)
-    stream = sched.open_stream(map_spec(window=12))
-    sched.add_plan(stream, [(i,) for i in range(10)], False)
-    sched.step(0)  # 2 tasks each: both workers full, 6 planned batches wait
+    full = 2 * PER_WORKER
+    stream = sched.open_stream(map_spec(window=3 * full))
+    sched.add_plan(stream, [(i,) for i in range(3 * full)], False)
+    sched.step(0)  # PER_WORKER tasks each: both workers full, the rest of the plan waits
     clock.now += 2.0
     assert dispatcher.clocks() == (4.0, 2.0)
     for _, task in pool.batch_tasks():
         pool.finish(task)
     sched.step(0)  # the results (the workers idle)
-    sched.step(0)  # the next 4 go out: still full, still waiting
+    sched.step(0)  # the next ones go out: still full, still waiting
     clock.now += 1.0
     busy, starved = dispatcher.clocks()
     assert (busy, starved) == (6.0, 3.0)
@@ -172,9 +173,9 @@ def test_a_small_pool_still_sees_a_stream_it_cannot_keep_up_with() -> None:
     but always more than the pool's workers hold, so that the pool sees it waits (and grows)."""
     pool, sched = elastic(8, 1)
     stream = sched.open_stream(map_spec(window=16))
-    assert stream.dispatch_window == 2 * (1 + 1) + 1
+    assert stream.dispatch_window == PER_WORKER * (1 + 1) + 1
     sched.add_plan(stream, [(i,) for i in range(40)], False)
     sched.step(0)
-    assert len(pool.batch_tasks()) == 2 and stream.wants_dispatch(), "one worker full, and the stream wants more"
+    assert len(pool.batch_tasks()) == PER_WORKER and stream.wants_dispatch(), "one worker full, and the stream wants more"
     sched._resized(8)
     assert stream.dispatch_window == 16, "the whole window once the pool is at its most"

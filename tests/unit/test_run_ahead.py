@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.timeout(30)
 
 def fetch(seq: int, indices: tuple[int, ...], dataset: str = "d") -> FetchTask:
     return FetchTask(stream_id=1, seq=seq, dataset=dataset, indices=indices, auto_collation=True, seed=1000 + seq)
-
-
-@pytest.fixture
-def results() -> Iterator[tuple[Connection, Connection]]:
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    yield reader, writer
-    reader.close()
-    writer.close()
 
 
 def maker(results: Connection, ahead: Callable[[], Task | None], **dataset: Any) -> BatchMaker:

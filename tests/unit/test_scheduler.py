@@ -63,7 +63,7 @@ def test_round_robin_between_streams(scheduler: Scheduler, pool: FakePool) -> No
     plan(scheduler, b, 10)
     scheduler.step(0)
     owners = [t.stream_id for _, t in pool.batch_tasks()]
-    assert sorted(owners) == sorted([a.stream_id, b.stream_id] * 2), owners
+    assert sorted(owners) == sorted([a.stream_id, b.stream_id] * PER_WORKER), owners
 
 
 def test_window_bounds_what_is_dispatched_until_delivered(scheduler: Scheduler, pool: FakePool) -> None:
@@ -109,21 +109,22 @@ def test_map_tasks_carry_the_plan_and_a_seed_per_position(scheduler: Scheduler, 
 
 
 def test_a_dead_worker_is_replaced_and_its_tasks_rerun_first(scheduler: Scheduler, pool: FakePool) -> None:
-    stream = scheduler.open_stream(map_spec(window=8))
-    plan(scheduler, stream, 6)
+    full = PER_WORKER * pool.size
+    stream = scheduler.open_stream(map_spec(window=full))
+    plan(scheduler, stream, full + 2)
     scheduler.step(0)
     lost = [t.seq for w, t in pool.batch_tasks() if w == 0]
     pool.die(0)
     scheduler.step(0)  # the death is handled ...
     assert pool.respawned == [0]
     scheduler.step(0)  # ... and the lost tasks go out again, before new work
-    rerun = [t for _, t in pool.batch_tasks()[4:]]
+    rerun = [t for _, t in pool.batch_tasks()[full:]]
     assert [t.seq for t in rerun] == lost
-    survivors = [t for w, t in pool.batch_tasks()[:4] if w == 1]
+    survivors = [t for w, t in pool.batch_tasks()[:full] if w == 1]
     for task in rerun + survivors:
         pool.finish(task)
     scheduler.step(0)
-    assert [d.seq for d in drain(stream)] == [0, 1, 2, 3]
+    assert [d.seq for d in drain(stream)] == list(range(full))
 
 
 def test_a_batch_that_kills_its_worker_three_times_becomes_an_error(scheduler: Scheduler, pool: FakePool) -> None:

@@ -23,9 +23,11 @@ def test_a_given_prefetch_factor_is_torch_s() -> None:
     # (and its lanes plan all of it, whatever the batches weigh: tests/unit/test_fleet.py)
 
 
-def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
-    assert window_size(None, 2) == 8
-    assert window_size(None, 0) == 4
+def test_the_daemon_may_work_8_per_worker_ahead_by_default_and_4_per_iterable_replica() -> None:
+    assert window_size(None, 2) == 16
+    assert window_size(None, 0) == 8
+    assert window_size(None, 2, iterable=True) == 8
+    assert window_size(None, 0, iterable=True) == 4
 
 
 @pytest.mark.parametrize(
@@ -33,10 +35,10 @@ def test_the_daemon_may_work_4_per_worker_ahead_by_default() -> None:
     [
         (2, None, 4),  # no batch seen yet: torch's depth
         (0, None, 2),  # a daemon with no pool size known: one worker's
-        (2, 128, 8),  # tiny batches: the full default
-        (2, 0, 8),  # no arrays (or a structure that could not be counted)
-        (2, 12_582_912, 8),  # bench_loaders' float32 3x64x64 x 256: 8 fit in 2 x 64 MiB
-        (2, 9_633_792, 8),  # its uint8 3x224x224 x 64
+        (2, 128, 16),  # tiny batches: the full default
+        (2, 0, 16),  # no arrays (or a structure that could not be counted)
+        (2, 12_582_912, 10),  # bench_loaders' float32 3x64x64 x 256: 10 fit in 2 x 64 MiB
+        (2, 9_633_792, 13),  # its uint8 3x224x224 x 64
         (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
         (4, 38_535_680, 8),  # 4 workers: 6 fit, torch's 8
         (2, 30 * MB, 4),  # 4 fit
