@@ -5,17 +5,20 @@ Its rules:
 - Round-robin over producers, one task each per turn, so a stream cannot starve the others;
   the starting producer moves on by one every round.
 - At most ``PER_WORKER`` tasks queued per worker (one running and one waiting hides the pipe's
-  round trip; a group of results held in the worker takes more). A task pinned to a worker (an
-  iterable replica's, ``required``) waits for that worker; any other goes to the worker with the
-  most room.
+  round trip), ``GROUPED_PER_WORKER`` for grouped tasks (a group of results held in the worker
+  takes more). A task pinned to a worker (an iterable replica's, ``required``) waits for that
+  worker; any other goes to the worker holding fewest.
 - Per worker, the tasks sent and not answered, in the order the worker runs them: the first
   is running (``started_at``), the others queue behind it.
 - It keeps two clocks for the pool's sizing (server/scheduling/sizing.py): worker-seconds busy (holding
-  a task), and seconds starved (a producer had a task ready while every ready worker was full).
+  a task), and seconds starved (every ready worker held ``PER_WORKER`` tasks or more, and work waited:
+  a producer had a task ready, or a worker held more than that).
 - A map-style task goes ``grouped`` (its worker may hold its result to write it with the next
-  ones, server/worker/result_group.py), unless its dataset has a ``task_timeout`` (a held result
-  would look like a batch still running, against its deadline) or it runs again after a death
-  that blamed no task (below).
+  ones, server/worker/result_group.py) once its dataset's tasks are known to be quick (their mean
+  time in a worker, start to answer, under ``HOLD_BELOW_S``: a slow dataset's would gain nothing
+  and queue deeper), unless its dataset has a ``task_timeout`` (a held result would look like a
+  batch still running, against its deadline) or it runs again after a death that blamed no task
+  (below).
 - A task whose worker died under it runs again, unless its workers died ``MAX_ATTEMPTS`` times
   running it: then it is handed back to be failed. Only the running task is blamed, and none
   when the daemon ended the worker itself (a timeout, recycling). The running task is the
@@ -34,14 +37,18 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from loaderd.server.scheduling.producer import Producer, WorkerSlots
-from loaderd.server.worker.result_group import GROUP_SIZE
+from loaderd.server.worker.result_group import GROUP_SIZE, HOLD_BELOW_S
 from loaderd.server.worker.tasks import BatchTask, FetchTask, Task
 
-# Tasks queued per worker: one running and one waiting hides the pipe round trip; a worker holding a group of
-# results (server/worker/result_group.py) holds up to GROUP_SIZE - 1 more that the daemon has not heard of yet.
-PER_WORKER = GROUP_SIZE + 1
+# Tasks queued per worker: one running and one waiting hides the pipe round trip.
+PER_WORKER = 2
+# Grouped tasks queue deeper: a worker holding a group of results (server/worker/result_group.py) holds up to
+# GROUP_SIZE - 1 more that the daemon has not heard of yet.
+GROUPED_PER_WORKER = PER_WORKER + GROUP_SIZE - 1
 # A batch that kills its worker this many times is reported to the client instead.
 MAX_ATTEMPTS = 3
+# Weight of a dataset's latest answered task in its mean time a task (``Dispatcher.made``).
+_MADE_WEIGHT = 0.2
 
 # A task's identity: (producer id, seq).
 TaskKey = tuple[int, int]
@@ -75,6 +82,7 @@ class Dispatcher:
         self._producers: dict[int, Producer] = {}
         self._timed = frozenset(timed)
         self._ungrouped: set[TaskKey] = set()  # tasks to run again ungrouped (a death blamed none of them)
+        self._made: dict[str, float] = {}  # dataset -> its tasks' mean seconds in a worker, from start to answer
         self._turn = 0
         self._held: dict[int, dict[TaskKey, InFlight]] = {w: {} for w in range(workers)}
         self._attempts: dict[TaskKey, int] = {}  # tasks given back to their producer after a death
@@ -101,9 +109,9 @@ class Dispatcher:
 
     def dispatch(self, ready: Iterable[int], slots: WorkerSlots, submit: Callable[[int, Task], None]) -> None:
         """Hand out tasks to the ``ready`` workers, round-robin over producers, until workers or windows are full."""
-        capacity = {w: PER_WORKER - len(self._held[w]) for w in ready}
+        held = {w: len(self._held[w]) for w in ready}
         progress = True
-        while progress and any(c > 0 for c in capacity.values()):
+        while progress and any(n < GROUPED_PER_WORKER for n in held.values()):
             progress = False
             producers = list(self._producers.values())
             if not producers:
@@ -112,39 +120,48 @@ class Dispatcher:
             for producer in producers[self._turn :] + producers[: self._turn]:
                 if not producer.wants_dispatch():
                     continue
-                task, required = producer.next_task(slots)
+                offered, required = producer.next_task(slots)
+                key = (offered.stream_id, offered.seq)
+                task = self._grouping(offered, key)
                 if required is None:
-                    worker = max(capacity, key=lambda w: (capacity[w], -w), default=None)
+                    worker = min(held, key=lambda w: (held[w], w), default=None)
                 else:
-                    worker = required if required in capacity else None
-                if worker is None or capacity[worker] <= 0:
+                    worker = required if required in held else None
+                limit = GROUPED_PER_WORKER if isinstance(task, FetchTask) and task.grouped else PER_WORKER
+                if worker is None or held[worker] >= limit:
                     continue
-                producer.commit(task)
-                key = (task.stream_id, task.seq)
-                task = self._grouping(task, key)
+                producer.commit(offered)
                 record = InFlight(task, self._attempts.get(key, 0))
                 if not self._held[worker]:
                     record.started_at = record.sent_at  # an idle worker starts on it now
-                capacity[worker] -= 1
+                held[worker] += 1
                 self._hold(worker, key, record)
                 submit(worker, task)
                 progress = True
-        self._note_starved(capacity)
+        self._note_starved(held)
 
     def _grouping(self, task: BatchTask, key: TaskKey) -> BatchTask:
         """``task`` as it goes to its worker: ``grouped`` or not, as the module's rules say."""
         if not isinstance(task, FetchTask):
             return task
-        grouped = task.dataset not in self._timed and key not in self._ungrouped
+        made = self._made.get(task.dataset)
+        grouped = made is not None and made < HOLD_BELOW_S and task.dataset not in self._timed and key not in self._ungrouped
         return task if task.grouped == grouped else replace(task, grouped=grouped)
 
-    def _note_starved(self, capacity: dict[int, int]) -> None:
-        """After a dispatch: starved from now if every ready worker is full and a producer still has a task ready."""
+    def made(self, dataset: str) -> float | None:
+        """``dataset``'s tasks' mean seconds in a worker, from start to answer (None: none answered yet)."""
+        return self._made.get(dataset)
+
+    def _note_starved(self, held: dict[int, int]) -> None:
+        """After a dispatch: starved from now if every ready worker holds ``PER_WORKER`` tasks at least and work waits:
+        a producer still has a task ready, or a worker holds more (grouped tasks queue deeper, and a stream's window
+        may let none wait outside the workers)."""
         now = self._clock()
         if self._starved_at is not None:
             self._starved_s += now - self._starved_at
-        full = all(c <= 0 for c in capacity.values())
-        self._starved_at = now if full and any(p.wants_dispatch() for p in self._producers.values()) else None
+        busy = all(n >= PER_WORKER for n in held.values())
+        waiting = any(n > PER_WORKER for n in held.values()) or any(p.wants_dispatch() for p in self._producers.values())
+        self._starved_at = now if busy and waiting else None
 
     def _hold(self, worker: int, key: TaskKey, record: InFlight) -> None:
         if not self._held[worker]:
@@ -172,10 +189,16 @@ class Dispatcher:
         record = held.pop(key, None)
         self._attempts.pop(key, None)
         self._ungrouped.discard(key)
+        now = time.monotonic()
+        if record is not None and record.started_at is not None:
+            # A group's first answer took the group's time and the rest none: the mean is the batches'.
+            took = now - record.started_at
+            before = self._made.get(record.task.dataset)
+            self._made[record.task.dataset] = took if before is None else before + _MADE_WEIGHT * (took - before)
         if held:
             head = next(iter(held.values()))
             if head.started_at is None:
-                head.started_at = time.monotonic()  # the worker moved on to the next task
+                head.started_at = now  # the worker moved on to the next task
         else:
             self._release(worker_id)
         return record

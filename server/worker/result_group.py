@@ -6,19 +6,23 @@ daemon's scheduler and a round of it, a wake-up of the stream's servicer and a m
 the client. So a worker whose next task is already in its pipe holds a finished batch's result
 back and writes up to ``GROUP_SIZE`` in one write; the daemon reads every whole result a pipe
 holds in one round (server/pool/pool.py), and the servicer sends the batches ready together in one
-message (server/rpc/batch_groups.py). Measured on a 2-core host: the trainer's and the daemon's
-CPU a batch -27%, batches/s +4-7% (tests/bench/HISTORY.md, eighteenth session).
+message (server/rpc/batch_groups.py). Measured on a 2-core host (bench_ab, f32 and u8 over shared
+memory): the trainer's and the daemon's CPU a batch -20 to -28%, their wake-ups -29 to -38%, batches/s
+0.98-1.10x (docs/pages/performance.md; tests/bench/HISTORY.md, eighteenth session).
 
 The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
 
-- A result is held only if its task is ``grouped`` (the dispatcher says so, server/scheduling/dispatcher.py),
-  its batch took less than ``HOLD_BELOW_S`` to make, and the task the worker takes next is a
-  ``grouped`` ``FetchTask`` already whole in its pipe: a worker never waits for work with a result
-  held, and a held result is late by the batches after it in its group (a few quick ones). A slow
-  batch's messages cost little beside it, and holding it would only make its stream wait: an image
-  pipeline's batches (~0.2 s) go one by one, as before, in the windows they had.
+- A result is held only if its task is ``grouped`` (the dispatcher says so once the dataset's tasks
+  are quick, server/scheduling/dispatcher.py), its batch took less than ``HOLD_BELOW_S`` to make, and
+  the task the worker takes next is a ``grouped`` ``FetchTask`` of the same dataset already whole
+  in its pipe: a worker never waits for work with a result held, and a held result is late by the
+  batches after it in its group, of a dataset whose batches are quick (one that hangs delays the
+  results held before it too). A slow batch's messages cost little beside it, and holding it would
+  only make its stream wait: an image pipeline's batches (tenths of a second each) go one by one,
+  as before, in the windows they had.
 - Whatever else the worker sends (a failure, a replica's end, retired segments, a result whose
-  payload follows on the pipe) goes after the results held, in the same write: order is kept.
+  payload follows on the pipe) goes after the results held, in the same write or right after it:
+  order is kept.
 - A worker that dies holding results loses them: the daemon, which cannot tell which of its tasks
   killed it, blames none and runs each again ungrouped (``Dispatcher.worker_lost``).
 

@@ -5,12 +5,15 @@ No scheduler, no pool: each test says which workers accept work and reads what w
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
+from support.fakes import FakeClock
 
-from loaderd.server.scheduling.dispatcher import MAX_ATTEMPTS, PER_WORKER, Dispatcher
+from loaderd.server.scheduling.dispatcher import GROUPED_PER_WORKER, MAX_ATTEMPTS, PER_WORKER, Dispatcher
 from loaderd.server.scheduling.producer import Delivery, WorkerSlots
+from loaderd.server.worker.result_group import HOLD_BELOW_S
 from loaderd.server.worker.tasks import BatchTask, FetchTask, Task
 
 pytestmark = pytest.mark.timeout(10)
@@ -68,6 +71,15 @@ def run(dispatcher: Dispatcher, ready: list[int]) -> list[tuple[int, Task]]:
     return sent
 
 
+def quick(dispatcher: Dispatcher, worker: int = 0) -> Dispatcher:
+    """``dispatcher`` once a task of dataset ``m`` came back from ``worker`` at once: its tasks are quick."""
+    dispatcher.add(FakeProducer(99, 1))
+    [(_, task)] = run(dispatcher, [worker])
+    dispatcher.answered(worker, (99, task.seq))
+    dispatcher.remove(99)
+    return dispatcher
+
+
 def test_each_worker_gets_its_queue_and_producers_take_turns() -> None:
     dispatcher = Dispatcher(2)
     a, b = FakeProducer(1, 10), FakeProducer(2, 10)
@@ -98,7 +110,8 @@ def test_an_answer_frees_room_and_starts_the_next_task() -> None:
     [(worker, key, head)] = dispatcher.running()
     assert (worker, key, head.task) == (0, (1, second.seq), second) and head.started_at is not None
     assert dispatcher.answered(0, (1, first.seq)) is None, "a second answer finds nothing"
-    assert [task.seq for _, task in run(dispatcher, [0])] == [PER_WORKER]
+    # The dataset's tasks are quick now (the first came back at once): the next ones go grouped, and queue deeper.
+    assert [(t.seq, t.grouped) for _, t in run(dispatcher, [0])] == [(seq, True) for seq in range(PER_WORKER, 2 * PER_WORKER)]
 
 
 def test_a_death_blames_only_the_running_task_and_requeues_all() -> None:
@@ -122,8 +135,34 @@ def test_a_death_the_daemon_caused_blames_nothing() -> None:
     assert dispatcher.attempts((1, running.seq)) == 0 and producer.retried[0] is running
 
 
-def test_map_style_tasks_go_grouped_and_a_death_under_one_blames_none() -> None:
+def test_a_quick_dataset_s_tasks_go_grouped_and_queue_deeper() -> None:
+    dispatcher = Dispatcher(2)
+    dispatcher.add(FakeProducer(1, 20))
+    assert [(w, t.grouped) for w, t in run(dispatcher, [0, 1])] == [(0, False), (1, False)] * PER_WORKER, "not known yet"
+    assert dispatcher.made("m") is None
+    quick(Dispatcher(1))  # (another dispatcher: this one's workers are full)
+    dispatcher = quick(Dispatcher(2))
+    dispatcher.add(FakeProducer(1, 20))
+    sent = run(dispatcher, [0, 1])
+    assert len(sent) == 2 * GROUPED_PER_WORKER and all(isinstance(t, FetchTask) and t.grouped for _, t in sent)
+    assert dispatcher.busy() == {0: GROUPED_PER_WORKER, 1: GROUPED_PER_WORKER}
+
+
+def test_a_slow_dataset_s_tasks_stay_ungrouped() -> None:
     dispatcher = Dispatcher(1)
+    dispatcher.add(FakeProducer(1, 20))
+    run(dispatcher, [0])
+    for _ in range(PER_WORKER):
+        [(worker, key, head)] = dispatcher.running()
+        head.started_at = time.monotonic() - 2 * HOLD_BELOW_S  # it ran that long
+        dispatcher.answered(worker, key)
+    made = dispatcher.made("m")
+    assert made is not None and made >= 2 * HOLD_BELOW_S
+    assert [t.grouped for _, t in run(dispatcher, [0])] == [False] * PER_WORKER
+
+
+def test_map_style_tasks_go_grouped_and_a_death_under_one_blames_none() -> None:
+    dispatcher = quick(Dispatcher(1))
     producer = FakeProducer(1, 2)
     dispatcher.add(producer)
     first = [task for _, task in run(dispatcher, [0])]
@@ -144,7 +183,7 @@ def test_map_style_tasks_go_grouped_and_a_death_under_one_blames_none() -> None:
 
 
 def test_a_death_the_daemon_caused_leaves_tasks_grouped() -> None:
-    dispatcher = Dispatcher(1)
+    dispatcher = quick(Dispatcher(1))
     producer = FakeProducer(1, 2)
     dispatcher.add(producer)
     run(dispatcher, [0])
@@ -154,7 +193,7 @@ def test_a_death_the_daemon_caused_leaves_tasks_grouped() -> None:
 
 def test_a_death_with_an_ungrouped_task_second_blames_the_first() -> None:
     """The worker holds a result only while a grouped task follows it: with an ungrouped one next, the first ran."""
-    dispatcher = Dispatcher(1, timed={"t"})
+    dispatcher = quick(Dispatcher(1, timed={"t"}))
     dispatcher.add(FakeProducer(1, 1))
     dispatcher.add(TimedProducer(2, 1))
     sent = [task for _, task in run(dispatcher, [0])]
@@ -184,3 +223,22 @@ def test_a_removed_producer_gets_nothing_back() -> None:
     dispatcher.remove(1)
     assert dispatcher.producer(1) is None
     assert dispatcher.worker_lost(0, blame_running=True) == [] and producer.retried == []
+
+
+def test_workers_queueing_grouped_tasks_past_per_worker_count_as_starved() -> None:
+    """Grouped tasks queue up to GROUPED_PER_WORKER a worker, so a stream's whole window may sit in the workers with
+    nothing waiting outside: a pool whose workers hold more than PER_WORKER each is behind all the same (an
+    elastic pool grows on it). One holding PER_WORKER each with nothing more to do is not."""
+    clock = FakeClock()
+    dispatcher = quick(Dispatcher(4, clock))
+    dispatcher.add(FakeProducer(1, 16))
+    assert len(run(dispatcher, [0, 1, 2, 3])) == 16 and dispatcher.busy() == {0: 4, 1: 4, 2: 4, 3: 4}
+    clock.now += 1.0
+    assert dispatcher.clocks()[1] == 1.0
+
+    clock = FakeClock()
+    dispatcher = Dispatcher(4, clock)  # the dataset's speed not known: ungrouped, PER_WORKER each
+    dispatcher.add(FakeProducer(1, 4 * PER_WORKER))
+    assert dispatcher.busy() == {} and len(run(dispatcher, [0, 1, 2, 3])) == 4 * PER_WORKER
+    clock.now += 1.0
+    assert dispatcher.clocks()[1] == 0.0

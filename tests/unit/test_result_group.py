@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
+from loaderd.server.worker import batches as batches_module
 from loaderd.server.worker.batches import BatchMaker
 from loaderd.server.worker.datasets import build_dataset
 from loaderd.server.worker.entry import WorkerSpec
@@ -122,3 +123,22 @@ def test_a_failure_goes_after_the_results_held(results: tuple[Connection, Connec
     batches.fetch(queued.pop(0))
     got = received(reader)
     assert [(type(r), r.seq) for r in got] == [(BatchDone, 3), (BatchDone, 4), (BatchFailed, 5)]
+
+
+def test_a_result_goes_at_once_when_another_dataset_s_task_follows(results: tuple[Connection, Connection]) -> None:
+    """Another dataset's batch may take any time: a quick one's result does not wait for it."""
+    reader, writer = results
+    other = FetchTask(stream_id=2, seq=0, dataset="e", indices=0, auto_collation=False, seed=0, grouped=True)
+    queued: list[Task] = [fetch(0), other]
+    batches = maker(writer, queued)
+    batches.fetch(queued.pop(0))
+    assert [r.seq for r in received(reader)] == [0]
+
+
+def test_a_slow_batch_s_result_goes_at_once(results: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch) -> None:
+    reader, writer = results
+    monkeypatch.setattr(batches_module, "HOLD_BELOW_S", 0.0)  # every batch takes longer than that
+    queued: list[Task] = [fetch(0), fetch(1)]
+    batches = maker(writer, queued)
+    batches.fetch(queued.pop(0))
+    assert [r.seq for r in received(reader)] == [0]
