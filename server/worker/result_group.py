@@ -7,8 +7,8 @@ the client. So a worker whose next task is already in its pipe holds a finished 
 back and writes up to ``GROUP_SIZE`` in one write; the daemon reads every whole result a pipe
 holds in one round (server/pool/pool.py), and the servicer sends the batches ready together in one
 message (server/rpc/batch_groups.py). Measured on a 2-core host (bench_ab, f32 and u8 over shared
-memory): the trainer's and the daemon's CPU a batch -20 to -28%, their wake-ups -29 to -38%, batches/s
-0.98-1.10x (docs/pages/performance.md; tests/bench/HISTORY.md, eighteenth session).
+memory): the trainer's and the daemon's CPU a batch -22 to -24%, the wake-ups of all processes -29 to
+-39%, batches/s 0.95-1.04x (docs/pages/performance.md; tests/bench/HISTORY.md, eighteenth session).
 
 The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
 
