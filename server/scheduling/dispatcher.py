@@ -17,8 +17,11 @@ Its rules:
   ones, server/worker/result_group.py) once its dataset's tasks are known to be quick (their mean
   time in a worker, start to answer, under ``HOLD_BELOW_S``: a slow dataset's would gain nothing
   and queue deeper), unless its dataset has a ``task_timeout`` (a held result would look like a
-  batch still running, against its deadline) or it runs again after a death that blamed no task
-  (below).
+  batch still running, against its deadline), it runs again after a death that blamed no task
+  (below), or the pool is elastic (``groups`` off: the scheduler's choice).
+- Grouped tasks go deeper than ``PER_WORKER`` only in a second pass, and not at all in a dispatch
+  where an ungrouped or pinned task found its worker full: a quick stream's groups must not keep
+  a slow stream's (or an iterable replica's) tasks out of the workers.
 - A task whose worker died under it runs again, unless its workers died ``MAX_ATTEMPTS`` times
   running it: then it is handed back to be failed. Only the running task is blamed, and none
   when the daemon ended the worker itself (a timeout, recycling). The running task is the
@@ -77,9 +80,12 @@ class Spent:
 class Dispatcher:
     """The producers to draw from and the tasks each of ``workers`` worker slots holds."""
 
-    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic, timed: Collection[str] = ()) -> None:
-        """``timed``: the datasets with a ``task_timeout`` (their tasks never go grouped)."""
+    def __init__(
+        self, workers: int, clock: Callable[[], float] = time.monotonic, timed: Collection[str] = (), groups: bool = True
+    ) -> None:
+        """``timed``: the datasets with a ``task_timeout`` (their tasks never go grouped); ``groups``: False, no task does."""
         self._producers: dict[int, Producer] = {}
+        self._groups = groups
         self._timed = frozenset(timed)
         self._ungrouped: set[TaskKey] = set()  # tasks to run again ungrouped (a death blamed none of them)
         self._made: dict[str, float] = {}  # dataset -> its tasks' mean seconds in a worker, from start to answer
@@ -108,10 +114,21 @@ class Dispatcher:
     # ------------------------------------------------------------ dispatch
 
     def dispatch(self, ready: Iterable[int], slots: WorkerSlots, submit: Callable[[int, Task], None]) -> None:
-        """Hand out tasks to the ``ready`` workers, round-robin over producers, until workers or windows are full."""
+        """Hand out tasks to the ``ready`` workers, round-robin over producers, until workers or windows are full:
+        first ``PER_WORKER`` a worker for every task; then grouped tasks up to ``GROUPED_PER_WORKER``, unless a task
+        that cannot go deeper (ungrouped, or pinned) found no room: grouped work must not keep it out."""
         held = {w: len(self._held[w]) for w in ready}
+        if not self._fill(held, slots, submit, deep=False):
+            self._fill(held, slots, submit, deep=True)
+        self._note_starved(held)
+
+    def _fill(self, held: dict[int, int], slots: WorkerSlots, submit: Callable[[int, Task], None], deep: bool) -> bool:
+        """One pass of ``dispatch``: round-robin turns until no producer's task finds room (``held``: tasks a ready
+        worker holds, updated). True if an ungrouped task found its worker holding ``PER_WORKER`` already."""
+        cap = GROUPED_PER_WORKER if deep else PER_WORKER
+        refused = False
         progress = True
-        while progress and any(n < GROUPED_PER_WORKER for n in held.values()):
+        while progress:
             progress = False
             producers = list(self._producers.values())
             if not producers:
@@ -127,8 +144,11 @@ class Dispatcher:
                     worker = min(held, key=lambda w: (held[w], w), default=None)
                 else:
                     worker = required if required in held else None
-                limit = GROUPED_PER_WORKER if isinstance(task, FetchTask) and task.grouped else PER_WORKER
-                if worker is None or held[worker] >= limit:
+                grouped = isinstance(task, FetchTask) and task.grouped
+                if worker is None:
+                    continue
+                if held[worker] >= (cap if grouped else PER_WORKER):
+                    refused = refused or not grouped
                     continue
                 producer.commit(offered)
                 record = InFlight(task, self._attempts.get(key, 0))
@@ -138,14 +158,15 @@ class Dispatcher:
                 self._hold(worker, key, record)
                 submit(worker, task)
                 progress = True
-        self._note_starved(held)
+        return refused
 
     def _grouping(self, task: BatchTask, key: TaskKey) -> BatchTask:
         """``task`` as it goes to its worker: ``grouped`` or not, as the module's rules say."""
         if not isinstance(task, FetchTask):
             return task
         made = self._made.get(task.dataset)
-        grouped = made is not None and made < HOLD_BELOW_S and task.dataset not in self._timed and key not in self._ungrouped
+        quick = self._groups and made is not None and made < HOLD_BELOW_S
+        grouped = quick and task.dataset not in self._timed and key not in self._ungrouped
         return task if task.grouped == grouped else replace(task, grouped=grouped)
 
     def made(self, dataset: str) -> float | None:

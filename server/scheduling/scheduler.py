@@ -96,7 +96,8 @@ class Scheduler:
         self._caches = caches
         self._lock = threading.Lock()
         self._streams: dict[int, BatchStream] = {}  # every open client stream
-        self._dispatcher = dispatcher or Dispatcher(pool.size, timed=policy.task_timeouts)  # draws from producers
+        # Draws from producers. No groups on an elastic pool: its sizing reads them as idle workers (tests/bench/HISTORY.md).
+        self._dispatcher = dispatcher or Dispatcher(pool.size, timed=policy.task_timeouts, groups=policy.min_workers is None)
         self._jobs: dict[tuple[str, int], SharedJob] = {}
         self._job_of: dict[int, SharedJob] = {}  # consumer stream id -> its job
         self.counters: dict[str, DatasetCounters] = {name: DatasetCounters() for name in catalog.datasets}

@@ -242,3 +242,27 @@ def test_workers_queueing_grouped_tasks_past_per_worker_count_as_starved() -> No
     assert dispatcher.busy() == {} and len(run(dispatcher, [0, 1, 2, 3])) == 4 * PER_WORKER
     clock.now += 1.0
     assert dispatcher.clocks()[1] == 0.0
+
+
+def test_grouped_work_goes_no_deeper_while_an_ungrouped_task_waits() -> None:
+    """A quick stream's groups fill a worker past PER_WORKER only once no ungrouped task (a slow or timed stream's,
+    an iterable replica's) wants in: otherwise the round-robin share of that stream is kept."""
+    dispatcher = quick(Dispatcher(1, timed={"t"}))
+    dispatcher.add(FakeProducer(1, 20))
+    dispatcher.add(TimedProducer(2, 20))
+    sent = run(dispatcher, [0])
+    assert dispatcher.busy() == {0: PER_WORKER} and {t.stream_id for _, t in sent} == {1, 2}
+    assert run(dispatcher, [0]) == [], "still full for the ungrouped one: no deeper"
+
+    dispatcher = quick(Dispatcher(1, timed={"t"}))
+    dispatcher.add(FakeProducer(1, 20))
+    dispatcher.add(TimedProducer(2, 1))  # one task, then nothing waits
+    run(dispatcher, [0])
+    assert dispatcher.busy() == {0: GROUPED_PER_WORKER}
+
+
+def test_no_task_goes_grouped_without_groups() -> None:
+    """An elastic pool's dispatcher (the scheduler's choice): quick or not, every task is ungrouped, PER_WORKER deep."""
+    dispatcher = quick(Dispatcher(1, groups=False))
+    dispatcher.add(FakeProducer(1, 20))
+    assert [t.grouped for _, t in run(dispatcher, [0])] == [False] * PER_WORKER

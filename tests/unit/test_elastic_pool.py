@@ -179,3 +179,22 @@ def test_a_small_pool_still_sees_a_stream_it_cannot_keep_up_with() -> None:
     assert len(pool.batch_tasks()) == PER_WORKER and stream.wants_dispatch(), "one worker full, and the stream wants more"
     sched._resized(8)
     assert stream.dispatch_window == 16, "the whole window once the pool is at its most"
+
+
+def test_an_elastic_pool_s_tasks_never_go_grouped() -> None:
+    """Groups make a worker's batches arrive together and its queue run dry between them: the sizing would read the
+    pool as idle and keep it small (a model of it stalled at 8 of 32 workers). Quick batches or not, none is grouped."""
+    pool, sched = elastic(2, 2)
+    try:
+        stream = sched.open_stream(map_spec(window=16))
+        sched.add_plan(stream, [(i,) for i in range(40)], False)
+        for _ in range(3):
+            sched.step(0)
+            for _, task in pool.batch_tasks():
+                pool.finish(task)  # at once: a quick dataset
+            sched.step(0)
+            drain(stream)
+        tasks = [t for _, t in pool.batch_tasks()]
+        assert len(tasks) > 2 * PER_WORKER and not any(isinstance(t, FetchTask) and t.grouped for t in tasks)
+    finally:
+        sched.stop()
