@@ -212,7 +212,8 @@ class Dispatcher:
         self._ungrouped.discard(key)
         now = time.monotonic()
         if record is not None and record.started_at is not None:
-            # A group's first answer took the group's time and the rest none: the mean is the batches'.
+            # A group's first answer carries the group's time and the rest none: the mean is about the batches', read
+            # some 30% low right after a group (tests/bench/HISTORY.md, eighteenth session).
             took = now - record.started_at
             before = self._made.get(record.task.dataset)
             self._made[record.task.dataset] = took if before is None else before + _MADE_WEIGHT * (took - before)
