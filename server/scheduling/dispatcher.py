@@ -139,18 +139,20 @@ class Dispatcher:
                     continue
                 offered, required = producer.next_task(slots)
                 key = (offered.stream_id, offered.seq)
-                task = self._grouping(offered, key)
+                grouped = self._grouped(offered, key)
                 if required is None:
                     worker = min(held, key=lambda w: (held[w], w), default=None)
                 else:
                     worker = required if required in held else None
-                grouped = isinstance(task, FetchTask) and task.grouped
                 if worker is None:
                     continue
                 if held[worker] >= (cap if grouped else PER_WORKER):
                     refused = refused or not grouped
                     continue
                 producer.commit(offered)
+                task: BatchTask = offered
+                if isinstance(offered, FetchTask) and offered.grouped != grouped:
+                    task = replace(offered, grouped=grouped)  # marked once it goes: an offer refused costs no copy
                 record = InFlight(task, self._attempts.get(key, 0))
                 if not self._held[worker]:
                     record.started_at = record.sent_at  # an idle worker starts on it now
@@ -160,14 +162,13 @@ class Dispatcher:
                 progress = True
         return refused
 
-    def _grouping(self, task: BatchTask, key: TaskKey) -> BatchTask:
-        """``task`` as it goes to its worker: ``grouped`` or not, as the module's rules say."""
+    def _grouped(self, task: BatchTask, key: TaskKey) -> bool:
+        """Whether ``task`` goes to its worker ``grouped``, as the module's rules say."""
         if not isinstance(task, FetchTask):
-            return task
+            return False
         made = self._made.get(task.dataset)
         quick = self._groups and made is not None and made < HOLD_BELOW_S
-        grouped = quick and task.dataset not in self._timed and key not in self._ungrouped
-        return task if task.grouped == grouped else replace(task, grouped=grouped)
+        return quick and task.dataset not in self._timed and key not in self._ungrouped
 
     def made(self, dataset: str) -> float | None:
         """``dataset``'s tasks' mean seconds in a worker, from start to answer (None: none answered yet)."""
