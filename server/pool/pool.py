@@ -13,11 +13,8 @@ pipe only ``poll`` reads, through one ``PoolSelector`` (server/pool/selector.py)
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import struct
-import termios
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from typing import Any
 
 from loaderd.server.config.schema import LoaderConfig
 from loaderd.server.pool.fork_server import START_POLL_S, ForkServer, PoolStartError
+from loaderd.server.pool.result_pipe import ResultPipe
 from loaderd.server.pool.selector import RESULTS, ROOM, PoolSelector
 from loaderd.server.pool.task_pipe import TaskPipe
 from loaderd.server.pool.worker_handle import WorkerHandle
@@ -43,12 +41,6 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 _DEFER_S = 0.05
 # Results read from one worker in one round at most (two groups of server/worker/result_group.py's GROUP_SIZE).
 RESULTS_PER_ROUND = 8
-_COUNT = struct.Struct("i")
-
-
-def _readable_bytes(fd: int) -> int:
-    """Bytes waiting in pipe ``fd`` now (FIONREAD: one call, no selector, any descriptor number)."""
-    return int(_COUNT.unpack(fcntl.ioctl(fd, termios.FIONREAD, bytes(_COUNT.size)))[0])
 
 
 class PoolLostError(Exception):
@@ -150,7 +142,7 @@ class WorkerPool:
             worker_id=worker_id,
             process=process,
             tasks=TaskPipe(task_write),
-            results=recv_end,
+            results=ResultPipe(recv_end),
             generation=generation,
             shm_prefix=prefix,
             fds=(recv_end.fileno(), process.sentinel),
@@ -295,11 +287,11 @@ class WorkerPool:
                     w.tasks.flush()
                 except OSError:
                     pass
-            results = {w.results: w for w in running}
+            results = {w.results.fileno(): w.results for w in running}
             for ready in wait([*results, *(w.process.sentinel for w in running)], min(0.05, max(0.0, deadline - time.monotonic()))):
-                if ready in results:
+                if isinstance(ready, int) and ready in results:
                     try:
-                        ready.recv_bytes()
+                        results[ready].recv_bytes()
                     except (EOFError, OSError):
                         pass
         for w in live:
@@ -393,12 +385,13 @@ class WorkerPool:
             elif kind is RESULTS:
                 try:
                     # Every whole result a worker wrote together (server/worker/result_group.py), up to
-                    # ``RESULTS_PER_ROUND``: the selector is level-triggered, so more come next round.
+                    # ``RESULTS_PER_ROUND`` read from the pipe (the selector is level-triggered: more come next
+                    # round), and every whole one a read brought (the selector cannot see those).
                     events.append(self._receive(worker))
-                    for _ in range(RESULTS_PER_ROUND - 1):
-                        if not _readable_bytes(worker.fds[0]):
-                            break
+                    taken = 1
+                    while worker.results.whole() or (taken < RESULTS_PER_ROUND and worker.results.readable()):
                         events.append(self._receive(worker))
+                        taken += 1
                 except (EOFError, OSError):
                     died.append(worker)
             else:
@@ -408,7 +401,7 @@ class WorkerPool:
                 continue
             # Take what the worker finished before it died, then declare it dead.
             try:
-                while worker.results.poll(0):
+                while worker.results.pending():
                     events.append(self._receive(worker))
             except (EOFError, OSError):
                 pass

@@ -7,9 +7,9 @@ carry it, so a key always says which process (which generation of a slot) it is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from loaderd.server.pool.result_pipe import ResultPipe
 from loaderd.server.pool.task_pipe import TaskPipe
 
 
@@ -20,7 +20,7 @@ class WorkerHandle:
     worker_id: int
     process: BaseProcess
     tasks: TaskPipe
-    results: Connection
+    results: ResultPipe
     generation: int
     shm_prefix: str | None
     fds: tuple[int, int]  # what the selector watches: its results pipe and its process sentinel

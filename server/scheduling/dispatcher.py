@@ -15,7 +15,7 @@ Its rules:
   a producer had a task ready, or a worker held more than that).
 - A map-style task goes ``grouped`` (its worker may hold its result to write it with the next
   ones, server/worker/result_group.py) once its dataset's tasks are known to be quick (their mean
-  time in a worker, start to answer, under ``HOLD_BELOW_S``: a slow dataset's would gain nothing
+  time in a worker, as the worker times each batch, under ``HOLD_BELOW_S``: a slow dataset's would gain nothing
   and queue deeper), unless its dataset has a ``task_timeout`` (a held result would look like a
   batch still running, against its deadline), it runs again after a death that blamed no task
   (below), or the pool is elastic (``groups`` off: the scheduler's choice).
@@ -88,7 +88,7 @@ class Dispatcher:
         self._groups = groups
         self._timed = frozenset(timed)
         self._ungrouped: set[TaskKey] = set()  # tasks to run again ungrouped (a death blamed none of them)
-        self._made: dict[str, float] = {}  # dataset -> its tasks' mean seconds in a worker, from start to answer
+        self._made: dict[str, float] = {}  # dataset -> its tasks' mean seconds in a worker (``answered``)
         self._turn = 0
         self._held: dict[int, dict[TaskKey, InFlight]] = {w: {} for w in range(workers)}
         self._attempts: dict[TaskKey, int] = {}  # tasks given back to their producer after a death
@@ -171,7 +171,7 @@ class Dispatcher:
         return quick and task.dataset not in self._timed and key not in self._ungrouped
 
     def made(self, dataset: str) -> float | None:
-        """``dataset``'s tasks' mean seconds in a worker, from start to answer (None: none answered yet)."""
+        """``dataset``'s tasks' mean seconds in a worker, as ``answered`` measures them (None: none answered yet)."""
         return self._made.get(dataset)
 
     def _note_starved(self, held: dict[int, int]) -> None:
@@ -205,17 +205,22 @@ class Dispatcher:
 
     # ------------------------------------------------------------ what workers hold
 
-    def answered(self, worker_id: int, key: TaskKey) -> InFlight | None:
-        """The worker answered the task ``key`` (None if it no longer held it); the next one starts."""
+    def answered(self, worker_id: int, key: TaskKey, made_s: float | None = None) -> InFlight | None:
+        """The worker answered the task ``key`` (None if it no longer held it); the next one starts.
+
+        ``made_s``: the seconds the worker says it took (a batch's ``BatchDone.made_s``); None: the time from its start
+        to this answer counts instead. A group's results come together, so only the worker can time each of them: by
+        the daemon's clock the first carries the group's time and the rest none, which read a quick dataset's mean
+        ~30% low (tests/bench/HISTORY.md, eighteenth session)."""
         held = self._held[worker_id]
         record = held.pop(key, None)
         self._attempts.pop(key, None)
         self._ungrouped.discard(key)
         now = time.monotonic()
-        if record is not None and record.started_at is not None:
-            # A group's first answer carries the group's time and the rest none: the mean is about the batches', read
-            # some 30% low right after a group (tests/bench/HISTORY.md, eighteenth session).
+        took = made_s
+        if took is None and record is not None and record.started_at is not None:
             took = now - record.started_at
+        if record is not None and took is not None:
             before = self._made.get(record.task.dataset)
             self._made[record.task.dataset] = took if before is None else before + _MADE_WEIGHT * (took - before)
         if held:

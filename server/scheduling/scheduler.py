@@ -412,7 +412,7 @@ class Scheduler:
         key = (result.stream_id, result.seq)
         worker = message.worker_id
         with self._lock:
-            record = self._dispatcher.answered(worker, key)
+            record = self._dispatcher.answered(worker, key, result.made_s if isinstance(result, BatchDone) else None)
             if record is not None:
                 self._count(worker, record.task, record.sent_at, result)
                 self._supervisor.after_batch(worker, idle=self._dispatcher.idle(worker))

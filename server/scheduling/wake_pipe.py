@@ -38,7 +38,12 @@ class WakePipe:
         """Empty the pipe and re-arm ``wake`` (the scheduler's thread, after its wait).
 
         Raw non-blocking reads (the bytes mean nothing): ``Connection.poll`` would
-        build a selector per call, twice a round."""
+        build a selector per call, twice a round. None at all while no ``wake`` came since the last
+        drain: most rounds are the workers' results, and a read that finds nothing raises (~5% of the
+        scheduler's time). ``wake`` sets the flag before it writes, so a byte in the pipe always has
+        it set; one written after this look wakes the next wait, whose drain reads it."""
+        if not self._woken:  # read without the lock: a stale False only leaves a byte for the next round
+            return
         woken = False
         while True:
             try:

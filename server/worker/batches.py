@@ -119,8 +119,15 @@ class BatchMaker:
             raise
 
     def _encode(
-        self, stream_id: int, seq: int, batch: Any, placed: tuple[str, SlotArea] | None, inline: bool, cache: CacheDelta | None = None
-    ) -> tuple[BatchDone, list[Any]]:
+        self,
+        stream_id: int,
+        seq: int,
+        batch: Any,
+        placed: tuple[str, SlotArea] | None,
+        inline: bool,
+        cache: CacheDelta | None = None,
+        made_s: float | None = None,
+    ) -> tuple[BatchDone, list[memoryview]]:
         """The batch's ``BatchDone`` and the raw buffers to send after it (none if it went to a slot).
 
         TransportError if it cannot be put on the wire; ``placed``'s slot is then free again.
@@ -162,6 +169,7 @@ class BatchMaker:
             buffer_offsets=() if slot else tuple(offset for offset, _ in encoded.buffers),
             retired=self._take_retired(),
             cache=cache,
+            made_s=made_s,
         )
         return done, [] if slot else [buf for _, buf in encoded.buffers]
 
@@ -216,8 +224,8 @@ class BatchMaker:
             return
         finally:
             set_worker_info(self._ahead_info())
-        hold = self._may_hold(task, time.perf_counter() - started)
-        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset, hold)
+        made_s = time.perf_counter() - started
+        self._send_encoded(task.stream_id, task.seq, batch, where, placed, task.inline, task.dataset, self._may_hold(task, made_s), made_s)
         if task.auto_collation and ds.sizer is not None:
             try:
                 self._sized(ds, len(cast(tuple[int, ...], task.indices)), time.perf_counter() - started)
@@ -265,18 +273,17 @@ class BatchMaker:
         inline: bool,
         dataset: str = "",
         hold: bool = False,
+        made_s: float | None = None,
     ) -> None:
         ds = self.datasets.get(dataset)
         # The cache's counts since its last batch go with this one (the daemon sums them per dataset).
         cache = ds.store.stats.take() if ds is not None and ds.store is not None else None
         try:
-            done, buffers = self._encode(stream_id, seq, batch, placed, inline, cache)
+            done, buffers = self._encode(stream_id, seq, batch, placed, inline, cache, made_s)
         except TransportError as exc:
             self.fail(stream_id, seq, exc, where)
             return
-        self.results.send(done, hold=hold and not buffers)
-        for buf in buffers:
-            self.results.send_bytes(buf)
+        self.results.send(done, hold=hold, payload=buffers)
 
     # ------------------------------------------------------------ iterable
 

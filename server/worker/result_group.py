@@ -1,7 +1,8 @@
 """ResultGroup: a worker's results to the daemon, several finished batches in one write.
 
 A batch whose payload went to shared memory is a few hundred bytes of pickle on the results
-pipe, and each such message costs more than its bytes: the worker's write, a wake-up of the
+pipe, a small batch's (under ``INLINE_BYTES``, which skips shared memory) a few KiB more of its
+arrays, and each such message costs more than its bytes: the worker's write, a wake-up of the
 daemon's scheduler and a round of it, a wake-up of the stream's servicer and a message down to
 the client. So a worker whose next task is already in its pipe holds a finished batch's result
 back and writes up to ``GROUP_SIZE`` in one write; the daemon reads every whole result a pipe
@@ -20,9 +21,11 @@ The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
   results held before it too). A slow batch's messages cost little beside it, and holding it would
   only make its stream wait: an image pipeline's batches (tenths of a second each) go one by one,
   as before, in the windows they had.
-- Whatever else the worker sends (a failure, a replica's end, retired segments, a result whose
-  payload follows on the pipe) goes after the results held, in the same write or right after it:
-  order is kept.
+- A result's payload on the pipe (its arrays' raw bytes, one frame each after it) is held with it
+  if it is a small batch's (at most ``INLINE_BYTES`` in all); a larger one (shared memory full) is
+  written at once, after what was held, not copied into the group.
+- Whatever else the worker sends (a failure, a replica's end, retired segments) goes after the
+  results held, in the same write: order is kept.
 - A worker that dies holding results loses them: the daemon, which cannot tell which of its tasks
   killed it, blames none and runs each again ungrouped (``Dispatcher.worker_lost``).
 
@@ -35,8 +38,10 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
+from loaderd.server.shm.arena import INLINE_BYTES
 from loaderd.server.worker.tasks import TASK_FRAME, Result
 
 # Results in one write at most: 4 carries most of the saving (2 gave about half of it; HISTORY.md).
@@ -60,19 +65,23 @@ class ResultGroup:
         """Results held, not written yet."""
         return self._count
 
-    def send(self, result: Result, hold: bool = False) -> None:
-        """Write ``result`` after the ones held; with ``hold``, hold it too unless the group is full."""
+    def send(self, result: Result, hold: bool = False, payload: Sequence[memoryview] = ()) -> None:
+        """Write ``result``, then its ``payload`` (raw buffers, a frame each), after the ones held; with ``hold``,
+        hold them too unless the group is full or the payload is larger than ``INLINE_BYTES``."""
         data = pickle.dumps(result, pickle.HIGHEST_PROTOCOL)
         self._held += TASK_FRAME.pack(len(data))
         self._held += data
         self._count += 1
+        if sum(buf.nbytes for buf in payload) > INLINE_BYTES:
+            self.flush()
+            for buf in payload:
+                self._conn.send_bytes(buf)
+            return
+        for buf in payload:
+            self._held += TASK_FRAME.pack(buf.nbytes)
+            self._held += buf
         if not hold or self._count >= self._size:
             self.flush()
-
-    def send_bytes(self, data: bytes | memoryview) -> None:
-        """Write raw bytes (a payload's buffer following its ``BatchDone``) after everything held."""
-        self.flush()
-        self._conn.send_bytes(data)
 
     def flush(self) -> None:
         """Write the results held, in one write where the pipe takes it (BrokenPipeError once the daemon is gone)."""

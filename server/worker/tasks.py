@@ -131,6 +131,10 @@ class BatchDone:
     retired: tuple[str, ...] = ()
     # The dataset's item cache's counts for this batch (None: no cache:).
     cache: CacheDelta | None = None
+    # Seconds the worker took making a map-style batch, its task's start to its result (None: not timed). The daemon's
+    # measure of a dataset's quickness (server/scheduling/dispatcher.py): a group's results arrive together, so the
+    # daemon's own clock cannot tell their times apart.
+    made_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ BatchMaker holding a batch's result only while its next task is a grouped one al
 
 from __future__ import annotations
 
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from loaderd.server.config.schema import DatasetSpec, LoaderConfig
+from loaderd.server.shm.arena import INLINE_BYTES
 from loaderd.server.worker import batches as batches_module
 from loaderd.server.worker.batches import BatchMaker
 from loaderd.server.worker.datasets import build_dataset
@@ -18,6 +20,12 @@ from loaderd.server.worker.result_group import ResultGroup
 from loaderd.server.worker.tasks import BatchDone, BatchFailed, FetchTask, ReplicaExhausted, Task
 
 pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture(autouse=True)
+def quick_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch here counts as quick: a loaded machine may take over ``HOLD_BELOW_S`` for a first batch."""
+    monkeypatch.setattr(batches_module, "HOLD_BELOW_S", 60.0)
 
 
 def received(reader: Connection) -> list[Any]:
@@ -54,12 +62,18 @@ def test_a_full_group_is_written_even_if_asked_to_hold(results: tuple[Connection
     assert [r.seq for r in received(reader)] == [6]
 
 
-def test_raw_bytes_follow_what_was_held(results: tuple[Connection, Connection]) -> None:
+def test_a_small_payload_is_held_with_its_result_and_a_large_one_goes_at_once(results: tuple[Connection, Connection]) -> None:
     reader, writer = results
     group = ResultGroup(writer)
-    group.send(exhausted(0), hold=True)
-    group.send_bytes(b"payload")
-    assert reader.recv() == exhausted(0) and reader.recv_bytes() == b"payload" and not reader.poll(0)
+    group.send(exhausted(0), hold=True, payload=[memoryview(b"ab"), memoryview(b"cde")])
+    assert group.held == 1 and received(reader) == [], "a small batch's arrays wait with it"
+    large = memoryview(bytes(INLINE_BYTES + 1))
+    sender = threading.Thread(target=group.send, args=(exhausted(1),), kwargs={"hold": True, "payload": [large]})
+    sender.start()  # more than the pipe holds: read while written
+    got = [reader.recv(), reader.recv_bytes(), reader.recv_bytes(), reader.recv(), reader.recv_bytes()]
+    sender.join(5)
+    assert got == [exhausted(0), b"ab", b"cde", exhausted(1), large.tobytes()], "held first, in order; the large one not held"
+    assert group.held == 0 and not reader.poll(0)
 
 
 def maker(results: Connection, queued: list[Task]) -> BatchMaker:
@@ -94,6 +108,28 @@ def test_a_worker_holds_results_while_a_grouped_task_is_next(results: tuple[Conn
     got = received(reader)
     assert [r.seq for r in got] == list(range(10, 16)) and all(isinstance(r, BatchDone) for r in got)
     assert batches.results.held == 0, "the last has no task after it: nothing stays held"
+    # Each says how long it took to make (the daemon's clock sees a group's results arrive together).
+    assert all(r.made_s is not None and 0 <= r.made_s < 1 for r in got)
+
+
+def test_a_small_batch_is_held_with_its_arrays(results: tuple[Connection, Connection]) -> None:
+    """No shared memory here: a collated batch's tensor goes on the pipe after its result, and waits with it."""
+    reader, writer = results
+    queued: list[Task] = [
+        FetchTask(stream_id=1, seq=seq, dataset="d", indices=(seq, seq + 10), auto_collation=True, seed=seq, grouped=True)
+        for seq in range(3)
+    ]
+    batches = maker(writer, queued)
+    batches.fetch(queued.pop(0))
+    batches.fetch(queued.pop(0))
+    assert received(reader) == [] and batches.results.held == 2
+    batches.fetch(queued.pop(0))
+    got = []
+    while reader.poll(0):
+        done = reader.recv()
+        got.append((done.seq, [reader.recv_bytes() for _ in done.buffer_offsets]))
+    assert [(seq, len(raw)) for seq, raw in got] == [(0, 1), (1, 1), (2, 1)], "each result, then its array's bytes"
+    assert [list(memoryview(raw[0]).cast("q")) for _, raw in got] == [[0, 10], [1, 11], [2, 12]]
 
 
 @pytest.mark.parametrize("following", ["none", "ungrouped"])
