@@ -39,7 +39,8 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # Deferred news (a slot the worker may reuse) goes with the worker's next task; once this
 # many seconds old it goes on its own at the pool's next poll (the worker's idle trim needs it).
 _DEFER_S = 0.05
-# Results read from one worker in one round at most (two groups of server/worker/result_group.py's GROUP_SIZE).
+# Reads of one worker's results in one round at most (two groups of server/worker/result_group.py's GROUP_SIZE), beyond
+# the whole results a read brought (server/pool/result_pipe.py), which are all taken.
 RESULTS_PER_ROUND = 8
 
 
@@ -372,9 +373,15 @@ class WorkerPool:
                 timeout = min(timeout, _DEFER_S)
             self._selector.watch_room(w)
         self._selector.watch_extra(extra)
+        # Whole results a read brought and a round left (it failed on an earlier one): the selector sees only the
+        # pipes, and an idle worker writes nothing more. They are taken now, without waiting.
+        buffered = [w for w in live if w.results.whole()]
+        selected = self._selector.select(0.0 if buffered else timeout)
+        reported = {id(watched[0]) for watched in selected if watched is not None and watched[1] is RESULTS}
+        selected += [(w, RESULTS) for w in buffered if id(w) not in reported]
         events: list[PoolEvent] = []
         died: list[WorkerHandle] = []
-        for watched in self._selector.select(timeout):
+        for watched in selected:
             if watched is None:  # one of ``extra``: the caller looks at it
                 continue
             worker, kind = watched

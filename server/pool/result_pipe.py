@@ -12,7 +12,8 @@ Rules:
 - ``recv`` and ``recv_bytes`` return the next frame, reading (and blocking) until it is whole,
   as ``Connection``'s do: a worker writes a frame to its end once begun.
 - ``whole`` says whether a whole frame is buffered: the pool's selector sees only the pipe, so the
-  pool takes every whole frame a read brought in the same round (never more than one read's worth).
+  pool takes every whole frame its reads brought in the same round, and looks at ``whole`` before
+  it waits (a round that failed part-way leaves some).
 - ``readable`` says whether the pipe holds bytes now (one FIONREAD).
 - Frames are ``multiprocessing.connection``'s: a 4-byte big-endian length (``TASK_FRAME``), or -1
   and an 8-byte one for a frame of 2 GiB or more, then the bytes. Results are unpickled with plain
@@ -49,6 +50,7 @@ class ResultPipe:
         self._start = 0  # the buffer's bytes before this were handed out
 
     def fileno(self) -> int:
+        """The read end's descriptor (the pool's selector watches it)."""
         return self._fd
 
     def recv(self) -> Result:
@@ -105,6 +107,7 @@ class ResultPipe:
         return len(self._buffer) > self._start or self.readable()
 
     def close(self) -> None:
+        """Close the read end (what is buffered is dropped). Idempotent."""
         self._conn.close()
 
     def _need(self, count: int) -> None:

@@ -29,9 +29,9 @@ The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
 - A worker that dies holding results loses them: the daemon, which cannot tell which of its tasks
   killed it, blames none and runs each again ungrouped (``Dispatcher.worker_lost``).
 
-Frames are ``multiprocessing.connection``'s (a 4-byte big-endian length, then the pickle), so the
-daemon reads them with ``Connection.recv``; results are loaderd's own dataclasses, pickled plainly
-as ``send_result`` does (server/worker/tasks.py).
+Frames are ``multiprocessing.connection``'s (a 4-byte big-endian length, then the pickle), as
+``send_result`` writes them (server/worker/tasks.py); the daemon reads them with ``ResultPipe``
+(server/pool/result_pipe.py). Results are loaderd's own dataclasses, pickled plainly.
 """
 
 from __future__ import annotations

@@ -131,9 +131,10 @@ class BatchDone:
     retired: tuple[str, ...] = ()
     # The dataset's item cache's counts for this batch (None: no cache:).
     cache: CacheDelta | None = None
-    # Seconds the worker took making a map-style batch, its task's start to its result (None: not timed). The daemon's
-    # measure of a dataset's quickness (server/scheduling/dispatcher.py): a group's results arrive together, so the
-    # daemon's own clock cannot tell their times apart.
+    # Seconds a map-style batch took in its worker, from its task's turn to the batch collated (None: not timed): what
+    # the worker's hold rule compares with HOLD_BELOW_S (server/worker/result_group.py), and the daemon's measure of a
+    # dataset's quickness (server/scheduling/dispatcher.py), whose own clock sees a group's results arrive together.
+    # Not in it: items the worker's threads started ahead (server/worker/run_ahead.py), the encoding and the send.
     made_s: float | None = None
 
 
@@ -170,7 +171,7 @@ def stream_of(result: Result) -> int | None:
 
 
 def send_result(conn: Connection, result: Result) -> None:
-    """Send one result to the daemon (read there with ``Connection.recv``).
+    """Send one result to the daemon (read there by ``ResultPipe``, server/pool/result_pipe.py).
 
     Plain pickle: results are loaderd's own dataclasses, and ``Connection.send``
     builds a ``ForkingPickler`` per message (copying torch's reducer table)."""

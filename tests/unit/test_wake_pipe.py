@@ -28,4 +28,3 @@ def test_wakes_coalesce_into_one_byte_that_a_drain_takes() -> None:
     assert readable(pipe), "a wake after a drain is seen by the next wait"
     pipe.drain()
     assert not readable(pipe)
-
