@@ -25,7 +25,9 @@ BOUND_S = KEEPALIVE["keepalive_time"] + KEEPALIVE["keepalive_timeout"]
 SLACK_S = 3.0
 
 # Iterates an epoch of Blocks (128 KiB items: shared-memory slots), holding every batch; stops itself
-# (SIGSTOP) after batch 3, then checks every batch it holds against torch's own DataLoader.
+# (SIGSTOP) after batch 3, then checks every batch it holds against torch's own DataLoader. A window of 8
+# (prefetch_factor 4 x 2 workers): the epoch's 24 batches outlast it, so the client still has batches to ask
+# for (and its session to resume) once continued.
 CLIENT = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[3])
@@ -35,7 +37,7 @@ from loaderd import RemoteDataLoader
 from support.datasets import Blocks
 
 address, transport = sys.argv[1], sys.argv[2]
-loader = RemoteDataLoader("blocks", batch_size=4, num_workers=2, address=address, transport=transport, timeout=60)
+loader = RemoteDataLoader("blocks", batch_size=4, num_workers=2, prefetch_factor=4, address=address, transport=transport, timeout=60)
 held = []
 for i, batch in enumerate(loader):
     held.append(batch)
