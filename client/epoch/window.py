@@ -1,13 +1,11 @@
 """A loader's window: how many batches a daemon may work ahead of the caller, and how many it plans ahead.
 
 With ``prefetch_factor`` given, both are torch's: that many per worker. By default the daemon may work
-16 per pool worker ahead for a map-style loader, 4 per replica for an iterable one (``window_size``, what a
+8 per pool worker ahead for a map-style loader, 4 per replica for an iterable one (``window_size``, what a
 stream is opened with): a batch crosses more hops than in a local DataLoader, small batches need the depth,
 and a map-style loader's quick batches come in groups of up to 4 that a worker holds back while it makes
 the next (server/worker/result_group.py): with 4 per worker, the batches held left the trainer waiting
-(bench_ab f32 0.93x); with 8, a pool making small batches (a KiB each) still waited for tasks a third of
-its time, and 16 made 1.26-1.30x their batches/s (bench_ab, tiny over shared memory and over gRPC; 32 made
-1.03-1.04x more). But a map-style loader plans fewer ahead for large batches (``planned_window``; a
+(bench_ab f32 0.93x). But a map-style loader plans fewer ahead for large batches (``planned_window``; a
 share's lanes too): each batch in flight holds a shared-memory slot that the pool worker and the training
 process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of batches per worker, never fewer than
 torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in flight with 2 workers, as before groups).
@@ -23,7 +21,7 @@ from typing import Any
 
 from loaderd.wire.array_bytes import array_bytes
 
-MAP_PREFETCH = 16  # a map-style loader's batches per pool worker, by default
+MAP_PREFETCH = 8  # a map-style loader's batches per pool worker, by default
 ITERABLE_PREFETCH = 4  # an iterable loader's per replica, by default
 LEAST_PREFETCH = 2  # torch's default: the least a default window plans per worker
 # The batches a default map-style window plans, per worker: 64 MiB (5 and 6 of bench_loaders' 12.6 and 9.6 MB

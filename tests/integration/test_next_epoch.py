@@ -72,7 +72,7 @@ def computed(daemon: RunningDaemon) -> int:
     return sum(d.batches_computed for d in daemon_status(daemon.address).datasets)
 
 
-# Batches a planned epoch makes before it is iterated: its first window (the default for small batches, 16 a worker x 2
+# Batches a planned epoch makes before it is iterated: its first window (the default for small batches, 8 a worker x 2
 # workers), or the whole epoch where it is shorter.
 WINDOW = 2 * MAP_PREFETCH
 

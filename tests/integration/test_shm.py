@@ -459,7 +459,7 @@ def test_plans_carry_the_releases_of_dropped_batches(roomy: SharedDaemon, monkey
     # Earlier tests' batches share this process's session: their leases may be among those sent.
     wait_for(lambda: len(by_plan) + len(by_session) >= batches, 5, "every dropped batch's lease to go back")
     assert len(set(by_plan + by_session)) == len(by_plan) + len(by_session), "a lease went back twice"
-    # The window (4 x 2 workers: the default's 16 a worker would send the plan of an epoch's last 16 earlier, and
+    # The window (4 x 2 workers: the default's 8 a worker would send the plan of an epoch's last 16 earlier, and
     # their leases by the session) is planned a quarter at a time: every plan but the epoch's first
     # carries the leases dropped since the previous one, and only the last ~9 of each epoch's 25 go
     # by the session.

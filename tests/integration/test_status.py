@@ -120,7 +120,7 @@ def test_status_shows_a_stream_mid_epoch(daemon: RunningDaemon) -> None:
     assert dataset["open_streams"] == 1 and dataset["batches_computed"] >= 3 and dataset["batches_delivered"] >= 3
     (stream,) = [s for s in snapshot["streams"] if s["client"] == client_name()]
     assert stream["dataset"] == "squares"
-    assert stream["window"] == 2 * MAP_PREFETCH  # the default, 16 a pool worker x 2
+    assert stream["window"] == 2 * MAP_PREFETCH  # the default, 8 a pool worker x 2
     assert stream["delivered"] >= 3
     assert stream["open_s"] > 0 and stream["share"] == ""
 
@@ -153,7 +153,7 @@ def test_consumed_counts_what_the_caller_took_of_an_epoch_that_arrived_whole(dae
     batch_size, taken = 16, 3
     loader = RemoteDataLoader("squares", batch_size=batch_size, address=daemon.address)
     length = len(loader)
-    assert length == -(-N // batch_size) <= 2 * MAP_PREFETCH, "the epoch fits in the window (the default, 16 a pool worker x 2)"
+    assert length == -(-N // batch_size) <= 2 * MAP_PREFETCH, "the epoch fits in the window (the default, 8 a pool worker x 2)"
     it = iter(loader)
     got = [next(it) for _ in range(taken)]
     wait_for(lambda: (s := my_stream(daemon.address)) is not None and s.delivered == length, 20.0, "the whole epoch to be sent")

@@ -22,7 +22,7 @@ import loaderd.fleet.member as member_module
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
-from loaderd.epoch.window import MAP_PREFETCH, BatchBytes
+from loaderd.epoch.window import BatchBytes
 from loaderd.errors import LimitExceededError, LoaderdError
 from loaderd.fleet.fleet import Fleet, FleetMonitor, Usable
 from loaderd.stream.heard import Heard
@@ -324,27 +324,27 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
 
 @pytest.mark.timeout(30)
 def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() -> None:
-    """Without prefetch_factor a lane is opened for ``MAP_PREFETCH`` batches per worker but planned at torch's 2
-    until a batch arrives; a small first batch lets it plan all of them, and the loader's next epoch plans them
-    from its start. A large one (over 64 MiB per worker) keeps it at 2."""
+    """Without prefetch_factor a lane is opened for 8 batches per worker but planned at torch's 2 until a batch
+    arrives; a small first batch lets it plan all 8, and the loader's next epoch plans 8 from its start. A large
+    one (over 64 MiB per worker) keeps it at 2."""
     seen = BatchBytes()
-    it, calls = _spreading_iterator(["A"], batches=2 * MAP_PREFETCH, prefetch_factor=None, batch_bytes=seen)
+    it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
     lane = it._lanes.by_address["A"]
-    assert (lane.bound, lane.window) == (MAP_PREFETCH, 2)
+    assert (lane.bound, lane.window) == (8, 2)
     it._top_up()
     assert list(lane.sent) == [0, 1]
     calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(8))
     it._take_in()
-    assert seen.known == 32 and lane.window == MAP_PREFETCH
+    assert seen.known == 32 and lane.window == 8
     it._top_up()  # as the caller's next next() does
-    assert list(lane.sent) == list(range(1, MAP_PREFETCH))  # the window grew: all of it ahead of the caller (0 is answered, not yet taken)
+    assert list(lane.sent) == list(range(1, 8))  # the window grew: 8 ahead of the caller (0 is answered, not yet taken)
     it.close()
-    again, _ = _spreading_iterator(["A"], batches=2 * MAP_PREFETCH, prefetch_factor=None, batch_bytes=seen)
-    assert again._lanes.by_address["A"].window == MAP_PREFETCH
+    again, _ = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
+    assert again._lanes.by_address["A"].window == 8
     again.close()
 
     big = BatchBytes()
-    it, calls = _spreading_iterator(["A"], batches=2 * MAP_PREFETCH, prefetch_factor=None, batch_bytes=big)
+    it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=big)
     it._top_up()
     calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(17 << 20, dtype=torch.uint8).view(-1, 1 << 20).float())  # 68 MiB
     it._take_in()

@@ -1,5 +1,5 @@
 """A loader's window (client/epoch/window.py): torch's prefetch_factor as given; by default the daemon may work
-16 batches per worker ahead (4 per iterable replica), and a map-style loader plans fewer for large batches (64 MiB per worker), never under
+4 batches per worker ahead, and a map-style loader plans fewer for large batches (64 MiB per worker), never under
 torch's 2 per worker, and 2 per worker until it has received a batch; the bytes of its first batch are what it
 goes by (client/wire/array_bytes.py)."""
 
@@ -23,9 +23,9 @@ def test_a_given_prefetch_factor_is_torch_s() -> None:
     # (and its lanes plan all of it, whatever the batches weigh: tests/unit/test_fleet.py)
 
 
-def test_the_daemon_may_work_16_per_worker_ahead_by_default_and_4_per_iterable_replica() -> None:
-    assert window_size(None, 2) == 32
-    assert window_size(None, 0) == 16
+def test_the_daemon_may_work_8_per_worker_ahead_by_default_and_4_per_iterable_replica() -> None:
+    assert window_size(None, 2) == 16
+    assert window_size(None, 0) == 8
     assert window_size(None, 2, iterable=True) == 8
     assert window_size(None, 0, iterable=True) == 4
 
@@ -35,8 +35,8 @@ def test_the_daemon_may_work_16_per_worker_ahead_by_default_and_4_per_iterable_r
     [
         (2, None, 4),  # no batch seen yet: torch's depth
         (0, None, 2),  # a daemon with no pool size known: one worker's
-        (2, 128, 32),  # tiny batches: the full default
-        (2, 0, 32),  # no arrays (or a structure that could not be counted)
+        (2, 128, 16),  # tiny batches: the full default
+        (2, 0, 16),  # no arrays (or a structure that could not be counted)
         (2, 12_582_912, 10),  # bench_loaders' float32 3x64x64 x 256: 10 fit in 2 x 64 MiB
         (2, 9_633_792, 13),  # its uint8 3x224x224 x 64
         (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
