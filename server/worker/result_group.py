@@ -1,8 +1,7 @@
 """ResultGroup: a worker's results to the daemon, several finished batches in one write.
 
 A batch whose payload went to shared memory is a few hundred bytes of pickle on the results
-pipe, a small batch's (under ``INLINE_BYTES``, which skips shared memory) a few KiB more of its
-arrays, and each such message costs more than its bytes: the worker's write, a wake-up of the
+pipe, and each such message costs more than its bytes: the worker's write, a wake-up of the
 daemon's scheduler and a round of it, a wake-up of the stream's servicer and a message down to
 the client. So a worker whose next task is already in its pipe holds a finished batch's result
 back and writes up to ``GROUP_SIZE`` in one write; the daemon reads every whole result a pipe
@@ -21,9 +20,10 @@ The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
   results held before it too). A slow batch's messages cost little beside it, and holding it would
   only make its stream wait: an image pipeline's batches (tenths of a second each) go one by one,
   as before, in the windows they had.
-- A result's payload on the pipe (its arrays' raw bytes, one frame each after it) is held with it
-  if it is a small batch's (at most ``INLINE_BYTES`` in all); a larger one (shared memory full) is
-  written at once, after what was held, not copied into the group.
+- A result whose payload is on the pipe (its arrays' raw bytes, one frame each after it) goes at
+  once, after what was held: in the same write if it is a small batch's (at most ``INLINE_BYTES``
+  in all), right after it otherwise (shared memory full), not copied into the group.
+  ``BatchMaker`` never holds one (server/worker/batches.py says why).
 - Whatever else the worker sends (a failure, a replica's end, retired segments) goes after the
   results held, in the same write: order is kept.
 - A worker that dies holding results loses them: the daemon, which cannot tell which of its tasks
@@ -67,7 +67,8 @@ class ResultGroup:
 
     def send(self, result: Result, hold: bool = False, payload: Sequence[memoryview] = ()) -> None:
         """Write ``result``, then its ``payload`` (raw buffers, a frame each), after the ones held; with ``hold``,
-        hold them too unless the group is full or the payload is larger than ``INLINE_BYTES``."""
+        hold them too unless the group is full or the payload is larger than ``INLINE_BYTES`` (then it goes at once,
+        not copied into the group)."""
         data = pickle.dumps(result, pickle.HIGHEST_PROTOCOL)
         self._held += TASK_FRAME.pack(len(data))
         self._held += data
