@@ -55,48 +55,31 @@ class ResultPipe:
 
     def recv(self) -> Result:
         """The next result, unpickled (blocking until it is whole). EOFError at the pipe's end."""
-        result: Result = pickle.loads(self.recv_bytes())
+        header, size = self._next_header()
+        begin = self._start + header
+        if len(self._buffer) - begin < size:
+            result: Result = pickle.loads(self._rest_of_frame(begin, size))
+            return result
+        with memoryview(self._buffer) as view:  # unpickled where it was read: no copy of the frame
+            result = pickle.loads(view[begin : begin + size])
+        self._advance(header + size)
         return result
 
     def recv_bytes(self) -> bytes:
         """The next frame's bytes (blocking until it is whole). EOFError at the pipe's end."""
-        self._need(TASK_FRAME.size)
-        (size,) = TASK_FRAME.unpack_from(self._buffer, self._start)
-        header = TASK_FRAME.size
-        if size == -1:
-            self._need(header + _LONG.size)
-            (size,) = _LONG.unpack_from(self._buffer, self._start + header)
-            header += _LONG.size
+        header, size = self._next_header()
         begin = self._start + header
-        if len(self._buffer) - begin >= size:
-            data = bytes(self._buffer[begin : begin + size])
-            self._advance(header + size)
-            return data
-        # A large frame: what is buffered, then the rest read in pieces as large as what is missing.
-        pieces = [bytes(self._buffer[begin:])]
-        missing = size - len(pieces[0])
-        self._buffer.clear()
-        self._start = 0
-        while missing:
-            piece = os.read(self._fd, missing)
-            if not piece:
-                raise EOFError("the worker's results pipe ended inside a frame")
-            pieces.append(piece)
-            missing -= len(piece)
-        return b"".join(pieces)
+        if len(self._buffer) - begin < size:
+            return self._rest_of_frame(begin, size)
+        with memoryview(self._buffer) as view:
+            data = bytes(view[begin : begin + size])
+        self._advance(header + size)
+        return data
 
     def whole(self) -> bool:
         """Whether a whole frame is buffered (read already: no read needed to take it)."""
-        have = len(self._buffer) - self._start
-        if have < TASK_FRAME.size:
-            return False
-        (size,) = TASK_FRAME.unpack_from(self._buffer, self._start)
-        if size == -1:
-            if have < TASK_FRAME.size + _LONG.size:
-                return False
-            (size,) = _LONG.unpack_from(self._buffer, self._start + TASK_FRAME.size)
-            return have >= TASK_FRAME.size + _LONG.size + size
-        return have >= TASK_FRAME.size + size
+        parsed = self._header()
+        return parsed is not None and len(self._buffer) - self._start >= parsed[0] + parsed[1]
 
     def readable(self) -> bool:
         """Whether the pipe holds bytes now (FIONREAD: one call, no selector)."""
@@ -109,6 +92,43 @@ class ResultPipe:
     def close(self) -> None:
         """Close the read end (what is buffered is dropped). Idempotent."""
         self._conn.close()
+
+    def _header(self) -> tuple[int, int] | None:
+        """(header bytes, frame bytes) of the next frame, if its header is buffered; None otherwise."""
+        have = len(self._buffer) - self._start
+        if have < TASK_FRAME.size:
+            return None
+        (size,) = TASK_FRAME.unpack_from(self._buffer, self._start)
+        if size != -1:
+            return TASK_FRAME.size, size
+        if have < TASK_FRAME.size + _LONG.size:
+            return None
+        return TASK_FRAME.size + _LONG.size, _LONG.unpack_from(self._buffer, self._start + TASK_FRAME.size)[0]
+
+    def _next_header(self) -> tuple[int, int]:
+        """The next frame's header, read (blocking) until it is buffered. EOFError at the pipe's end."""
+        self._need(TASK_FRAME.size)
+        parsed = self._header()
+        if parsed is None:  # a long frame's 8-byte length is still on its way
+            self._need(TASK_FRAME.size + _LONG.size)
+            parsed = self._header()
+            assert parsed is not None
+        return parsed
+
+    def _rest_of_frame(self, begin: int, size: int) -> bytes:
+        """A frame larger than what is buffered (from ``begin``): that, then the rest read in pieces as large as what
+        is missing. Nothing is buffered after it."""
+        pieces = [bytes(self._buffer[begin:])]
+        missing = size - len(pieces[0])
+        self._buffer.clear()
+        self._start = 0
+        while missing:
+            piece = os.read(self._fd, missing)
+            if not piece:
+                raise EOFError("the worker's results pipe ended inside a frame")
+            pieces.append(piece)
+            missing -= len(piece)
+        return b"".join(pieces)
 
     def _need(self, count: int) -> None:
         """Read until ``count`` bytes are buffered past what was handed out (blocking). EOFError at the pipe's end."""

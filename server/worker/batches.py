@@ -283,10 +283,7 @@ class BatchMaker:
         except TransportError as exc:
             self.fail(stream_id, seq, exc, where)
             return
-        # A small batch's arrays follow its result on the pipe: it is never held. Held, a small batch of ~16 ms (its
-        # arrays go inline) waited up to three more, its client took it for late and asked another daemon for it
-        # too: 160 batches computed for 150 (tests/faults/test_failover.py, the daemon added mid-epoch).
-        self.results.send(done, hold=hold and not buffers, payload=buffers)
+        self.results.send(done, hold=hold, payload=buffers)  # one with a payload is never held (result_group.py)
 
     # ------------------------------------------------------------ iterable
 

@@ -20,10 +20,12 @@ The rules (``BatchMaker`` applies the first two, server/worker/batches.py):
   results held before it too). A slow batch's messages cost little beside it, and holding it would
   only make its stream wait: an image pipeline's batches (tenths of a second each) go one by one,
   as before, in the windows they had.
-- A result whose payload is on the pipe (its arrays' raw bytes, one frame each after it) goes at
-  once, after what was held: in the same write if it is a small batch's (at most ``INLINE_BYTES``
-  in all), right after it otherwise (shared memory full), not copied into the group.
-  ``BatchMaker`` never holds one (server/worker/batches.py says why).
+- A result whose payload is on the pipe (its arrays' raw bytes, one frame each after it) is never
+  held: it goes at once, after what was held, in the same write if it is a small batch's (at most
+  ``INLINE_BYTES`` in all), right after it otherwise (shared memory full), not copied into the
+  group. Held, a small batch of ~16 ms (its arrays go inline) waited up to three more, and its
+  client, spread over two daemons, took it for late and asked the other one too: 160 batches
+  computed for 150 (tests/faults/test_failover.py, the daemon added mid-epoch).
 - Whatever else the worker sends (a failure, a replica's end, retired segments) goes after the
   results held, in the same write: order is kept.
 - A worker that dies holding results loses them: the daemon, which cannot tell which of its tasks
@@ -67,22 +69,22 @@ class ResultGroup:
 
     def send(self, result: Result, hold: bool = False, payload: Sequence[memoryview] = ()) -> None:
         """Write ``result``, then its ``payload`` (raw buffers, a frame each), after the ones held; with ``hold``,
-        hold them too unless the group is full or the payload is larger than ``INLINE_BYTES`` (then it goes at once,
-        not copied into the group)."""
+        hold it too unless the group is full or it has a payload (the module's rules: that goes at once, in the same
+        write up to ``INLINE_BYTES``, after it otherwise, never copied into the group)."""
         data = pickle.dumps(result, pickle.HIGHEST_PROTOCOL)
         self._held += TASK_FRAME.pack(len(data))
         self._held += data
         self._count += 1
-        if sum(buf.nbytes for buf in payload) > INLINE_BYTES:
+        large = sum(buf.nbytes for buf in payload) > INLINE_BYTES
+        if not large:
+            for buf in payload:
+                self._held += TASK_FRAME.pack(buf.nbytes)
+                self._held += buf
+        if payload or not hold or self._count >= self._size:
             self.flush()
+        if large:
             for buf in payload:
                 self._conn.send_bytes(buf)
-            return
-        for buf in payload:
-            self._held += TASK_FRAME.pack(buf.nbytes)
-            self._held += buf
-        if not hold or self._count >= self._size:
-            self.flush()
 
     def flush(self) -> None:
         """Write the results held, in one write where the pipe takes it (BrokenPipeError once the daemon is gone)."""
