@@ -29,7 +29,11 @@ DATASETS = {
     "slow": {"dataset": "support.datasets:Slow", "kwargs": {"n": N, "delay": DELAY}},
     "stream": {"dataset": "support.datasets:Stream", "kwargs": {"n": 200}},
 }
-SLOW_PHASE = (2.0, 7.5)  # seconds after the start in which every trainer sleeps 0.2 s a batch (a GPU-bound step)
+# From SLOW_START s after the start, every trainer sleeps 0.2 s a batch (a GPU-bound step) until the daemon logs
+# that the pool shrank, or SLOW_MOST s at most: a shrink takes a growth's check (SETTLE_S + MEASURE_S) and
+# SHRINK_AFTER_S quiet, on top of the windows the fast phase filled, and a busy 2-core host needs longer.
+SLOW_START = 2.0
+SLOW_MOST = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +49,32 @@ def daemon(records: Path) -> Iterator[RunningDaemon]:
         yield running
 
 
-def paced(batches: Iterator[Any], start: float) -> list[Any]:
-    """Take every batch, as fast as they come but in ``SLOW_PHASE``."""
+class SlowPhase:
+    """Whether the trainers are in their slow phase: from ``SLOW_START`` until the daemon's log shows the pool
+    shrinking after it grew (or ``SLOW_MOST``)."""
+
+    def __init__(self, daemon: RunningDaemon, start: float) -> None:
+        self._daemon, self._start = daemon, start
+        self._over = threading.Event()
+
+    def now(self) -> bool:
+        elapsed = time.monotonic() - self._start
+        if elapsed < SLOW_START or self._over.is_set():
+            return False
+        changes = pool_changes(self._daemon, open_streams_only=False)
+        grown = next((i for i, c in enumerate(changes) if c.startswith("growing")), None)
+        if elapsed >= SLOW_MOST or (grown is not None and any(c.startswith("shrinking") for c in changes[grown:])):
+            self._over.set()
+            return False
+        return True
+
+
+def paced(batches: Iterator[Any], slow: SlowPhase) -> list[Any]:
+    """Take every batch, as fast as they come but in the slow phase."""
     out = []
     for batch in batches:
         out.append(batch)
-        if SLOW_PHASE[0] <= time.monotonic() - start < SLOW_PHASE[1]:
+        if slow.now():
             time.sleep(0.2)
     return out
 
@@ -77,34 +101,36 @@ def run_all(consumers: dict[str, Callable[[], list[Any]]]) -> dict[str, list[Any
     return results
 
 
-def pool_changes(daemon: RunningDaemon) -> list[str]:
-    """The pool's changes while streams were open (before the last one ended), in order."""
+def pool_changes(daemon: RunningDaemon, open_streams_only: bool = True) -> list[str]:
+    """The pool's changes in order; with ``open_streams_only``, those while streams were open (before the
+    last one ended)."""
     log = daemon.log()
-    last = log.rfind("ended by the client")
-    return re.findall(r"pool: .*(growing to \d+|shrinking to \d+|back to \d+)", log[:last])
+    if open_streams_only:
+        log = log[: log.rfind("ended by the client")]
+    return re.findall(r"pool: .*(growing to \d+|shrinking to \d+|back to \d+)", log)
 
 
 def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: RunningDaemon, records: Path) -> None:
     address = daemon.address
     assert daemon_status(address).pool.workers == 1, "an elastic pool starts with its fewest workers"
     ds = datasets.Slow(N, 0.0)
-    start = time.monotonic()
+    slow = SlowPhase(daemon, time.monotonic())
     resumed_head: list[Any] = []
 
     def map_style() -> list[Any]:
         loader = RemoteDataLoader("slow", batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3), address=address)
-        return paced(iter(loader), start)
+        return paced(iter(loader), slow)
 
     def iterable() -> list[Any]:
-        return paced(iter(RemoteDataLoader("stream", batch_size=BATCH, num_workers=2, address=address)), start)
+        return paced(iter(RemoteDataLoader("stream", batch_size=BATCH, num_workers=2, address=address)), slow)
 
     def shared() -> list[Any]:
-        return paced(iter(RemoteDataLoader("slow", batch_size=BATCH, shuffle=True, share="elastic", address=address)), start)
+        return paced(iter(RemoteDataLoader("slow", batch_size=BATCH, shuffle=True, share="elastic", address=address)), slow)
 
     def rank(r: int) -> Callable[[], list[Any]]:
         def run() -> list[Any]:
             loader = RemoteDataLoader("slow", batch_size=BATCH, shuffle=True, seed=5, rank=r, world_size=2, address=address)
-            return paced(iter(loader), start)
+            return paced(iter(loader), slow)
 
         return run
 
@@ -117,7 +143,7 @@ def test_the_pool_resizes_under_every_kind_of_loader_and_loses_nothing(daemon: R
         del batches
         second = RemoteDataLoader("slow", batch_size=BATCH, generator=torch.Generator(), address=address)
         second.load_state_dict(state)
-        return paced(iter(second), start)
+        return paced(iter(second), slow)
 
     got = run_all(
         {"map": map_style, "iterable": iterable, "share-a": shared, "share-b": shared, "rank0": rank(0), "rank1": rank(1), "resumed": resumed}
