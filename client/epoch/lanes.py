@@ -58,11 +58,12 @@ class EpochLanes:
         return [lane for address, lane in lanes.items() if address in self.usable] or list(lanes.values())
 
     def window(self, pool_workers: int) -> int:
-        """Batches a daemon may work ahead on a lane: per pool worker, or an iterable's per replica."""
+        """Batches a daemon may work ahead on a lane: per pool worker (by default more once the loader knows its
+        batches are small), or an iterable's per replica."""
         stream = self._stream
         if stream.iterable:
             return window_size(stream.prefetch_factor, stream.num_workers, iterable=True)
-        return window_size(stream.prefetch_factor, pool_workers)
+        return window_size(stream.prefetch_factor, pool_workers, batch_bytes=stream.batch_bytes.known)
 
     def _plan(self, lane: Lane) -> None:
         """A map-style lane (positioned, or a share's) of a loader without ``prefetch_factor`` plans by its

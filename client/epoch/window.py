@@ -5,14 +5,20 @@ With ``prefetch_factor`` given, both are torch's: that many per worker. By defau
 stream is opened with): a batch crosses more hops than in a local DataLoader, small batches need the depth,
 and a map-style loader's quick batches come in groups of up to 4 that a worker holds back while it makes
 the next (server/worker/result_group.py): with 4 per worker, the batches held left the trainer waiting
-(bench_ab f32 0.93x). But a map-style loader plans fewer ahead for large batches (``planned_window``; a
+(bench_ab f32 0.93x). A loader that knows its batches are small (``SMALL_MAP_PREFETCH`` of them fit in
+``WINDOW_BYTES_PER_WORKER``: 4 MiB or less) opens its later epochs' streams with 16 per worker: with 8, a
+pool making batches of a KiB waited for tasks a third of its time, and 16 made 1.19x and 1.28x their batches/s
+over shared memory and gRPC (bench_ab tiny, AMD EPYC; 1.26x and 1.30x on an Intel Xeon). Large batches keep 8:
+16 for every loader measured 0.93-0.95x on f32 in three runs (within the noise pairwise, never found where;
+tests/bench/HISTORY.md), so their requests stay byte for byte what they were.
+A map-style loader also plans fewer ahead for large batches (``planned_window``; a
 share's lanes too): each batch in flight holds a shared-memory slot that the pool worker and the training
 process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of batches per worker, never fewer than
 torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in flight with 2 workers, as before groups).
 Until the loader has received a batch it plans torch's 2 per worker, so that a first epoch of large
 batches makes no slots it then gives up (a worker keeps its slots for reuse); once one arrived, the open
-lanes plan what its bytes allow (``EpochLanes.resize``), and the loader keeps the figure for its later
-epochs. An iterable stream's credit is the daemon's (``window_size``).
+lanes plan what its bytes allow (``EpochLanes.resize``; within what their streams were opened with), and
+the loader keeps the figure for its later epochs. An iterable stream's credit is the daemon's (``window_size``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 from loaderd.wire.array_bytes import array_bytes
 
 MAP_PREFETCH = 8  # a map-style loader's batches per pool worker, by default
+SMALL_MAP_PREFETCH = 16  # ... once it knows its batches fit that many in WINDOW_BYTES_PER_WORKER
 ITERABLE_PREFETCH = 4  # an iterable loader's per replica, by default
 LEAST_PREFETCH = 2  # torch's default: the least a default window plans per worker
 # The batches a default map-style window plans, per worker: 64 MiB (5 and 6 of bench_loaders' 12.6 and 9.6 MB
@@ -29,16 +36,24 @@ LEAST_PREFETCH = 2  # torch's default: the least a default window plans per work
 WINDOW_BYTES_PER_WORKER = 64 << 20
 
 
-def window_size(prefetch_factor: int | None, parallelism: int, iterable: bool = False) -> int:
+def map_prefetch(batch_bytes: int | None) -> int:
+    """A map-style loader's default batches per pool worker for batches of ``batch_bytes`` (None: none seen yet)."""
+    small = batch_bytes is not None and SMALL_MAP_PREFETCH * batch_bytes <= WINDOW_BYTES_PER_WORKER
+    return SMALL_MAP_PREFETCH if small else MAP_PREFETCH
+
+
+def window_size(prefetch_factor: int | None, parallelism: int, iterable: bool = False, batch_bytes: int | None = None) -> int:
     """Batches the daemon may work ahead with ``parallelism`` workers (or ``iterable`` replicas): ``prefetch_factor``
-    each, by default ``MAP_PREFETCH`` (``ITERABLE_PREFETCH``)."""
-    default = ITERABLE_PREFETCH if iterable else MAP_PREFETCH
+    each, by default ``ITERABLE_PREFETCH`` (iterable) or ``map_prefetch(batch_bytes)``."""
+    default = ITERABLE_PREFETCH if iterable else map_prefetch(batch_bytes)
     return (default if prefetch_factor is None else prefetch_factor) * max(1, parallelism)
 
 
 def planned_window(bound: int, batch_bytes: int | None) -> int:
     """Batches a map-style loader without ``prefetch_factor`` plans ahead within its lane's default ``bound``
-    (``MAP_PREFETCH`` per worker), for batches of ``batch_bytes`` (None: none seen yet), as the module says."""
+    (``window_size``'s), for batches of ``batch_bytes`` (None: none seen yet), as the module says."""
+    # Workers as a bound of MAP_PREFETCH a worker counts them; a bound of SMALL_MAP_PREFETCH a worker (opened for
+    # batches known to be small) reads as twice as many, and its batches fit the whole bound either way.
     workers = max(1, bound // MAP_PREFETCH)
     least = min(bound, LEAST_PREFETCH * workers)
     if batch_bytes is None:

@@ -22,7 +22,7 @@ from support.daemons import RunningDaemon, daemon_status, running_daemon, wait_f
 from torch.utils.data import DataLoader, RandomSampler
 
 from loaderd import RemoteDataLoader
-from loaderd.epoch.window import MAP_PREFETCH
+from loaderd.epoch.window import SMALL_MAP_PREFETCH
 from loaderd.shm.session import ShmSession
 from loaderd.stream.lane import Lane
 from loaderd.stream.stream_call import StreamCall
@@ -72,9 +72,9 @@ def computed(daemon: RunningDaemon) -> int:
     return sum(d.batches_computed for d in daemon_status(daemon.address).datasets)
 
 
-# Batches a planned epoch makes before it is iterated: its first window (the default for small batches, 8 a worker x 2
-# workers), or the whole epoch where it is shorter.
-WINDOW = 2 * MAP_PREFETCH
+# Batches a planned epoch makes before it is iterated: its first window (the default for batches the loader knows are
+# small, 16 a worker x 2 workers), or the whole epoch where it is shorter.
+WINDOW = 2 * SMALL_MAP_PREFETCH
 
 
 def first_window(batches: int) -> int:

@@ -325,8 +325,8 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
 @pytest.mark.timeout(30)
 def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() -> None:
     """Without prefetch_factor a lane is opened for 8 batches per worker but planned at torch's 2 until a batch
-    arrives; a small first batch lets it plan all 8, and the loader's next epoch plans 8 from its start. A large
-    one (over 64 MiB per worker) keeps it at 2."""
+    arrives; a small first batch lets it plan all 8, and the loader's next epoch opens its lane for 16 (its
+    batches are known to be small) and plans them from its start. A large one (over 64 MiB per worker) keeps it at 2."""
     seen = BatchBytes()
     it, calls = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
     lane = it._lanes.by_address["A"]
@@ -339,8 +339,9 @@ def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() ->
     it._top_up()  # as the caller's next next() does
     assert list(lane.sent) == list(range(1, 8))  # the window grew: 8 ahead of the caller (0 is answered, not yet taken)
     it.close()
-    again, _ = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=seen)
-    assert again._lanes.by_address["A"].window == 8
+    again, _ = _spreading_iterator(["A"], batches=20, prefetch_factor=None, batch_bytes=seen)
+    lane = again._lanes.by_address["A"]
+    assert (lane.bound, lane.window) == (16, 16)
     again.close()
 
     big = BatchBytes()
@@ -350,6 +351,10 @@ def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() ->
     it._take_in()
     assert big.known == 68 << 20 and it._lanes.by_address["A"].window == 2
     it.close()
+    again, _ = _spreading_iterator(["A"], batches=12, prefetch_factor=None, batch_bytes=big)
+    lane = again._lanes.by_address["A"]
+    assert (lane.bound, lane.window) == (8, 2)  # large batches: the next epoch's lane is opened as the first one's
+    again.close()
 
     # A given prefetch_factor is torch's: its lanes plan all of it, before any batch and whatever the batches weigh.
     given = BatchBytes()

@@ -1,7 +1,7 @@
 """A loader's window (client/epoch/window.py): torch's prefetch_factor as given; by default the daemon may work
-4 batches per worker ahead, and a map-style loader plans fewer for large batches (64 MiB per worker), never under
-torch's 2 per worker, and 2 per worker until it has received a batch; the bytes of its first batch are what it
-goes by (client/wire/array_bytes.py)."""
+8 batches per worker ahead (16 once the loader knows its batches are small), and a map-style loader plans fewer
+for large batches (64 MiB per worker), never under torch's 2 per worker, and 2 per worker until it has received a
+batch; the bytes of its first batch are what it goes by (client/wire/array_bytes.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loaderd.epoch.window import BatchBytes, planned_window, window_size
+from loaderd.epoch.window import BatchBytes, map_prefetch, planned_window, window_size
 from loaderd.wire.array_bytes import array_bytes
 
 pytestmark = pytest.mark.timeout(10)
@@ -28,6 +28,27 @@ def test_the_daemon_may_work_8_per_worker_ahead_by_default_and_4_per_iterable_re
     assert window_size(None, 0) == 8
     assert window_size(None, 2, iterable=True) == 8
     assert window_size(None, 0, iterable=True) == 4
+    assert window_size(None, 2, iterable=True, batch_bytes=128) == 8  # an iterable's credit ignores the bytes
+    assert window_size(3, 2, batch_bytes=128) == 6  # a given prefetch_factor is torch's
+
+
+@pytest.mark.parametrize(
+    ("batch_bytes", "per_worker"),
+    [
+        (None, 8),  # none seen yet
+        (0, 16),  # no arrays (or a structure that could not be counted)
+        (1024, 16),  # bench_loaders' tiny: 32 x 8 floats
+        (4 << 20, 16),  # 16 of them are the 64 MiB a worker plans at most
+        ((4 << 20) + 1, 8),
+        (12_582_912, 8),  # f32 3x64x64 x 256: as before, whatever it plans within
+    ],
+)
+def test_a_loader_that_knows_its_batches_are_small_opens_16_per_worker(batch_bytes: int | None, per_worker: int) -> None:
+    assert map_prefetch(batch_bytes) == per_worker
+    assert window_size(None, 2, batch_bytes=batch_bytes) == 2 * per_worker
+    bound = window_size(None, 2, batch_bytes=batch_bytes)
+    if batch_bytes is not None and per_worker == 16:
+        assert planned_window(bound, batch_bytes) == bound  # a small loader's later epochs plan all of it
 
 
 @pytest.mark.parametrize(
