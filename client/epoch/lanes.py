@@ -17,7 +17,7 @@ import queue
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.outage import OutageClock
 from loaderd.epoch.positions import Positions
-from loaderd.epoch.window import planned_window, window_size
+from loaderd.epoch.window import map_prefetch, planned_window, window_size
 from loaderd.fleet.fleet import Usable
 from loaderd.stream.lane import Lane, LaneEvent, client_name
 from loaderd.v1 import loaderd_pb2 as pb
@@ -44,6 +44,10 @@ class EpochLanes:
         self._positions = positions
         self._outage = outage
         self.by_address: dict[str, Lane] = {}
+        # The default batches a pool worker, fixed for the epoch from what the loader knew of its batches at the
+        # start (loaderd.epoch.window): every lane opens alike, one opened mid-epoch (failover, a daemon that
+        # joined) too, so placement by room splits work evenly over equal pools.
+        self._map_prefetch = map_prefetch(stream.batch_bytes.known)
         self.usable: set[str] = set()
 
     def look(self) -> list[Usable]:
@@ -58,12 +62,12 @@ class EpochLanes:
         return [lane for address, lane in lanes.items() if address in self.usable] or list(lanes.values())
 
     def window(self, pool_workers: int) -> int:
-        """Batches a daemon may work ahead on a lane: per pool worker (by default more once the loader knows its
-        batches are small), or an iterable's per replica."""
+        """Batches a daemon may work ahead on a lane: per pool worker (by default the epoch's ``map_prefetch``),
+        or an iterable's per replica."""
         stream = self._stream
         if stream.iterable:
             return window_size(stream.prefetch_factor, stream.num_workers, iterable=True)
-        return window_size(stream.prefetch_factor, pool_workers, batch_bytes=stream.batch_bytes.known)
+        return window_size(stream.prefetch_factor, pool_workers, per_worker=self._map_prefetch)
 
     def _plan(self, lane: Lane) -> None:
         """A map-style lane (positioned, or a share's) of a loader without ``prefetch_factor`` plans by its

@@ -336,12 +336,15 @@ def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() ->
     calls.made["A"].epoch.post(Heard.BATCH, torch.zeros(8))
     it._take_in()
     assert seen.known == 32 and lane.window == 8
+    assert it._lanes.window(1) == 8  # a lane this epoch opens later (failover, a daemon that joins) opens alike
     it._top_up()  # as the caller's next next() does
     assert list(lane.sent) == list(range(1, 8))  # the window grew: 8 ahead of the caller (0 is answered, not yet taken)
     it.close()
     again, _ = _spreading_iterator(["A"], batches=20, prefetch_factor=None, batch_bytes=seen)
     lane = again._lanes.by_address["A"]
     assert (lane.bound, lane.window) == (16, 16)
+    again._top_up()
+    assert list(lane.sent) == list(range(16))  # all 16 planned from the epoch's start
     again.close()
 
     big = BatchBytes()

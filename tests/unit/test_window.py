@@ -28,15 +28,15 @@ def test_the_daemon_may_work_8_per_worker_ahead_by_default_and_4_per_iterable_re
     assert window_size(None, 0) == 8
     assert window_size(None, 2, iterable=True) == 8
     assert window_size(None, 0, iterable=True) == 4
-    assert window_size(None, 2, iterable=True, batch_bytes=128) == 8  # an iterable's credit ignores the bytes
-    assert window_size(3, 2, batch_bytes=128) == 6  # a given prefetch_factor is torch's
+    assert window_size(None, 2, iterable=True, per_worker=16) == 8  # an iterable's credit is per replica
+    assert window_size(3, 2, per_worker=16) == 6  # a given prefetch_factor is torch's
 
 
 @pytest.mark.parametrize(
     ("batch_bytes", "per_worker"),
     [
         (None, 8),  # none seen yet
-        (0, 16),  # no arrays (or a structure that could not be counted)
+        (0, 8),  # no arrays counted (bytes, strings): their size is unknown
         (1024, 16),  # bench_loaders' tiny: 32 x 8 floats
         (4 << 20, 16),  # 16 of them are the 64 MiB a worker plans at most
         ((4 << 20) + 1, 8),
@@ -45,31 +45,19 @@ def test_the_daemon_may_work_8_per_worker_ahead_by_default_and_4_per_iterable_re
 )
 def test_a_loader_that_knows_its_batches_are_small_opens_16_per_worker(batch_bytes: int | None, per_worker: int) -> None:
     assert map_prefetch(batch_bytes) == per_worker
-    assert window_size(None, 2, batch_bytes=batch_bytes) == 2 * per_worker
-    bound = window_size(None, 2, batch_bytes=batch_bytes)
-    if batch_bytes is not None and per_worker == 16:
+    bound = window_size(None, 2, per_worker=map_prefetch(batch_bytes))
+    assert bound == 2 * per_worker
+    if per_worker == 16:
         assert planned_window(bound, batch_bytes) == bound  # a small loader's later epochs plan all of it
 
 
-@pytest.mark.parametrize(
-    ("workers", "batch_bytes", "window"),
-    [
-        (2, None, 4),  # no batch seen yet: torch's depth
-        (0, None, 2),  # a daemon with no pool size known: one worker's
-        (2, 128, 16),  # tiny batches: the full default
-        (2, 0, 16),  # no arrays (or a structure that could not be counted)
-        (2, 12_582_912, 10),  # bench_loaders' float32 3x64x64 x 256: 10 fit in 2 x 64 MiB
-        (2, 9_633_792, 13),  # its uint8 3x224x224 x 64
-        (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
-        (4, 38_535_680, 8),  # 4 workers: 6 fit, torch's 8
-        (2, 30 * MB, 4),  # 4 fit
-        (4, 20 * MB, 13),  # between the two
-    ],
-)
-def test_the_plan_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
-    bound = window_size(None, workers)
-    assert planned_window(bound, batch_bytes) == window
-    assert window <= bound  # never past what the daemon was told
+@pytest.mark.parametrize(("workers", "window"), [(1, 16), (4, 64), (5, 64), (8, 64), (9, 72), (16, 128)])
+def test_small_batches_depth_stops_at_the_daemon_s_default_max_window(workers: int, window: int) -> None:
+    """Past 64 (the daemon's default ``max_window``) the daemon would cap it unseen: 16 a worker up to 64 in all,
+    never under the 8 a worker of larger batches."""
+    bound = window_size(None, workers, per_worker=16)
+    assert bound == window
+    assert planned_window(bound, 1024) == bound
 
 
 class SelfHolding(list):  # a user's collate may return anything
