@@ -60,6 +60,27 @@ def test_small_batches_depth_stops_at_the_daemon_s_default_max_window(workers: i
     assert planned_window(bound, 1024) == bound
 
 
+@pytest.mark.parametrize(
+    ("workers", "batch_bytes", "window"),
+    [
+        (2, None, 4),  # no batch seen yet: torch's depth
+        (0, None, 2),  # a daemon with no pool size known: one worker's
+        (2, 128, 32),  # tiny batches: the full default (16 a worker, their bytes known)
+        (2, 0, 16),  # no arrays (or a structure that could not be counted): 8 a worker, all planned
+        (2, 12_582_912, 10),  # bench_loaders' float32 3x64x64 x 256: 10 fit in 2 x 64 MiB
+        (2, 9_633_792, 13),  # its uint8 3x224x224 x 64
+        (2, 38_535_680, 4),  # the image pipeline's float32 64x3x224x224: 3 fit, torch's 4 is the least
+        (4, 38_535_680, 8),  # 4 workers: 6 fit, torch's 8
+        (2, 30 * MB, 4),  # 4 fit
+        (4, 20 * MB, 13),  # between the two
+    ],
+)
+def test_the_plan_follows_the_batches_bytes(workers: int, batch_bytes: int | None, window: int) -> None:
+    bound = window_size(None, workers, per_worker=map_prefetch(batch_bytes))
+    assert planned_window(bound, batch_bytes) == window
+    assert window <= bound  # never past what the daemon was told
+
+
 class SelfHolding(list):  # a user's collate may return anything
     pass
 
