@@ -7,13 +7,13 @@ and a map-style loader's quick batches come in groups of up to 4 that a worker h
 the next (server/worker/result_group.py): with 4 per worker, the batches held left the trainer waiting
 (bench_ab f32 0.93x). An epoch of a loader that knows its batches are small (``SMALL_MAP_PREFETCH`` of them
 fit in ``WINDOW_BYTES_PER_WORKER``: 4 MiB or less, counted from its first batch) opens its streams with 16 per
-worker, up to ``SMALL_WINDOW_MOST`` in all (``map_prefetch``, fixed for the epoch: its first epoch keeps 8): with
-8, a pool making batches of a KiB waited for tasks a third of its time, and 16 made 1.19-1.33x and 1.16-1.28x
-their batches/s over shared memory and gRPC (bench_ab tiny, AMD EPYC, two runs). Large batches, and batches whose size could not
-be counted, keep 8: 16 for every loader measured 0.93-0.95x on f32 in three runs (within the noise pairwise,
-never found where; tests/bench/HISTORY.md), so their requests stay byte for byte what they were.
-A map-style loader also plans fewer ahead for large batches (``planned_window``; a
-share's lanes too): each batch in flight holds a shared-memory slot that the pool worker and the training
+worker, up to ``SMALL_WINDOW_MOST`` in all (``map_prefetch``, fixed for the epoch: its first epoch keeps 8):
+with 8, a pool making batches of a KiB waited for tasks a third of its time, and 16 made 1.19-1.33x and
+1.16-1.28x their batches/s over shared memory and gRPC (bench_ab tiny, AMD EPYC, two runs). Large batches, and
+batches whose size could not be counted, keep 8: 16 for every loader measured 0.93-0.95x on f32 in three runs
+(within the noise pairwise, never found where; tests/bench/HISTORY.md), so their requests stay byte for byte
+what they were. A map-style loader also plans fewer ahead for large batches (``planned_window``; a share's
+lanes too): each batch in flight holds a shared-memory slot that the pool worker and the training
 process both map, so it plans at most ``WINDOW_BYTES_PER_WORKER`` of batches per worker, never fewer than
 torch's 2 per worker (an image pipeline's 38.5 MB batches: 4 in flight with 2 workers, as before groups).
 Until the loader has received a batch it plans torch's 2 per worker, so that a first epoch of large

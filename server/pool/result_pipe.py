@@ -29,7 +29,9 @@ import os
 import pickle
 import struct
 import termios
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TypeVar
 
 from loaderd.server.worker.tasks import TASK_FRAME, Result
 
@@ -38,6 +40,7 @@ from loaderd.server.worker.tasks import TASK_FRAME, Result
 _CHUNK = 1 << 16
 _LONG = struct.Struct("!Q")
 _COUNT = struct.Struct("i")
+_T = TypeVar("_T")
 
 
 class ResultPipe:
@@ -55,26 +58,12 @@ class ResultPipe:
 
     def recv(self) -> Result:
         """The next result, unpickled (blocking until it is whole). EOFError at the pipe's end."""
-        header, size = self._next_header()
-        begin = self._start + header
-        if len(self._buffer) - begin < size:
-            result: Result = pickle.loads(self._rest_of_frame(begin, size))
-            return result
-        with memoryview(self._buffer) as view:  # unpickled where it was read: no copy of the frame
-            result = pickle.loads(view[begin : begin + size])
-        self._advance(header + size)
+        result: Result = self._take(pickle.loads)
         return result
 
     def recv_bytes(self) -> bytes:
         """The next frame's bytes (blocking until it is whole). EOFError at the pipe's end."""
-        header, size = self._next_header()
-        begin = self._start + header
-        if len(self._buffer) - begin < size:
-            return self._rest_of_frame(begin, size)
-        with memoryview(self._buffer) as view:
-            data = bytes(view[begin : begin + size])
-        self._advance(header + size)
-        return data
+        return self._take(bytes)
 
     def whole(self) -> bool:
         """Whether a whole frame is buffered (read already: no read needed to take it)."""
@@ -114,6 +103,18 @@ class ResultPipe:
             parsed = self._header()
             assert parsed is not None
         return parsed
+
+    def _take(self, convert: Callable[[memoryview | bytes], _T]) -> _T:
+        """The next frame, whole (read on, blocking, where it is not), passed to ``convert``: a buffered one as a
+        view of the buffer, where it was read (no copy of it), then handed out."""
+        header, size = self._next_header()
+        begin = self._start + header
+        if len(self._buffer) - begin < size:
+            return convert(self._rest_of_frame(begin, size))
+        with memoryview(self._buffer) as view:
+            value = convert(view[begin : begin + size])
+        self._advance(header + size)
+        return value
 
     def _rest_of_frame(self, begin: int, size: int) -> bytes:
         """A frame larger than what is buffered (from ``begin``): that, then the rest read in pieces as large as what
