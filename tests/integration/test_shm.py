@@ -323,7 +323,9 @@ def mid_dataset(n: int = MID_N) -> Any:
 def test_replay_buffer_of_shm_batches_never_changes(roomy: SharedDaemon) -> None:
     daemon = roomy.get()
     pid = daemon_pid(daemon)
-    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=5)
+    # prefetch_factor 2 (a window of 4): the default lets small batches run 16 a worker ahead, a whole
+    # epoch of 25, and then every batch can take a new slot before any dropped one comes back.
+    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=5, prefetch_factor=2)
 
     # Epochs 0-2: every batch is kept (each holds its slot; none may be reused).
     kept: list[list[Any]] = [iterate_epoch(loader, 30) for _ in range(3)]
