@@ -62,6 +62,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from loaderd.epoch.window import window_size
+
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from bench_datasets import count_calls  # noqa: E402 - imported once sys.path holds what it needs (this is a script, not a package)
@@ -801,7 +803,8 @@ SCENARIOS = ("alone", "stalled map", "stalled iterable", "active reader")
 class FairnessResult:
     batches_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     held_items: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    window: int = 0
+    window: int = 0  # the stalled map-style client's
+    iterable_window: int = 0  # the stalled iterable client's
     error: str = ""
 
 
@@ -809,7 +812,8 @@ def run_fairness(bench: Bench, env: Env) -> FairnessResult:
     settings = bench.settings
     reader, other = env.agents[0], env.agents[1]
     base = {"batch_size": settings.batch_size, "timeout": BATCH_TIMEOUT_S, "address": env.daemon.unix_address}
-    result = FairnessResult(window=4 * settings.workers)  # default prefetch_factor 4 x pool (map) or num_workers
+    # The stalled clients take one batch of their first epoch: the client's default windows for it.
+    result = FairnessResult(window=window_size(None, settings.workers), iterable_window=window_size(None, settings.workers, iterable=True))
     others = {  # scenario -> (op, loader name, dataset counted for it)
         "stalled map": ("stall", "stall_map", "held"),
         "stalled iterable": ("stall", "stall_iter", "held_stream"),
@@ -1018,7 +1022,7 @@ def report_fairness(s: Settings, fairness: FairnessResult, item_ms: float) -> li
         f"Reader: `RemoteDataLoader('costly', batch_size={s.batch_size}, shuffle=True)` ({s.items} items of "
         f"~{item_ms:.2f} ms each) on a pool of {s.workers} workers. Stalled client: another process takes one batch "
         f"and holds the iterator without reading (map-style, or an IterableDataset with num_workers={s.workers}); its "
-        f"window is {fairness.window} batches. Active reader: another process reading the same dataset as fast as it "
+        f"window is {fairness.window} batches (map-style) or {fairness.iterable_window} (iterable). Active reader: another process reading the same dataset as fast as it "
         "can (reference).\n"
     )
     if fairness.error:

@@ -610,7 +610,10 @@ def test_pinned_batches_dropped_before_their_queued_copy_ran_arrive_intact(roomy
     (torch's pinned allocator waits on an event for this; ``loaderd.shm.copy_fence`` does it for slots)."""
     daemon = roomy.get()
     pid = daemon_pid(daemon)
-    loader, want = shuffled(daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=2, transport=transport, pin_memory=True)
+    # prefetch_factor 2, as in the replay-buffer test: a window under an epoch, so that dropped slots are refilled.
+    loader, want = shuffled(
+        daemon.address, "mid", mid_dataset(), MID_BATCH, seed=11, epochs=2, transport=transport, pin_memory=True, prefetch_factor=2
+    )
     for epoch in range(2):
         on_gpu, slots = [], []
         for batch in loader:
