@@ -26,6 +26,7 @@ from support.datasets import Slow, Squares
 from torch.utils.data import DistributedSampler
 
 from loaderd import DaemonMismatchError, DaemonUnavailableError, LimitExceededError, LoaderdError, RemoteDataLoader
+from loaderd.epoch.window import window_size
 
 DATASETS = {
     "squares": {"dataset": "support.datasets:Squares", "kwargs": {"n": 240}},
@@ -289,8 +290,12 @@ def test_a_daemon_added_to_dns_mid_epoch_gets_work() -> None:
             assert_same_batches(got, want)
             first, second = group[0].delivered(), group[1].delivered()
             assert second > 10, "the daemon added mid-epoch got no work"
-            # Alike daemons, nobody late: no batch is asked of two daemons (allowing a few at the join).
-            assert first + second <= 150 + 8, f"{first + second} batches computed for 150"
+            # Alike daemons, nobody late: no batch is asked of two daemons but at the join. The new lane's first answers
+            # wait for its stream to open, so the old lane hedges the positions the new one holds meanwhile: at most the
+            # new lane's window (16 for 2 workers; 0-9 more, mostly 7-8, in 20 counted runs on the AMD EPYC host, before
+            # and after cdb096f).
+            join = window_size(None, 2)
+            assert first + second <= 150 + join, f"{first + second} batches computed for 150"
 
 
 @pytest.mark.timeout(60)
