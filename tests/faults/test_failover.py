@@ -290,11 +290,13 @@ def test_a_daemon_added_to_dns_mid_epoch_gets_work() -> None:
             assert_same_batches(got, want)
             first, second = group[0].delivered(), group[1].delivered()
             assert second > 10, "the daemon added mid-epoch got no work"
-            # Alike daemons, nobody late: no batch is asked of two daemons but at the join. The new lane's first answers
-            # wait for its stream to open, so the old lane hedges the positions the new one holds meanwhile: at most the
-            # new lane's window (16 for 2 workers; 0-9 more, mostly 7-8, in 20 counted runs on the AMD EPYC host, before
-            # and after cdb096f).
-            join = window_size(None, 2)
+            # Alike daemons, nobody late: no batch is asked of two daemons but at the join. The new lane gets its whole
+            # first-epoch window of positions at once, each on a hedge clock from then, and its stream's opening makes
+            # them late: the old lane asks some of them again (measured 0-9 duplicates, mostly 7-8, in 20 counted runs
+            # on the AMD EPYC host, before and after cdb096f; 3 of 34 runs passed 8). The allowance is that window, a
+            # heuristic: a slower opening could reach it. (Capping a joining lane at 2 a worker until its first answer
+            # made it worse, 12-13 in 10 of 12 runs: the burst placed on it as it widens queues there and is hedged.)
+            join = window_size(None, 2)  # the cluster's 2 workers a daemon, a first epoch: 16
             assert first + second <= 150 + join, f"{first + second} batches computed for 150"
 
 
