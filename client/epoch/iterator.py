@@ -243,7 +243,7 @@ class RemoteLoaderIter:
         if kind in (Heard.BATCH, Heard.ERROR, Heard.END):
             self._lanes.heard_from(lane)
         if kind in (Heard.BATCH, Heard.ERROR):
-            position = lane.answer()
+            position = lane.answer(event.at)
             if not self._plan.answered(position):
                 # The other answer to a hedged position: the first one counts. Its lane has room
                 # now, and work may wait for it (a lane that took the rest was dropped meanwhile).

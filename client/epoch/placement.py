@@ -36,9 +36,6 @@ class PlacedLane(Asked, Protocol):
     @property
     def address(self) -> str: ...  # the daemon's
 
-    @property
-    def answered(self) -> int: ...  # batches it delivered (0: its daemon has not answered yet)
-
 
 L = TypeVar("L", bound=PlacedLane)
 

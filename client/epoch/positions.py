@@ -9,10 +9,20 @@ The placement policies decide which lane is asked, per mode:
 - ``place_in_order`` (a share): one lane takes every waiting position, in order.
 - ``place_by_room`` (positions spread over daemons): each goes to the lane with the most room
   for its window, none beyond it.
-- ``hedges``: a lane with room is asked for positions another lane is late with (asked longer
-  ago than ``HEDGE_FACTOR`` times what the idle lane takes to answer, at least ``HEDGE_MIN_S``).
-  A slow or loaded daemon then delays the epoch by about that, not by its whole window; daemons
-  alike never hedge (nothing is late), so no work is done twice in the steady state.
+- ``hedges``: a lane with room is asked for positions another lane is late with: a position is
+  late when its lane would answer it more than ``HEDGE_FACTOR`` times, and ``HEDGE_MIN_S``
+  seconds, later than the idle lane would (and it was asked ``HEDGE_MIN_S`` ago at least). Each
+  lane answers in the order it was asked, so a position's wait on its lane is the positions
+  ahead of it there, plus itself, at that lane's pace (seconds an answer,
+  ``loaderd.stream.pace``), plus however long the lane is past its next answer (a stalled or
+  hung daemon, or one still opening its stream, timed from the oldest position it holds); a
+  lane not paced yet counts at the idle lane's pace. The idle lane's wait is its own queue,
+  plus one, at its pace. A slow or stalled daemon then delays the epoch by about that, not by
+  its whole window; daemons alike never hedge (nothing is late: their queues drain at one
+  pace), so no work is done twice in the steady state, however deep the windows. (Until
+  2026-11-29 a position was late once asked twice the idle lane's mean wait ago: a lane's first
+  answers, from the front of its queue, made that mean short, and every epoch of a loader whose
+  windows were deep hedged a few positions it did not need to.)
 
 Used from the epoch's iterator thread only.
 """
@@ -23,9 +33,9 @@ import heapq
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
-# A position is late once asked longer ago than this many times the idle lane's answer time ...
+# A position is late once its lane would answer it this many times later than the idle lane would ...
 HEDGE_FACTOR = 2.0
-# ... and at least this long ago (a lane's first answers make its latency noisy).
+# ... and was asked at least this long ago (a lane's first answers make its pace noisy).
 HEDGE_MIN_S = 0.05
 
 
@@ -39,10 +49,16 @@ class Asked(Protocol):
     def window(self) -> int: ...  # how many it may be asked at once
 
     @property
-    def latency(self) -> float: ...  # seconds from asking a position to its answer (moving average)
+    def sent(self) -> Sequence[int]: ...  # the positions it was asked and has not answered, in the order it answers
 
     @property
-    def sent(self) -> Sequence[int]: ...  # the positions it was asked and has not answered
+    def answered(self) -> int: ...  # how many answers it gave
+
+    @property
+    def pace(self) -> float: ...  # seconds between its answers while it had work (moving average; 0.0: not known yet)
+
+    @property
+    def last_answer_at(self) -> float: ...  # when it last answered (the clock of ``now``; read only once it answered)
 
 
 L = TypeVar("L", bound=Asked)
@@ -146,23 +162,53 @@ class Positions(Generic[L]):
             self._asked_at[position] = now
         return groups
 
-    def hedges(self, idle: Sequence[L], now: float) -> dict[L, list[int]]:
-        """The positions ``idle`` lanes (with room, answering) are asked too, because their lanes are late."""
+    def hedges(self, lanes: Sequence[L], idle: Sequence[L], now: float) -> dict[L, list[int]]:
+        """The positions ``idle`` lanes (with room, answering) are asked too, because their lanes (among ``lanes``,
+        the epoch's open ones) are late with them (the module docstring's rule), lowest first."""
+        thieves = [lane for lane in idle if lane.pace > 0.0 and lane.outstanding < lane.window]
+        if not thieves:
+            return {}
+        quickest = min(_wait(lane, 0) for lane in thieves)
+        late: list[tuple[int, L, float]] = []  # (position, its lane, the seconds until that lane answers it)
+        for holder in lanes:
+            if not holder.sent:
+                continue
+            # Not paced yet (loaderd.stream.pace): counted as quick as the quickest idle lane (an unpaced lane is
+            # none of them).
+            pace = holder.pace or min(lane.pace for lane in thieves)
+            # How far the lane is past its next answer: from its last one (from the oldest position it holds
+            # until its first: a stream still opening).
+            since = now - (holder.last_answer_at if holder.answered else self._asked_at.get(holder.sent[0], now))
+            behind = max(0.0, since - pace)
+            if not _late(behind + len(holder.sent) * pace, quickest):
+                continue  # even its last position is not late: the steady state, nothing to scan
+            for depth, position in enumerate(holder.sent):
+                wait = behind + (depth + 1) * pace
+                if not _late(wait, quickest) or position in self._hedged:
+                    continue
+                holders = self._holders.get(position)
+                if holders is None or len(holders) != 1 or now - self._asked_at.get(position, now) < HEDGE_MIN_S:
+                    continue  # answered (by a hedge), or held by another lane too, or asked just now
+                late.append((position, holder, wait))
         groups: dict[L, list[int]] = {}
-        for position in sorted(self._holders):
-            holders = self._holders[position]
-            if not holders or position in self._hedged:
-                continue
-            room = [lane for lane in idle if lane.outstanding + len(groups.get(lane, ())) < lane.window]
+        for position, holder, wait in sorted(late, key=lambda item: item[0]):
+            room = [lane for lane in thieves if lane is not holder and lane.outstanding + len(groups.get(lane, ())) < lane.window]
             if not room:
-                break
-            candidates = [lane for lane in room if lane not in holders]
-            if not candidates:
                 continue
-            thief = min(candidates, key=lambda lane: lane.latency)
-            if now - self._asked_at[position] < max(HEDGE_MIN_S, HEDGE_FACTOR * thief.latency):
+            thief = min(room, key=lambda lane: _wait(lane, len(groups.get(lane, ()))))
+            if not _late(wait, _wait(thief, len(groups.get(thief, ())))):
                 continue
             self._hedged.add(position)
-            holders.append(thief)
+            self._holders[position].append(thief)
             groups.setdefault(thief, []).append(position)
         return groups
+
+
+def _wait(lane: Asked, extra: int) -> float:
+    """Seconds until ``lane`` would answer a position asked now, behind what it holds and ``extra`` more."""
+    return (lane.outstanding + extra + 1) * lane.pace
+
+
+def _late(wait: float, thief_wait: float) -> bool:
+    """Whether a position its lane answers in ``wait`` seconds is late against a lane that would in ``thief_wait``."""
+    return wait > HEDGE_FACTOR * thief_wait and wait - thief_wait >= HEDGE_MIN_S

@@ -54,7 +54,7 @@ class SpreadPlacement(Generic[L]):
         ]
         if not idle:
             return NOTHING
-        return positions.hedges(idle, self._clock())
+        return positions.hedges(list(lanes.by_address.values()), idle, self._clock())
 
     def poll_s(self, lanes: LaneSet[L]) -> float:
         return HEDGE_POLL_S if len(lanes.by_address) > 1 else POLL_S

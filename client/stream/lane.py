@@ -32,6 +32,7 @@ from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
 from loaderd.stream.call_receiver import CallEpoch
 from loaderd.stream.heard import Heard
+from loaderd.stream.pace import AnswerPace
 from loaderd.stream.receive_buffers import ReceiveBuffers
 from loaderd.stream.stream_call import Progress, StreamCall, StreamCalls
 from loaderd.v1 import loaderd_pb2 as pb
@@ -48,12 +49,14 @@ def client_name() -> str:
 class LaneEvent:
     """Something a lane's stream said.
 
-    ``kind`` says what, and what ``payload`` holds (loaderd.stream.heard).
+    ``kind`` says what, and what ``payload`` holds (loaderd.stream.heard); ``at``: when the receiver's thread
+    heard it (``time.monotonic``), which is when the daemon's answer came, however late the iterator reads it.
     """
 
     lane: Lane
     kind: Heard
     payload: Any = None
+    at: float = 0.0
 
 
 def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, payload: Any = None) -> None:
@@ -62,7 +65,7 @@ def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, pa
     if lane is not None:
         if kind is Heard.DRAINING:
             lane.end_ahead()
-        events.put(LaneEvent(lane, kind, payload))
+        events.put(LaneEvent(lane, kind, payload, time.monotonic()))
 
 
 def _abandon(call: StreamCall, session: ShmSession | None, token: int) -> None:
@@ -104,7 +107,7 @@ class Lane:
         self.progress = Progress(0 if opening.positioned else opening.start)
         # A positioned lane: the positions it answered that the caller has not got to yet (a heap).
         self._ahead_of_caller: list[int] = []
-        self.latency = 0.0  # moving average of seconds from sending a position to its answer
+        self._pace = AnswerPace()  # how fast its daemon answers (hedging reads it)
         self.closed = False
         # An epoch planned ahead that nobody iterates yet (loaderd.epoch.next_epoch): set by hold_ahead,
         # cleared by take_over; the lock orders those against end_ahead on the receiver's thread.
@@ -139,6 +142,16 @@ class Lane:
     @property
     def outstanding(self) -> int:
         return len(self.sent)
+
+    @property
+    def pace(self) -> float:
+        """Seconds its daemon takes an answer while it has work (0.0: not known yet; ``AnswerPace``)."""
+        return self._pace.seconds
+
+    @property
+    def last_answer_at(self) -> float:
+        """When its last answer came (``time.monotonic``; 0.0: none yet)."""
+        return self._pace.last_at
 
     def plan_within(self, window: int) -> None:
         """Plan ``window`` batches ahead on this lane (never more than the daemon was told it may work ahead)."""
@@ -198,9 +211,9 @@ class Lane:
         """Tell an iterable lane how far the caller got (its credit), or any lane how long it waited."""
         self._call.send(pb.StreamRequest(plan=pb.PlanBatches(consumed=consumed, stalled_us=stalled_us)))
 
-    def answer(self) -> int:
+    def answer(self, at: float) -> int:
         """The position the lane's next answer is for (sent positions in order; an iterable lane counts on
-        from ``start``); its latency is noted."""
+        from ``start``). ``at``: when the answer came (``LaneEvent.at``), for the lane's pace."""
         if not self.sent:
             position = self.next_position
             self.next_position += 1
@@ -209,8 +222,7 @@ class Lane:
         position = self.sent.popleft()
         if self._positioned:
             heapq.heappush(self._ahead_of_caller, position)
-        took = time.monotonic() - self._sent_at.popleft()
-        self.latency = took if self.answered == 0 else 0.8 * self.latency + 0.2 * took
+        self._pace.answered(at, self._sent_at.popleft())
         self.answered += 1
         self.next_position = position + 1
         return position

@@ -18,8 +18,9 @@ from loaderd.fleet.fleet import Usable
 class FakeLane:
     address: str
     window: int = 4
-    latency: float = 0.0
+    pace: float = 0.0
     answered: int = 0
+    last_answer_at: float = 0.0
     start: int | None = None  # None: positioned; else where the contiguous lane opened
     sent: deque[int] = field(default_factory=deque)
     credits: list[tuple[int, int]] = field(default_factory=list)

@@ -306,7 +306,8 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     for position in list(fast.sent):
         answer(fast, position)
     slow_owes = list(slow.sent)
-    it._positions.restart_clocks(time.monotonic() - 1.0)  # the slow one's positions are late now
+    fast._pace.seconds = 0.005  # paced, as after a few more answers (loaderd.stream.pace)
+    it._positions.restart_clocks(time.monotonic() - 1.0)  # the slow one's positions are late now (it never answered)
     it._hedge()
     assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
     for position in list(fast.sent):

@@ -12,7 +12,9 @@ from loaderd.epoch.positions import HEDGE_MIN_S, Positions
 class FakeLane:
     name: str
     window: int
-    latency: float = 0.0
+    pace: float = 0.0
+    answered: int = 0
+    last_answer_at: float = 0.0
     sent: deque[int] = field(default_factory=deque)
 
     @property
@@ -59,13 +61,82 @@ def test_answers_leave_the_table_once_and_a_lost_lane_gives_back_what_only_it_he
 
 def test_a_late_position_is_hedged_once_by_an_idle_lane_and_the_first_answer_counts() -> None:
     positions = planned(2)
-    slow, fast = FakeLane("slow", window=2), FakeLane("fast", window=2, latency=0.01)
+    slow, fast = FakeLane("slow", window=2), FakeLane("fast", window=2, pace=0.01, answered=9, last_answer_at=0.0)
     slow.ask(positions.place_by_room([slow], now=0.0)[slow])
-    assert positions.hedges([fast], now=HEDGE_MIN_S / 2) == {}, "not late yet"
-    assert positions.hedges([fast], now=1.0) == {fast: [0, 1]}
-    assert positions.hedges([FakeLane("third", window=2)], now=2.0) == {}, "hedged once"
+    assert positions.hedges([slow, fast], [fast], now=HEDGE_MIN_S / 2) == {}, "not late yet"
+    assert positions.hedges([slow, fast], [fast], now=1.0) == {fast: [0, 1]}, "a stream that has not answered in 1 s"
+    third = FakeLane("third", window=2, pace=0.01, answered=9)
+    assert positions.hedges([slow, fast, third], [third], now=2.0) == {}, "hedged once"
     assert positions.answered(1) is True and positions.answered(1) is False
     assert positions.lane_lost(slow) == 0, "position 0 is still held by the hedging lane"
+
+
+def alike(name: str, pace: float, now: float, window: int = 32) -> FakeLane:
+    """A lane that answers every ``pace`` seconds, its last answer just now."""
+    return FakeLane(name, window=window, pace=pace, answered=20, last_answer_at=now)
+
+
+def holding(queues: list[tuple[FakeLane, range]], asked_at: float) -> Positions[FakeLane]:
+    """Each lane asked for the positions of its queue, in order, at ``asked_at``."""
+    positions: Positions[FakeLane] = Positions()
+    for lane, queue in queues:
+        for position in queue:
+            positions.plan(position, [position])
+        lane.ask(positions.place_by_room([lane], now=asked_at).get(lane, []))
+        assert list(lane.sent) == list(queue)
+    return positions
+
+
+def test_lanes_alike_with_deep_queues_never_hedge() -> None:
+    # Two daemons alike, 27 and 28 positions queued, asked long ago: each answers its own at the same pace, so none is
+    # late, however old (the old rule hedged positions asked twice a lane's mean wait ago, a mean its first answers,
+    # from the front of its queue, made short: 4 needless batches an epoch in a test at 32 a lane).
+    now = 10.0
+    a, b = alike("A", 0.008, now), alike("B", 0.008, now)
+    positions = holding([(a, range(0, 54, 2)), (b, range(1, 57, 2))], asked_at=0.0)
+    assert positions.hedges([a, b], [a, b], now) == {}
+
+
+def test_a_slow_lane_loses_the_positions_a_quick_one_would_answer_sooner_lowest_first() -> None:
+    now = 10.0
+    slow = alike("slow", 0.060, now)  # 60 ms an answer: position 7 in 480 ms
+    quick = alike("quick", 0.004, now, window=6)  # 4 ms an answer, 2 queued: a new one in 12 ms; room for 4
+    positions = holding([(slow, range(0, 8)), (quick, range(8, 10))], asked_at=0.0)
+    # Position 0 comes in 60 ms, against 12 (24 for the fourth taken): not HEDGE_MIN_S sooner. 1-4 are.
+    assert positions.hedges([slow, quick], [quick], now) == {quick: [1, 2, 3, 4]}
+
+
+def test_a_stalled_lane_is_late_from_its_head_and_a_quiet_one_is_not() -> None:
+    for quiet, hedged in [(0.005, []), (1.0, [0, 1])]:
+        stalled = alike("stalled", 0.008, now=10.0 - quiet)  # last answered ``quiet`` s ago
+        idle = alike("idle", 0.008, now=10.0)
+        positions = holding([(stalled, range(0, 2))], asked_at=0.0)
+        got = positions.hedges([stalled, idle], [idle], now=10.0)
+        assert got == ({idle: hedged} if hedged else {}), quiet
+
+
+def test_a_lane_still_opening_is_late_only_once_its_opening_outlasts_the_idle_lanes_queue() -> None:
+    opening = FakeLane("opening", window=16)
+    idle = alike("idle", 0.008, now=0.0)
+    positions = holding([(opening, range(16)), (idle, range(16, 28))], asked_at=0.0)  # idle: a new position in 104 ms
+    idle.last_answer_at = 0.06
+    # At 60 ms, counted at the idle lane's pace behind the time it has been opening, its last position comes in
+    # 52 + 128 ms: not twice the idle lane's 104.
+    assert positions.hedges([opening, idle], [idle], 0.06) == {}
+    # At 300 ms every position it holds is late: lowest first, until the idle lane's own queue, growing with each one it
+    # takes, would answer the next no sooner (the first 12, then only some of the deepest).
+    idle.last_answer_at = 0.3
+    got = positions.hedges([opening, idle], [idle], 0.3)[idle]
+    assert got[:12] == list(range(12)) and len(got) < 16, got
+
+
+def test_an_unpaced_or_full_lane_hedges_nothing() -> None:
+    now = 10.0
+    stalled = alike("stalled", 0.008, now=0.0)
+    unpaced = FakeLane("unpaced", window=8, answered=3, last_answer_at=now)  # fewer gaps than a pace needs
+    full = alike("full", 0.001, now)
+    positions = holding([(stalled, range(0, 4)), (full, range(4, 36))], asked_at=0.0)  # full: 32 of 32
+    assert positions.hedges([stalled, unpaced, full], [unpaced, full], now) == {}
 
 
 def test_restarted_clocks_make_nothing_late() -> None:
@@ -73,6 +144,6 @@ def test_restarted_clocks_make_nothing_late() -> None:
     slow, fast = FakeLane("slow", window=1), FakeLane("fast", window=1)
     slow.ask(positions.place_by_room([slow], now=0.0)[slow])
     positions.restart_clocks(10.0)
-    assert positions.hedges([fast], now=10.0 + HEDGE_MIN_S / 2) == {}
+    assert positions.hedges([slow, fast], [fast], now=10.0 + HEDGE_MIN_S / 2) == {}
     positions.clear()
     assert not positions.outstanding and not positions.waiting

@@ -51,7 +51,7 @@ def test_an_idle_answering_lane_hedges_late_positions_of_another() -> None:
     spread: SpreadPlacement[FakeLane] = SpreadPlacement(clock)
     positions = planned(2)
     lanes = FakeLanes()
-    slow, fast = FakeLane("A", window=2), FakeLane("B", window=2, latency=0.01, answered=1)
+    slow, fast = FakeLane("A", window=2), FakeLane("B", window=2, pace=0.01, answered=1)
     lanes.by_address, lanes.usable = {"A": slow, "B": fast}, {"A", "B"}
     slow.ask(spread.place(positions, [slow])[slow])  # asked at the clock's 0.0
     clock.now = HEDGE_MIN_S / 2
@@ -65,7 +65,7 @@ def test_an_idle_answering_lane_hedges_late_positions_of_another() -> None:
         ("a lane to a daemon that is not usable", lambda: lanes.usable.discard("B")),
         ("a lane without room", lambda: fast.ask([7, 8])),
     ]:
-        positions, fast = planned(2), FakeLane("B", window=2, latency=0.01, answered=1)
+        positions, fast = planned(2), FakeLane("B", window=2, pace=0.01, answered=1)
         slow = FakeLane("A", window=2)
         lanes.by_address, lanes.usable = {"A": slow, "B": fast}, {"A", "B"}
         clock.now = 0.0
