@@ -141,6 +141,11 @@ class RemoteLoaderIter:
             self._dispatch()
 
     def _dispatch(self) -> None:
+        """``_place``, then hedge (``_hedge``)."""
+        self._place()
+        self._hedge()
+
+    def _place(self) -> None:
         """Give waiting positions to the lanes the placement picks; once every position is answered,
         let the daemons finish the streams cleanly."""
         positions = self._positions
@@ -149,7 +154,6 @@ class RemoteLoaderIter:
             stalled_us = int(self._stalled_s * 1e6)
             for lane, asked in groups.items():
                 lane.send(positions.requests(asked), stalled_us)
-        self._hedge()
         if self._plan.final_stretch:
             for lane in self._lanes.by_address.values():
                 lane.final_stretch()
@@ -162,7 +166,8 @@ class RemoteLoaderIter:
 
     def _hedge(self) -> None:
         """Ask lanes with room for positions others are late with, as the placement picks (the first
-        answer counts: ``Positions.hedges``)."""
+        answer counts: ``Positions.hedges``). Only with every answer that arrived taken in: one still
+        queued would make its lane look silent (a trainer slower than its daemons leaves many queued)."""
         groups = self._placement.hedges(self._positions, self._lanes)
         if groups:
             stalled_us = int(self._stalled_s * 1e6)
@@ -199,12 +204,16 @@ class RemoteLoaderIter:
         return Readiness.REFUSED if self._failure is not None else Readiness.READY
 
     def _take_in(self) -> None:
-        """Handle every event that arrived, without waiting."""
+        """Handle every event that arrived, without waiting; then hedge, if any came."""
+        handled = False
         while True:
             try:
                 self._handle(self._events.get_nowait())
             except queue.Empty:
                 break
+            handled = True
+        if handled:
+            self._hedge()
 
     def _catch_up(self) -> None:
         """The first next() of an epoch planned ahead: settle its sampler draw, and take in what arrived."""
@@ -247,13 +256,13 @@ class RemoteLoaderIter:
             if not self._plan.answered(position):
                 # The other answer to a hedged position: the first one counts. Its lane has room
                 # now, and work may wait for it (a lane that took the rest was dropped meanwhile).
-                self._dispatch()
+                self._place()
                 return
             if position >= self._consumed:
                 self._received.setdefault(position, (kind, event.payload))
             if kind is Heard.BATCH and self._stream.batch_bytes.note(event.payload):
                 self._lanes.resize()  # the first batch the loader got: its lanes plan what its bytes allow
-            self._dispatch()
+            self._place()  # hedges wait for the rest of what arrived (``_hedge``)
         elif kind is Heard.END:
             lane.ended = True
             self._plan.ended(lane.next_position)
@@ -344,6 +353,7 @@ class RemoteLoaderIter:
         if self._planned_ahead:
             self._planned_ahead = False
             self._catch_up()
+        self._take_in()  # what arrived while the caller trained: the plan and its hedges see it
         self._top_up()
         # Once its calls were accepted too: a call of this epoch that a daemon refuses (its stream limits) reopens
         # (``_handle``), and a call opened ahead for the next epoch meanwhile would take the place it needs. An

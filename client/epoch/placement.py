@@ -36,6 +36,9 @@ class PlacedLane(Asked, Protocol):
     @property
     def address(self) -> str: ...  # the daemon's
 
+    @property
+    def answered(self) -> int: ...  # batches it delivered (0: its daemon has not answered yet)
+
 
 L = TypeVar("L", bound=PlacedLane)
 

@@ -14,15 +14,17 @@ The placement policies decide which lane is asked, per mode:
   seconds, later than the idle lane would (and it was asked ``HEDGE_MIN_S`` ago at least). Each
   lane answers in the order it was asked, so a position's wait on its lane is the positions
   ahead of it there, plus itself, at that lane's pace (seconds an answer,
-  ``loaderd.stream.pace``), plus however long the lane is past its next answer (a stalled or
-  hung daemon, or one still opening its stream, timed from the oldest position it holds); a
-  lane not paced yet counts at the idle lane's pace. The idle lane's wait is its own queue,
-  plus one, at its pace. A slow or stalled daemon then delays the epoch by about that, not by
-  its whole window; daemons alike never hedge (nothing is late: their queues drain at one
-  pace), so no work is done twice in the steady state, however deep the windows. (Until
-  2026-11-29 a position was late once asked twice the idle lane's mean wait ago: a lane's first
-  answers, from the front of its queue, made that mean short, and every epoch of a loader whose
-  windows were deep hedged a few positions it did not need to.)
+  ``loaderd.stream.pace``), plus however long the lane is past its next answer: the time it has
+  owed an answer (since its last one, or since it was asked the oldest position it holds, if
+  later: a stalled or hung daemon, or one still opening its stream) less one pace. A lane not
+  paced yet counts at the idle lane's pace. The idle lane's wait is its own queue, plus one, at
+  its pace, plus its own lateness. A slow or stalled daemon then delays the epoch by about that,
+  not by its whole window; daemons alike never hedge (their queues drain at one pace), so no
+  work is done twice in the steady state, however deep the windows, as long as every answer
+  that arrived is taken in first (the iterator's ``_hedge``). Until 2026-11-29 a position was
+  late once asked twice the idle lane's mean wait ago: a lane's first answers, from the front of
+  its queue, made that mean short, and every later epoch of a loader with deep windows hedged a
+  few positions it did not need.
 
 Used from the epoch's iterator thread only.
 """
@@ -52,13 +54,13 @@ class Asked(Protocol):
     def sent(self) -> Sequence[int]: ...  # the positions it was asked and has not answered, in the order it answers
 
     @property
-    def answered(self) -> int: ...  # how many answers it gave
+    def pace(self) -> float: ...  # seconds between its answers while it had work (a mean; 0.0: not known yet)
 
     @property
-    def pace(self) -> float: ...  # seconds between its answers while it had work (moving average; 0.0: not known yet)
-
-    @property
-    def last_answer_at(self) -> float: ...  # when it last answered (the clock of ``now``; read only once it answered)
+    def owing_since(self) -> float | None:
+        """Since when it owes an answer and gave none: its last answer, or the oldest position it holds if asked later;
+        None if it holds nothing. On the clock ``hedges`` is given ``now`` by (``time.monotonic`` for a real lane)."""
+        ...
 
 
 L = TypeVar("L", bound=Asked)
@@ -73,6 +75,7 @@ class Positions(Generic[L]):
         self._waiting: list[int] = []  # a heap
         self._hedged: set[int] = set()
         self._asked_at: dict[int, float] = {}  # when a lane was first asked (spread only)
+        self._restarted_at = 0.0  # ``restart_clocks``: no lane owes anything from before then
 
     @property
     def waiting(self) -> bool:
@@ -131,8 +134,10 @@ class Positions(Generic[L]):
         """Count every position as asked ``now`` (an epoch planned ahead asked them before it was iterated)."""
         for position in self._asked_at:
             self._asked_at[position] = now
+        self._restarted_at = now
 
     def clear(self) -> None:
+        self._restarted_at = 0.0
         self._indices.clear()
         self._holders.clear()
         self._waiting.clear()
@@ -168,7 +173,7 @@ class Positions(Generic[L]):
         thieves = [lane for lane in idle if lane.pace > 0.0 and lane.outstanding < lane.window]
         if not thieves:
             return {}
-        quickest = min(_wait(lane, 0) for lane in thieves)
+        quickest = min(self._wait(lane, 0, now) for lane in thieves)
         late: list[tuple[int, L, float]] = []  # (position, its lane, the seconds until that lane answers it)
         for holder in lanes:
             if not holder.sent:
@@ -176,10 +181,7 @@ class Positions(Generic[L]):
             # Not paced yet (loaderd.stream.pace): counted as quick as the quickest idle lane (an unpaced lane is
             # none of them).
             pace = holder.pace or min(lane.pace for lane in thieves)
-            # How far the lane is past its next answer: from its last one (from the oldest position it holds
-            # until its first: a stream still opening).
-            since = now - (holder.last_answer_at if holder.answered else self._asked_at.get(holder.sent[0], now))
-            behind = max(0.0, since - pace)
+            behind = self._behind(holder, pace, now)
             if not _late(behind + len(holder.sent) * pace, quickest):
                 continue  # even its last position is not late: the steady state, nothing to scan
             for depth, position in enumerate(holder.sent):
@@ -195,18 +197,26 @@ class Positions(Generic[L]):
             room = [lane for lane in thieves if lane is not holder and lane.outstanding + len(groups.get(lane, ())) < lane.window]
             if not room:
                 continue
-            thief = min(room, key=lambda lane: _wait(lane, len(groups.get(lane, ()))))
-            if not _late(wait, _wait(thief, len(groups.get(thief, ())))):
+            thief = min(room, key=lambda lane: self._wait(lane, len(groups.get(lane, ())), now))
+            if not _late(wait, self._wait(thief, len(groups.get(thief, ())), now)):
                 continue
             self._hedged.add(position)
             self._holders[position].append(thief)
             groups.setdefault(thief, []).append(position)
         return groups
 
+    def _behind(self, lane: L, pace: float, now: float) -> float:
+        """How far ``lane`` is past its next answer at ``pace``: the time it has owed one, less one pace (0.0 if it
+        owes nothing). Nothing counts from before ``restart_clocks``."""
+        since = lane.owing_since
+        if since is None:
+            return 0.0
+        return max(0.0, now - max(since, self._restarted_at) - pace)
 
-def _wait(lane: Asked, extra: int) -> float:
-    """Seconds until ``lane`` would answer a position asked now, behind what it holds and ``extra`` more."""
-    return (lane.outstanding + extra + 1) * lane.pace
+    def _wait(self, lane: L, extra: int, now: float) -> float:
+        """Seconds until ``lane`` would answer a position asked now, behind what it holds and ``extra`` more (a lane
+        silent past its next answer is that much later)."""
+        return self._behind(lane, lane.pace, now) + (lane.outstanding + extra + 1) * lane.pace
 
 
 def _late(wait: float, thief_wait: float) -> bool:

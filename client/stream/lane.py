@@ -149,9 +149,15 @@ class Lane:
         return self._pace.seconds
 
     @property
-    def last_answer_at(self) -> float:
-        """When its last answer came (``time.monotonic``; 0.0: none yet)."""
-        return self._pace.last_at
+    def owing_since(self) -> float | None:
+        """Since when it owes an answer and gave none (``time.monotonic``): its last answer, or the oldest position it
+        holds if it was asked that later (it had nothing out in between; a stream still opening: since its first).
+        None: it holds nothing. A position another lane answered first stays held here until this lane answers it."""
+        if not self._sent_at:
+            return None
+        if not self._pace.answers:
+            return self._sent_at[0]
+        return max(self._pace.last_at, self._sent_at[0])
 
     def plan_within(self, window: int) -> None:
         """Plan ``window`` batches ahead on this lane (never more than the daemon was told it may work ahead)."""

@@ -301,19 +301,20 @@ def test_a_daemon_added_to_dns_mid_epoch_gets_work() -> None:
 
 @pytest.mark.timeout(120)
 def test_alike_daemons_never_make_a_batch_twice() -> None:
-    """Two daemons alike from the start, one loader over both for three epochs: every position is asked of one
+    """Two daemons alike from the start, one loader over both for four epochs: every position is asked of one
     daemon only. Its later epochs open 16 batches a worker (small batches), deep queues on both lanes: the hedge rule
-    must see that each lane answers its own queue at the same pace (it hedged 4 a later epoch when it compared a
-    position's age with a lane's mean wait, which a lane's first answers made short)."""
+    must see that each lane answers its own queue at the same pace (it hedged 4 a later epoch, 12 here, when it
+    compared a position's age with a lane's mean wait, which a lane's first answers made short)."""
     with cluster(DATASETS, 2) as group:
         want = oracle_loader(Slow(600, 0.004), batch_size=4, shuffle=True, generator=seeded(21))
         loader = RemoteDataLoader("slow", batch_size=4, shuffle=True, generator=seeded(21), address=group.addresses)
-        for epoch in range(3):
+        for _ in range(4):
             assert_same_batches(list(loader), list(want))
         made = group[0].delivered() + group[1].delivered()
-        # One batch of slack an epoch: a daemon stalled on a loaded 2-core host is late by the rule, and rightly hedged.
-        assert made <= 3 * 150 + 3, f"{made} batches made for 3 epochs of 150: alike daemons hedged each other"
-        assert min(group[0].delivered(), group[1].delivered()) > 100, "the epochs were not spread over both daemons"
+        # A little slack: a daemon stalled on a loaded host near an epoch's end, where the other's queue is short, is
+        # late by the rule, and rightly hedged.
+        assert made <= 4 * 150 + 6, f"{made} batches made for 4 epochs of 150: alike daemons hedged each other"
+        assert min(group[0].delivered(), group[1].delivered()) > 150, "the epochs were not spread over both daemons"
 
 
 @pytest.mark.timeout(60)

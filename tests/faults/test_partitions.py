@@ -34,7 +34,7 @@ SLACK_S = 4.0
 # Epochs of a shuffled map-style dataset over the daemons named in argv[1], each checked against torch's
 # as it arrives. Before each epoch it waits for a line on stdin (the test's go); it prints every batch.
 # prefetch_factor 8 (16 batches a lane, every epoch): what a cut-off or slowed daemon holds stays the same in
-# every epoch; by default small batches deepen it to 32 from the second epoch, half a 60-batch epoch.
+# every epoch; by default small batches deepen it to 32 from the second epoch (half of blocks' 60-batch epoch).
 CLIENT = """
 import sys, time, torch
 from torch.utils.data import DataLoader

@@ -20,7 +20,7 @@ class FakeLane:
     window: int = 4
     pace: float = 0.0
     answered: int = 0
-    last_answer_at: float = 0.0
+    owing_since: float | None = None  # set by a test; None: owes nothing, or not late for it
     start: int | None = None  # None: positioned; else where the contiguous lane opened
     sent: deque[int] = field(default_factory=deque)
     credits: list[tuple[int, int]] = field(default_factory=list)

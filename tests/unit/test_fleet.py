@@ -208,13 +208,14 @@ class _Call:
     def __init__(self) -> None:
         self.epoch: Any = None
         self.cancelled = False
+        self.asked: list[int] = []  # the positions its plans asked for, in order
 
     def open(self, opening: pb.OpenStream, epoch: Any, progress: Any) -> bool:
         self.epoch = epoch
         return True
 
     def send(self, request: Any) -> None:
-        pass
+        self.asked.extend(batch.position for batch in request.plan.batches)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -307,7 +308,7 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
         answer(fast, position)
     slow_owes = list(slow.sent)
     fast._pace.seconds = 0.005  # paced, as after a few more answers (loaderd.stream.pace)
-    it._positions.restart_clocks(time.monotonic() - 1.0)  # the slow one's positions are late now (it never answered)
+    time.sleep(0.1)  # the slow one's positions are late now: it has not answered them in 20 of the fast one's paces
     it._hedge()
     assert list(fast.sent) == slow_owes, "the fast daemon hedges the slow one's positions"
     for position in list(fast.sent):
@@ -320,6 +321,33 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
     for position in slow_owes:
         answer(slow, position)  # the first answers counted: these only free A's window
     assert list(slow.sent) == [4, 5] and not it._positions.waiting
+    it.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_caller_slower_than_its_daemons_asks_no_position_twice() -> None:
+    """Two daemons alike answer at their pace while the caller trains, and their answers wait in its queue; one of
+    them answers the rest just as the caller comes back. Taken in before any hedge, what waits shows neither late."""
+    it, calls = _spreading_iterator(["A", "C"], batches=40, prefetch_factor=8)
+    answered = {"A": 0, "C": 0}
+
+    def daemon_answers(address: str, gap_s: float) -> None:
+        call = calls.made[address]
+        while answered[address] < len(call.asked):
+            call.epoch.post(Heard.BATCH, f"batch {call.asked[answered[address]]}")
+            answered[address] += 1
+            time.sleep(gap_s)
+
+    it._top_up()
+    got = []
+    for _ in range(30):
+        daemon_answers("A", 0.001)
+        time.sleep(0.03)  # the caller's step
+        daemon_answers("C", 0.001)
+        got.append(next(it))
+    assert got == [f"batch {p}" for p in range(30)]
+    twice = set(calls.made["A"].asked) & set(calls.made["C"].asked)
+    assert not twice, f"positions asked of both daemons: {sorted(twice)}"
     it.close()
 
 

@@ -10,19 +10,33 @@ from loaderd.epoch.positions import HEDGE_MIN_S, Positions
 
 @dataclass(eq=False)
 class FakeLane:
+    """A lane as placement reads it: what it was asked and when, and when it last answered."""
+
     name: str
     window: int
     pace: float = 0.0
-    answered: int = 0
-    last_answer_at: float = 0.0
+    last_at: float | None = None  # when it last answered (None: never)
     sent: deque[int] = field(default_factory=deque)
+    asked: deque[float] = field(default_factory=deque)  # when each of ``sent`` was asked
 
     @property
     def outstanding(self) -> int:
         return len(self.sent)
 
-    def ask(self, positions: list[int]) -> None:
+    @property
+    def owing_since(self) -> float | None:
+        if not self.asked:
+            return None
+        return self.asked[0] if self.last_at is None else max(self.last_at, self.asked[0])
+
+    def ask(self, positions: list[int], at: float = 0.0) -> None:
         self.sent.extend(positions)
+        self.asked.extend([at] * len(positions))
+
+    def answer(self, at: float) -> int:
+        self.asked.popleft()
+        self.last_at = at
+        return self.sent.popleft()
 
 
 def planned(count: int) -> Positions[FakeLane]:
@@ -61,11 +75,11 @@ def test_answers_leave_the_table_once_and_a_lost_lane_gives_back_what_only_it_he
 
 def test_a_late_position_is_hedged_once_by_an_idle_lane_and_the_first_answer_counts() -> None:
     positions = planned(2)
-    slow, fast = FakeLane("slow", window=2), FakeLane("fast", window=2, pace=0.01, answered=9, last_answer_at=0.0)
+    slow, fast = FakeLane("slow", window=2), FakeLane("fast", window=2, pace=0.01, last_at=0.0)
     slow.ask(positions.place_by_room([slow], now=0.0)[slow])
     assert positions.hedges([slow, fast], [fast], now=HEDGE_MIN_S / 2) == {}, "not late yet"
     assert positions.hedges([slow, fast], [fast], now=1.0) == {fast: [0, 1]}, "a stream that has not answered in 1 s"
-    third = FakeLane("third", window=2, pace=0.01, answered=9)
+    third = FakeLane("third", window=2, pace=0.01, last_at=2.0)
     assert positions.hedges([slow, fast, third], [third], now=2.0) == {}, "hedged once"
     assert positions.answered(1) is True and positions.answered(1) is False
     assert positions.lane_lost(slow) == 0, "position 0 is still held by the hedging lane"
@@ -73,7 +87,7 @@ def test_a_late_position_is_hedged_once_by_an_idle_lane_and_the_first_answer_cou
 
 def alike(name: str, pace: float, now: float, window: int = 32) -> FakeLane:
     """A lane that answers every ``pace`` seconds, its last answer just now."""
-    return FakeLane(name, window=window, pace=pace, answered=20, last_answer_at=now)
+    return FakeLane(name, window=window, pace=pace, last_at=now)
 
 
 def holding(queues: list[tuple[FakeLane, range]], asked_at: float) -> Positions[FakeLane]:
@@ -82,7 +96,7 @@ def holding(queues: list[tuple[FakeLane, range]], asked_at: float) -> Positions[
     for lane, queue in queues:
         for position in queue:
             positions.plan(position, [position])
-        lane.ask(positions.place_by_room([lane], now=asked_at).get(lane, []))
+        lane.ask(positions.place_by_room([lane], now=asked_at).get(lane, []), at=asked_at)
         assert list(lane.sent) == list(queue)
     return positions
 
@@ -119,13 +133,13 @@ def test_a_lane_still_opening_is_late_only_once_its_opening_outlasts_the_idle_la
     opening = FakeLane("opening", window=16)
     idle = alike("idle", 0.008, now=0.0)
     positions = holding([(opening, range(16)), (idle, range(16, 28))], asked_at=0.0)  # idle: a new position in 104 ms
-    idle.last_answer_at = 0.06
+    idle.last_at = 0.06  # answering all along
     # At 60 ms, counted at the idle lane's pace behind the time it has been opening, its last position comes in
     # 52 + 128 ms: not twice the idle lane's 104.
     assert positions.hedges([opening, idle], [idle], 0.06) == {}
     # At 300 ms every position it holds is late: lowest first, until the idle lane's own queue, growing with each one it
     # takes, would answer the next no sooner (the first 12, then only some of the deepest).
-    idle.last_answer_at = 0.3
+    idle.last_at = 0.3
     got = positions.hedges([opening, idle], [idle], 0.3)[idle]
     assert got[:12] == list(range(12)) and len(got) < 16, got
 
@@ -133,10 +147,34 @@ def test_a_lane_still_opening_is_late_only_once_its_opening_outlasts_the_idle_la
 def test_an_unpaced_or_full_lane_hedges_nothing() -> None:
     now = 10.0
     stalled = alike("stalled", 0.008, now=0.0)
-    unpaced = FakeLane("unpaced", window=8, answered=3, last_answer_at=now)  # fewer gaps than a pace needs
+    unpaced = FakeLane("unpaced", window=8, last_at=now)  # fewer gaps than a pace needs
     full = alike("full", 0.001, now)
     positions = holding([(stalled, range(0, 4)), (full, range(4, 36))], asked_at=0.0)  # full: 32 of 32
     assert positions.hedges([stalled, unpaced, full], [unpaced, full], now) == {}
+
+
+def test_a_lane_that_never_answers_loses_every_position_even_once_hedges_answered_its_first() -> None:
+    hung = FakeLane("hung", window=16)
+    idle = alike("idle", 0.008, now=0.0, window=4)
+    positions = holding([(hung, range(16))], asked_at=0.0)
+    now = 0.0
+    while positions.outstanding and now < 4.0:
+        now += 0.01
+        for lane, asked in positions.hedges([hung, idle], [idle], now).items():
+            lane.ask(asked, at=now)
+        if idle.sent and now - idle.asked[0] >= idle.pace:  # the idle daemon answers at its pace
+            positions.answered(idle.answer(now))
+    # The hung lane still holds its first positions (their answers never come): it has owed one since it was asked.
+    assert not positions.outstanding, f"stranded on a hung lane: {sorted(positions.asked())}"
+    assert now < 1.0, now
+
+
+def test_a_thief_silent_past_its_pace_is_that_much_later() -> None:
+    now = 10.0
+    holder = alike("holder", 0.010, now)
+    silent = alike("silent", 0.004, now - 1.0)  # quick, but it has owed an answer for 1 s
+    positions = holding([(holder, range(0, 8)), (silent, range(8, 9))], asked_at=0.0)
+    assert positions.hedges([holder, silent], [silent], now) == {}
 
 
 def test_restarted_clocks_make_nothing_late() -> None:

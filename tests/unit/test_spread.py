@@ -51,25 +51,30 @@ def test_an_idle_answering_lane_hedges_late_positions_of_another() -> None:
     spread: SpreadPlacement[FakeLane] = SpreadPlacement(clock)
     positions = planned(2)
     lanes = FakeLanes()
-    slow, fast = FakeLane("A", window=2), FakeLane("B", window=2, pace=0.01, answered=1)
+    slow, fast = FakeLane("A", window=2), FakeLane("B", window=2, pace=0.01, answered=6)
     lanes.by_address, lanes.usable = {"A": slow, "B": fast}, {"A", "B"}
     slow.ask(spread.place(positions, [slow])[slow])  # asked at the clock's 0.0
+    slow.owing_since = 0.0
     clock.now = HEDGE_MIN_S / 2
     assert spread.hedges(positions, lanes) == {}, "not late yet"
     clock.now = 1.0
     assert spread.hedges(positions, lanes) == {fast: [0, 1]}
     assert spread.hedges(positions, lanes) == {}, "hedged once"
 
+    def unanswered(lane: FakeLane) -> None:
+        lane.answered, lane.pace = 0, 0.0
+
     for why, change in [
-        ("a lane that has not answered yet", lambda: setattr(fast, "answered", 0)),
+        ("a lane that has not answered yet", lambda: unanswered(fast)),
         ("a lane to a daemon that is not usable", lambda: lanes.usable.discard("B")),
         ("a lane without room", lambda: fast.ask([7, 8])),
     ]:
-        positions, fast = planned(2), FakeLane("B", window=2, pace=0.01, answered=1)
+        positions, fast = planned(2), FakeLane("B", window=2, pace=0.01, answered=6)
         slow = FakeLane("A", window=2)
         lanes.by_address, lanes.usable = {"A": slow, "B": fast}, {"A", "B"}
         clock.now = 0.0
         slow.ask(spread.place(positions, [slow])[slow])
+        slow.owing_since = 0.0
         clock.now = 1.0
         change()
         assert spread.hedges(positions, lanes) == {}, f"{why} does not hedge"
