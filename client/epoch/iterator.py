@@ -131,7 +131,7 @@ class RemoteLoaderIter:
                 self._fleet.report(),
                 self._stream.failover_timeout,
             )
-        self._dispatch()
+        self._place()  # hedges wait for the rest of what arrived (``_hedge``)
 
     # ------------------------------------------------------------ plan
 
@@ -204,16 +204,13 @@ class RemoteLoaderIter:
         return Readiness.REFUSED if self._failure is not None else Readiness.READY
 
     def _take_in(self) -> None:
-        """Handle every event that arrived, without waiting; then hedge, if any came."""
-        handled = False
+        """Handle every event that arrived, without waiting; then hedge, with all of it taken in."""
         while True:
             try:
                 self._handle(self._events.get_nowait())
             except queue.Empty:
                 break
-            handled = True
-        if handled:
-            self._hedge()
+        self._hedge()
 
     def _catch_up(self) -> None:
         """The first next() of an epoch planned ahead: settle its sampler draw, and take in what arrived."""

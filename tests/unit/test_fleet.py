@@ -20,7 +20,7 @@ import torch
 import loaderd.fleet.fleet as fleet_module
 import loaderd.fleet.member as member_module
 from loaderd.epoch.epoch_stream import EpochStream
-from loaderd.epoch.iterator import RemoteLoaderIter
+from loaderd.epoch.iterator import _WAKE, RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
 from loaderd.epoch.window import BatchBytes
 from loaderd.errors import LimitExceededError, LoaderdError
@@ -327,7 +327,8 @@ def test_the_late_answers_to_hedged_positions_make_room_for_waiting_work() -> No
 @pytest.mark.timeout(30)
 def test_a_caller_slower_than_its_daemons_asks_no_position_twice() -> None:
     """Two daemons alike answer at their pace while the caller trains, and their answers wait in its queue; one of
-    them answers the rest just as the caller comes back. Taken in before any hedge, what waits shows neither late."""
+    them answers the rest just as the caller comes back, now and then behind news of the fleet (which reconciles the
+    lanes). Taken in before any hedge, what waits shows neither late."""
     it, calls = _spreading_iterator(["A", "C"], batches=40, prefetch_factor=8)
     answered = {"A": 0, "C": 0}
 
@@ -340,9 +341,11 @@ def test_a_caller_slower_than_its_daemons_asks_no_position_twice() -> None:
 
     it._top_up()
     got = []
-    for _ in range(30):
+    for step in range(30):
         daemon_answers("A", 0.001)
         time.sleep(0.03)  # the caller's step
+        if step % 3 == 0:
+            it._events.put(_WAKE)  # the fleet monitor's news (the set of daemons changed) between the two daemons' answers
         daemon_answers("C", 0.001)
         got.append(next(it))
     assert got == [f"batch {p}" for p in range(30)]
