@@ -4,11 +4,12 @@ Every usable daemon gets a positioned lane. A daemon that drains or left DNS giv
 to the others once a lane to one of them is open (with none, it keeps its work). Each waiting
 position goes to the lane with the most room for its window, none beyond it
 (``Positions.place_by_room``): a daemon that answers faster frees its window sooner and gets
-more. A lane with room, to a usable daemon whose pace is known (``loaderd.stream.pace``), is asked for positions another
-lane is late with (``Positions.hedges``: a hedge, the first answer counts), so a slow daemon
-delays the epoch by about twice what a fast one would, not by its window. The clock placement
-reads (``clock``) must be the lanes' own (``time.monotonic``, as ``Lane.owing_since``). With
-several lanes open, the caller's wait looks for late positions every ``HEDGE_POLL_S``.
+more. A lane with room, to a usable daemon whose pace is known (``loaderd.stream.pace``), is
+asked for positions another lane is late with (``Positions.hedges``: a hedge, the first answer
+counts), so a slow daemon delays the epoch by about twice what a fast one would, not by its
+window. The clock placement reads (``clock``) must be the lanes' own (``time.monotonic``, as
+``Lane.owing_since``). With several lanes open, the caller's wait looks for late positions
+every ``HEDGE_POLL_S``.
 """
 
 from __future__ import annotations
