@@ -131,7 +131,7 @@ class RemoteLoaderIter:
                 self._fleet.report(),
                 self._stream.failover_timeout,
             )
-        self._place()  # hedges wait for the rest of what arrived (``_hedge``)
+        self._dispatch()
 
     # ------------------------------------------------------------ plan
 
@@ -141,11 +141,6 @@ class RemoteLoaderIter:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """``_place``, then hedge (``_hedge``)."""
-        self._place()
-        self._hedge()
-
-    def _place(self) -> None:
         """Give waiting positions to the lanes the placement picks; once every position is answered,
         let the daemons finish the streams cleanly."""
         positions = self._positions
@@ -166,8 +161,9 @@ class RemoteLoaderIter:
 
     def _hedge(self) -> None:
         """Ask lanes with room for positions others are late with, as the placement picks (the first
-        answer counts: ``Positions.hedges``). Only with every answer that arrived taken in: one still
-        queued would make its lane look silent (a trainer slower than its daemons leaves many queued)."""
+        answer counts: ``Positions.hedges``). Only from ``_take_in``, with every answer that arrived
+        taken in: one still queued would make its lane look silent (a trainer slower than its daemons
+        leaves many queued); so only while the caller waits, when a late position matters."""
         groups = self._placement.hedges(self._positions, self._lanes)
         if groups:
             stalled_us = int(self._stalled_s * 1e6)
@@ -253,13 +249,13 @@ class RemoteLoaderIter:
             if not self._plan.answered(position):
                 # The other answer to a hedged position: the first one counts. Its lane has room
                 # now, and work may wait for it (a lane that took the rest was dropped meanwhile).
-                self._place()
+                self._dispatch()
                 return
             if position >= self._consumed:
                 self._received.setdefault(position, (kind, event.payload))
             if kind is Heard.BATCH and self._stream.batch_bytes.note(event.payload):
                 self._lanes.resize()  # the first batch the loader got: its lanes plan what its bytes allow
-            self._place()  # hedges wait for the rest of what arrived (``_hedge``)
+            self._dispatch()  # hedges wait for the rest of what arrived (``_hedge``)
         elif kind is Heard.END:
             lane.ended = True
             self._plan.ended(lane.next_position)
@@ -328,7 +324,9 @@ class RemoteLoaderIter:
                 )
             if self._timeout > 0 and waited >= self._timeout:
                 raise BatchTimeoutError(f"RemoteDataLoader timed out after {self._timeout} seconds")
-            self._hedge()
+            self._take_in()  # what arrived meanwhile, then hedges with all of it in (``_hedge``)
+            if self._consumed in self._received:
+                continue
             poll = self._placement.poll_s(self._lanes)
             step = poll if self._timeout <= 0 else max(0.001, min(poll, self._timeout - waited))
             try:
@@ -350,7 +348,6 @@ class RemoteLoaderIter:
         if self._planned_ahead:
             self._planned_ahead = False
             self._catch_up()
-        self._take_in()  # what arrived while the caller trained: the plan and its hedges see it
         self._top_up()
         # Once its calls were accepted too: a call of this epoch that a daemon refuses (its stream limits) reopens
         # (``_handle``), and a call opened ahead for the next epoch meanwhile would take the place it needs. An
