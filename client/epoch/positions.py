@@ -197,8 +197,8 @@ class Positions(Generic[L]):
             room = [lane for lane in thieves if lane is not holder and lane.outstanding + len(groups.get(lane, ())) < lane.window]
             if not room:
                 continue
-            thief = min(room, key=lambda lane: self._wait(lane, len(groups.get(lane, ())), now))
-            if not _late(wait, self._wait(thief, len(groups.get(thief, ())), now)):
+            thief_wait, thief = min(((self._wait(lane, len(groups.get(lane, ())), now), lane) for lane in room), key=lambda item: item[0])
+            if not _late(wait, thief_wait):
                 continue
             self._hedged.add(position)
             self._holders[position].append(thief)

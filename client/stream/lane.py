@@ -55,8 +55,8 @@ class LaneEvent:
 
     lane: Lane
     kind: Heard
+    at: float
     payload: Any = None
-    at: float = 0.0
 
 
 def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, payload: Any = None) -> None:
@@ -65,7 +65,7 @@ def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, pa
     if lane is not None:
         if kind is Heard.DRAINING:
             lane.end_ahead()
-        events.put(LaneEvent(lane, kind, payload, time.monotonic()))
+        events.put(LaneEvent(lane, kind, time.monotonic(), payload))
 
 
 def _abandon(call: StreamCall, session: ShmSession | None, token: int) -> None:
@@ -155,9 +155,8 @@ class Lane:
         None: it holds nothing. A position another lane answered first stays held here until this lane answers it."""
         if not self._sent_at:
             return None
-        if not self._pace.answers:
-            return self._sent_at[0]
-        return max(self._pace.last_at, self._sent_at[0])
+        last = self._pace.last_at
+        return self._sent_at[0] if last is None else max(last, self._sent_at[0])
 
     def plan_within(self, window: int) -> None:
         """Plan ``window`` batches ahead on this lane (never more than the daemon was told it may work ahead)."""

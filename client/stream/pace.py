@@ -20,18 +20,16 @@ class AnswerPace:
 
     def __init__(self) -> None:
         self.seconds = 0.0  # seconds an answer (0.0: not known yet)
-        self.last_at = 0.0  # when the last answer came (read once ``answers`` is not 0)
-        self.answers = 0
+        self.last_at: float | None = None  # when the last answer came (None: none yet)
         self._gaps = 0
         self._mean = 0.0
 
     def answered(self, at: float, asked_at: float) -> None:
         """An answer came ``at``, for a position asked at ``asked_at`` (both ``time.monotonic``)."""
-        if self.answers:
+        if self.last_at is not None:
             self._gaps += 1
             took = max(0.0, at - max(self.last_at, asked_at))
             self._mean += (took - self._mean) / min(self._gaps, GAPS)
             if self._gaps >= GAPS:
                 self.seconds = self._mean
         self.last_at = at
-        self.answers += 1
