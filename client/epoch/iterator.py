@@ -32,10 +32,10 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from loaderd.channel.closer import Finalizer
 from loaderd.channel.rpc_errors import NO_DAEMON_HINT
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.lanes import EpochLanes
@@ -104,7 +104,7 @@ class RemoteLoaderIter:
         # Cancels the streams when the caller drops the iterator (break, del, exception)
         # without relying on __del__; close() does it explicitly. Nothing the iterator
         # holds refers back to it, so dropping it runs this at once.
-        self._finalizer = weakref.finalize(self, _shutdown, self._lanes, self._stop)
+        self._finalizer = Finalizer(self, _shutdown, self._lanes, self._stop)
         # Started by the first next(), once the plan is out: its first look is 0.1 s away, and
         # starting a thread here would delay the epoch's first message by as much as it costs.
         self._monitor_thread: threading.Thread | None = None  # started with the first next()

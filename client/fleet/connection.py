@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,8 @@ try:
 except ImportError:  # a later gRPC moved them: the first channel imports what it needs, as before
     pass
 
+from loaderd.channel.closer import Finalizer
+from loaderd.channel.closer import stop as stop_closer
 from loaderd.channel.credentials import Credentials, open_channel
 from loaderd.channel.threads import join_all, still_running
 from loaderd.errors import LoaderdError
@@ -66,10 +67,10 @@ class DaemonConnection:
         )
         self._session: ShmSession | None = None
         self._session_lock = threading.Lock()
-        # Cancellers of open streams (weakref.finalize objects), run at close.
-        self._stream_closers: list[weakref.finalize] = []
+        # Cancellers of open streams, run at close.
+        self._stream_closers: list[Finalizer] = []
 
-    def track_stream(self, closer: weakref.finalize) -> None:
+    def track_stream(self, closer: Finalizer) -> None:
         """Remember how to cancel an open stream, so close() can end it."""
         with self._session_lock:
             self._stream_closers = [c for c in self._stream_closers if c.alive]
@@ -86,7 +87,7 @@ class DaemonConnection:
             closers, self._stream_closers = self._stream_closers, []
             session, self._session = self._session, None
         for closer in closers:
-            closer()  # a finalize object: runs at most once
+            closer()  # runs at most once
         if session is not None:
             session.close()
         self.channel.close()
@@ -166,6 +167,8 @@ def _close_all() -> None:
     so it runs after the iterators' finalizers have cancelled their streams.
     """
     EXITING.set()
+    # What dropped loaders left open is closed first, on the closer thread (loaderd.channel.closer).
+    stop_closer(EXIT_JOIN_S)
     with _lock:
         connections = list(_connections.values())
         _connections.clear()

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from loaderd.channel.closer import Finalizer
 from loaderd.fleet.connection import DaemonConnection
 from loaderd.shm.session import ShmSession
 from loaderd.stream.call_receiver import CallEpoch
@@ -137,7 +138,7 @@ class Lane:
                 epoch.post(*call.outcome())
         self._call = call
         # Cancels the call if the lane is dropped without close() or finish() (a finalizer, not __del__).
-        self._closer = weakref.finalize(self, _abandon, self._call, session, token)
+        self._closer = Finalizer(self, _abandon, self._call, session, token)
 
     @property
     def outstanding(self) -> int:

@@ -13,7 +13,7 @@ and hands each epoch's messages to that epoch (``CallEpoch.post``): an epoch's m
 with its StreamEnd, and the next epoch's follow. A broken call is data: every
 epoch waiting on it hears ``lost`` (the daemon is gone or going) or ``failed``
 (the request was refused). The thread holds nothing of the ``StreamCall``, so a
-call nobody holds is cancelled by its finalizer.
+call nobody holds is cancelled by its finalizer (on the closer thread: loaderd.channel.closer).
 
 The call's sending thread (gRPC's, running ``_request_stream``) also tells the daemon how far
 the caller got (``Progress``) when no plan message has said so for ``PROGRESS_S``: a
@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from loaderd.channel.closer import Finalizer
 from loaderd.channel.threads import SenderThread, join_all, track
 from loaderd.errors import LoaderdError
 from loaderd.fleet.connection import DaemonConnection
@@ -181,8 +182,8 @@ class StreamCall:
         self._direct = direct  # the receiver owns it (and closes it); requests go through it
         self._direct_key = direct.key if direct is not None else b""  # offered in the call's first open
         call = connection.stream_batches(_request_stream(self._requests, self._stop, self._sender, direct))
-        # Cancels the call once nobody holds this object (a finalizer, not __del__); cancel() runs it.
-        self._closer = weakref.finalize(self, _cancel, call, self._stop, self._requests, self._pid, direct)
+        # Cancels the call once nobody holds this object (on the closer thread: loaderd.channel.closer); cancel() runs it.
+        self._closer = Finalizer(self, _cancel, call, self._stop, self._requests, self._pid, direct)
         receiver = CallReceiver(call, session, address, self._route, self._stop, direct)
         thread = threading.Thread(target=receiver.run, name="loaderd-receiver", daemon=True)
         thread.start()

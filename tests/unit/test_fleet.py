@@ -19,6 +19,7 @@ import torch
 
 import loaderd.fleet.fleet as fleet_module
 import loaderd.fleet.member as member_module
+from loaderd.channel.closer import settle
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.iterator import _WAKE, RemoteLoaderIter
 from loaderd.epoch.start import EpochProgress, EpochStart
@@ -405,7 +406,7 @@ def test_the_default_window_plans_by_the_first_batch_s_bytes_and_keeps_them() ->
 
 def test_a_dropped_iterator_cancels_its_streams_at_once() -> None:
     """Nothing the iterator holds (its lanes, placement, plan) refers back to it: dropping it runs its
-    finalizer without waiting for the cycle collector, and the streams end then."""
+    finalizer without waiting for the cycle collector, and the closer thread ends the streams then."""
     it, calls = _spreading_iterator(["A", "C"], batches=6)
     it._top_up()
     dropped = weakref.ref(it)
@@ -413,6 +414,7 @@ def test_a_dropped_iterator_cancels_its_streams_at_once() -> None:
     try:
         del it
         assert dropped() is None, "the iterator is still referenced (a cycle?)"
+        assert settle(5.0), "the closer thread did not run what the iterator's finalizer posted"
         assert all(call.cancelled for call in calls.made.values()) and len(calls.made) == 2
     finally:
         gc.enable()
