@@ -19,9 +19,11 @@ So loaderd's finalizers close nothing where they run. ``Finalizer(owner, functio
 The closer thread starts with the first Finalizer a process makes (starting a thread takes locks,
 so never from a finalizer) and runs until the process's exit, where ``stop`` (called by the exit
 hook, loaderd.fleet.connection, before it closes the channels) runs what was posted and joins it.
+An owner still alive then is not finalized (``atexit=False``): the exit hook closes its connection,
+which cancels its call, and ends its session, which gives its slots back.
 A forked child gets a closer of its own, started with its own first Finalizer; the work its
 inherited finalizers post is the parent's, and every such function checks the process and does
-nothing in another.
+nothing in another (an inherited lock or event may have been held at the fork).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Finalizer:
         _closer.start()
         # post is looked up at collection: a forked child posts to its own closer.
         self._finalize = weakref.finalize(owner, _post, function, args)
+        self._finalize.atexit = False  # the exit hook closes what is still open (the module's docstring)
 
     def __call__(self) -> None:
         """Run it now, on this thread, unless it ran (or was posted, or detached) already."""
@@ -151,7 +154,7 @@ def _post(function: Callable[..., None], args: tuple[Any, ...]) -> None:
 
 
 def settle(timeout: float) -> bool:
-    """Wait up to ``timeout`` s until the work finalizers posted so far has run (tests; the exit's ``stop``)."""
+    """Wait up to ``timeout`` s until the work finalizers posted so far has run (for tests: a drop's effects)."""
     return _closer.settle(timeout)
 
 

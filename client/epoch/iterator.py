@@ -61,8 +61,11 @@ log = logging.getLogger("loaderd.iterator")
 _WAKE = "wake"
 
 
-def _shutdown(lanes: EpochLanes, stop: threading.Event) -> None:
-    """Close every lane and stop the monitor (run by close() or when the iterator is dropped)."""
+def _shutdown(lanes: EpochLanes, stop: threading.Event, pid: int) -> None:
+    """Close every lane and stop the monitor (run by close() or when the iterator is dropped; in a
+    forked child, nothing: its lanes and monitor are the parent's, and ``stop``'s lock may have been held at the fork)."""
+    if os.getpid() != pid:
+        return
     stop.set()
     lanes.close()
 
@@ -104,7 +107,7 @@ class RemoteLoaderIter:
         # Cancels the streams when the caller drops the iterator (break, del, exception)
         # without relying on __del__; close() does it explicitly. Nothing the iterator
         # holds refers back to it, so dropping it runs this at once.
-        self._finalizer = Finalizer(self, _shutdown, self._lanes, self._stop)
+        self._finalizer = Finalizer(self, _shutdown, self._lanes, self._stop, self._pid)
         # Started by the first next(), once the plan is out: its first look is 0.1 s away, and
         # starting a thread here would delay the epoch's first message by as much as it costs.
         self._monitor_thread: threading.Thread | None = None  # started with the first next()

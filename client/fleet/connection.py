@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from loaderd.shm.session import ResumeRefused, ShmSession
 from loaderd.v1 import loaderd_pb2 as pb
 from loaderd.v1 import loaderd_pb2_grpc as pb_grpc
 from loaderd.wire.limits import MAX_MESSAGE_BYTES
+
+log = logging.getLogger("loaderd.connection")
 
 # How long one look-up of a daemon may take (a loader retries until its failover_timeout).
 PROBE_TIMEOUT_S = 2.0
@@ -163,12 +166,14 @@ def _close_all() -> None:
 
     Exiting with gRPC calls still open (a session, an iterator kept alive)
     lets gRPC's own threads be destroyed mid-flight, which aborts the process
-    ("terminate called without an active exception"). Registered at import,
-    so it runs after the iterators' finalizers have cancelled their streams.
+    ("terminate called without an active exception"). An epoch, lane or call
+    still alive here is not finalized at exit (loaderd.channel.closer): closing
+    its connection cancels its call, and the session's end gives its slots back.
     """
     EXITING.set()
     # What dropped loaders left open is closed first, on the closer thread (loaderd.channel.closer).
-    stop_closer(EXIT_JOIN_S)
+    if not stop_closer(EXIT_JOIN_S):
+        log.warning("loaderd: closing what dropped loaders left open took over %g s at exit", EXIT_JOIN_S)
     with _lock:
         connections = list(_connections.values())
         _connections.clear()

@@ -69,7 +69,9 @@ def _post(lane_ref: weakref.ref[Lane], events: queue.Queue[Any], kind: Heard, pa
         events.put(LaneEvent(lane, kind, time.monotonic(), payload))
 
 
-def _abandon(call: StreamCall, session: ShmSession | None, token: int) -> None:
+def _abandon(call: StreamCall, session: ShmSession | None, token: int, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child: the call and the session are the parent's
     call.cancel()
     if session is not None:
         session.abandon(token)
@@ -138,7 +140,7 @@ class Lane:
                 epoch.post(*call.outcome())
         self._call = call
         # Cancels the call if the lane is dropped without close() or finish() (a finalizer, not __del__).
-        self._closer = Finalizer(self, _abandon, self._call, session, token)
+        self._closer = Finalizer(self, _abandon, self._call, session, token, os.getpid())
 
     @property
     def outstanding(self) -> int:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from support.daemons import TESTS_DIR, RunningDaemon
+from support.daemons import TESTS_DIR, RunningDaemon, daemon_status, wait_for
 
 CLIENT = """
 import sys
@@ -42,3 +42,6 @@ def test_exit_with_open_stream_and_held_batches(start_daemon: Callable[..., Runn
         assert done.returncode == 0, f"attempt {attempt}: client exited {done.returncode}:\n{done.stderr[-2000:]}"
         assert "exiting 3" in done.stdout
         assert "terminate called" not in done.stderr
+    # What was still open at exit was closed by the exit hook (loaderd.channel.closer finalizes nothing then).
+    wait_for(lambda: not daemon_status(daemon.address).streams, 10.0, "the exited clients' streams to end")
+    wait_for(lambda: daemon_status(daemon.address).sessions == 0, 10.0, "the exited clients' sessions to end")
