@@ -15,6 +15,8 @@ So loaderd's finalizers close nothing where they run. ``Finalizer(owner, functio
   is reentrant: safe in a finalizer) and the process's closer thread (``loaderd-closer``) runs it,
   holding nothing else. An error there is logged: nobody is left to raise it to.
 - ``detach()``: it never runs.
+- ``wait(timeout)``: until it ran (either way) or was detached; True if it did. A loader's next epoch waits so for
+  the streams of the one dropped before it, as it did when the drop cancelled them where it happened.
 
 The closer thread starts with the first Finalizer a process makes (starting a thread takes locks,
 so never from a finalizer) and runs until the process's exit, where ``stop`` (called by the exit
@@ -41,7 +43,7 @@ log = logging.getLogger("loaderd.closer")
 # How often the idle closer thread re-checks its stop signal.
 _POLL_S = 1.0
 
-_Work = tuple[Callable[..., None], tuple[Any, ...]]
+_Work = tuple[Callable[..., None], tuple[Any, ...], threading.Event]
 
 
 class _Closer:
@@ -64,14 +66,14 @@ class _Closer:
             self._thread = threading.Thread(target=_run, args=(self._queue, self._stop), name="loaderd-closer", daemon=True)
             self._thread.start()
 
-    def post(self, function: Callable[..., None], args: tuple[Any, ...]) -> None:
-        """Queue ``function(*args)`` for the thread (a finalizer's callback: never blocks)."""
-        self._queue.put((function, args))
+    def post(self, function: Callable[..., None], args: tuple[Any, ...], done: threading.Event) -> None:
+        """Queue ``function(*args)`` for the thread, which sets ``done`` after it (a finalizer's callback: never blocks)."""
+        self._queue.put((function, args, done))
 
     def settle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for what was posted so far to have run; True if it did."""
         done = threading.Event()
-        self.post(done.set, ())
+        self.post(_nothing, (), done)
         return done.wait(timeout)
 
     def stop(self, timeout: float) -> bool:
@@ -101,11 +103,17 @@ def _run(work: queue.SimpleQueue[_Work | None], stop: threading.Event) -> None:
         del item  # what it closed goes now, not when the next work comes
 
 
-def _close(function: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _close(function: Callable[..., None], args: tuple[Any, ...], done: threading.Event) -> None:
     try:
         function(*args)
     except Exception:
         log.exception("loaderd: closing what a dropped object left open failed: %r", function)
+    finally:
+        done.set()
+
+
+def _nothing() -> None:
+    pass
 
 
 _closer = _Closer()
@@ -124,24 +132,33 @@ class Finalizer:
     """Runs ``function(*args)`` once: at once when called, or on the closer thread once ``owner`` is
     collected (see the module's docstring). Holds no reference to ``owner``."""
 
-    __slots__ = ("_finalize",)
+    __slots__ = ("_done", "_finalize")
 
     def __init__(self, owner: object, function: Callable[..., None], *args: Any) -> None:
         _closer.start()
+        self._done = threading.Event()
         # post is looked up at collection: a forked child posts to its own closer.
-        self._finalize = weakref.finalize(owner, _post, function, args)
+        self._finalize = weakref.finalize(owner, _post, function, args, self._done)
         self._finalize.atexit = False  # the exit hook closes what is still open (the module's docstring)
 
     def __call__(self) -> None:
         """Run it now, on this thread, unless it ran (or was posted, or detached) already."""
         detached = self._finalize.detach()
         if detached is not None:
-            _owner, _post_function, (function, args), _kwargs = detached
-            function(*args)
+            _owner, _post_function, (function, args, done), _kwargs = detached
+            try:
+                function(*args)
+            finally:
+                done.set()
 
     def detach(self) -> None:
         """It never runs."""
-        self._finalize.detach()
+        if self._finalize.detach() is not None:
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until it ran (here or on the closer thread) or was detached; True if it did."""
+        return self._done.wait(timeout)
 
     @property
     def alive(self) -> bool:
@@ -149,8 +166,8 @@ class Finalizer:
         return self._finalize.alive
 
 
-def _post(function: Callable[..., None], args: tuple[Any, ...]) -> None:
-    _closer.post(function, args)
+def _post(function: Callable[..., None], args: tuple[Any, ...], done: threading.Event) -> None:
+    _closer.post(function, args, done)
 
 
 def settle(timeout: float) -> bool:

@@ -383,6 +383,12 @@ class RemoteLoaderIter:
             raise exception_from_remote(payload)
         return payload
 
+    @property
+    def closing(self) -> Finalizer:
+        """What ends this epoch's streams: ``close()`` runs it, or the closer thread once the iterator is dropped
+        (``wait`` for it; loaderd.channel.closer)."""
+        return self._finalizer
+
     def close(self) -> None:
         """End the epoch (early: the daemons stop working for this stream). Idempotent.
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from loaderd.channel.closer import Finalizer
 from loaderd.epoch.epoch_stream import EpochStream
 from loaderd.epoch.index_batches import first_batch_draws, index_batches, plans_ahead
 from loaderd.epoch.iterator import RemoteLoaderIter
@@ -28,6 +29,9 @@ from loaderd.epoch.start import EpochProgress, EpochStart, begin_epoch, epoch_aw
 from loaderd.epoch.state import LoaderState
 
 log = logging.getLogger("loaderd.loader")
+
+# How long a new epoch waits for the cancels of the one dropped before it (run on the closer thread).
+PREVIOUS_CLOSE_WAIT_S = 1.0
 
 # Makes an epoch's EpochStream from the loader's arguments as they are when the epoch begins: a
 # bound method of the loader, which the epoch's iterator holds weakly (it must not hold the loader).
@@ -50,6 +54,8 @@ class LoaderEpochs:
         self._resume: LoaderState | None = None  # armed by load for the next begin
         # Weak: holding the epoch's iterator would keep its stream open after a `break`.
         self._iterator: weakref.ref[RemoteLoaderIter] | None = None
+        # What closes that epoch (its iterator's finalizer): the next waits for it if the iterator was dropped.
+        self._closing: Finalizer | None = None
         # The next epoch, planned while this one ends, where its draws allow;
         # off for good once a caller drew from the global RNG between epochs.
         self._next_epoch: NextEpoch | None = None
@@ -63,6 +69,11 @@ class LoaderEpochs:
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:
             previous.close()  # one live epoch per loader, as torch resets its workers
+        elif self._closing is not None:
+            # Dropped without close() (a `break`): the closer thread cancels its streams (loaderd.channel.closer).
+            # This epoch's calls open after, as when the drop cancelled them where it happened (a daemon's
+            # max_streams_per_client counts them until then).
+            self._closing.wait(PREVIOUS_CLOSE_WAIT_S)
         self._epochs_begun += 1
         planned, self._next_epoch = self._next_epoch, None
         if planned is not None:
@@ -75,7 +86,7 @@ class LoaderEpochs:
                         planned.take_draws()
                         self.epoch += 1
                         self._progress = planned.progress
-                        self._iterator = weakref.ref(planned.iterator)
+                        self._iterator, self._closing = weakref.ref(planned.iterator), planned.iterator.closing
                         return planned.iterator
                     if readiness is Readiness.REFUSED:
                         self._plans_ahead = False  # it would be refused again
@@ -87,7 +98,7 @@ class LoaderEpochs:
         self.epoch = epoch + 1
         self._progress = start.progress
         iterator = RemoteLoaderIter(self._stream(start, open_stream))
-        self._iterator = weakref.ref(iterator)
+        self._iterator, self._closing = weakref.ref(iterator), iterator.closing
         return iterator
 
     def _stream(self, start: EpochStart, open_stream: OpenStream) -> EpochStream:

@@ -82,7 +82,7 @@ def test_close_joins_the_threads_of_a_call_collected_just_before(start_daemon: C
 
 def grpc_call_of(lane: Any) -> Any:
     """The gRPC call under a lane's StreamCall: the first argument its finalizer would cancel (loaderd.channel.closer)."""
-    _call, _post, (_cancel, arguments), _kwargs = lane._call._closer._finalize.peek()
+    _call, _post, (_cancel, arguments, _done), _kwargs = lane._call._closer._finalize.peek()
     return arguments[0]
 
 

@@ -113,3 +113,15 @@ def test_the_closer_keeps_nothing_of_what_it_closed() -> None:
     # No settle(): the marker it posts would be the last work, and free this one.
     wait_for(lambda: work == ["Held"], 5.0, "the posted work to run")
     wait_for(lambda: gone() is None, 3.0, "the closer thread to let go of the work it ran")
+
+
+def test_wait_returns_once_it_ran_either_way_or_was_detached() -> None:
+    work: list[str] = []
+    called, dropped, detached, kept = Owner(work), Owner(work), Owner(work), Owner(work)
+    closers = [called.closer, dropped.closer, detached.closer]
+    called.closer()
+    detached.closer.detach()
+    del dropped  # posted: wait() sees it run on the closer thread
+    assert all(closer.wait(5.0) for closer in closers)
+    assert sorted(work) == sorted([threading.current_thread().name, "loaderd-closer"])
+    assert not kept.closer.wait(0.05), "one never run nor detached is not done"
