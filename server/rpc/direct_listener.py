@@ -14,8 +14,9 @@ The format and the handshake are in loaderd/wire/direct_frames.py. This side:
   daemon's user cannot hold more of the daemon's descriptors. A key that arrives twice keeps the first connection.
 - if the thread fails (a bug), claims return None at once and the calls stay on gRPC.
 
-``close`` is idempotent: the thread leaves within ``POLL_S``, every waiting connection is closed and the socket's
-file removed. Claimed connections belong to their calls (``DirectSocket``, server/rpc/direct_socket.py).
+``close`` is idempotent: it wakes the thread (a byte on a socket pair the thread also selects on), joins it, closes
+every waiting connection and removes the socket's file; a daemon's stop does not wait out a poll. Claimed
+connections belong to their calls (``DirectSocket``, server/rpc/direct_socket.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class DirectListener:
         self._reading: dict[socket.socket, tuple[float, bytearray]] = {}  # key not complete yet: arrived at, bytes
         self._ready: dict[bytes, tuple[float, socket.socket]] = {}  # key -> arrived at, connection
         self._stop = threading.Event()
+        # ``close`` writes a byte here to end the thread's select at once.
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._waker.setblocking(False)
         self._throttle = LogThrottle(log)
         self._thread = threading.Thread(target=self._run, name="loaderd-direct", daemon=True)
 
@@ -81,8 +86,15 @@ class DirectListener:
     def close(self) -> None:
         """Stop accepting, close every connection not claimed, remove the socket's file. Idempotent."""
         self._stop.set()
+        try:
+            self._waker.send(b"\0")
+        except OSError:  # closed by an earlier close, or a byte already waits
+            pass
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(POLL_S * 4)
+        if not self._thread.is_alive():  # else it may still select on the pair: left to the process's exit
+            self._wake.close()
+            self._waker.close()
         with self._lock:
             waiting = list(self._reading) + [conn for _, conn in self._ready.values()]
             self._reading.clear()
@@ -103,9 +115,12 @@ class DirectListener:
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake, selectors.EVENT_READ)
         try:
             while not self._stop.is_set():
                 for key, _ in selector.select(POLL_S):
+                    if key.fileobj is self._wake:
+                        continue  # close(): the loop sees the stop signal
                     if key.fileobj is self._listener:
                         self._accept(selector)
                     else:

@@ -75,6 +75,18 @@ def test_socket_is_private_and_goes_with_close() -> None:
     assert connect(made.path) is None  # nothing listens: the call stays on gRPC
 
 
+def test_close_does_not_wait_out_the_threads_poll() -> None:
+    """A daemon's stop waits for the listener's thread: close wakes it rather than letting its select time out."""
+    made = DirectListener(socket_path(), handshake_timeout=5.0)
+    made.start()
+    time.sleep(0.05)  # the thread is in its select (POLL_S, 0.25 s)
+    started = time.monotonic()
+    made.close()
+    took = time.monotonic() - started
+    assert took < direct_listener.POLL_S / 2, f"close took {took:.3f}s"
+    made.close()  # idempotent once the wake pair is closed too
+
+
 def test_responses_arrive_whole_and_in_order(listener: DirectListener) -> None:
     sink, client = attached(listener)
     # Small frames (many a read), one split across reads, and frames larger than the client's buffer.
