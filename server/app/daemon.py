@@ -190,8 +190,8 @@ class Daemon:
         Every part gets what it depends on at construction; this is the whole wiring.
         """
         config = self.config
-        # The daemon itself imports no dataset (nor torch): a forked child checks the config's imports
-        # while the pool starts (server/worker/import_check.py).
+        # The daemon itself imports no dataset (nor torch): a child forked now checks the config's imports
+        # if the pool's start fails, to name the culprit (server/worker/import_check.py).
         check = ImportCheck(config, self.startup_timeout)
         try:
             # Credentials are checked before the pool starts: a bad file fails in a second, not after warm-up.
@@ -330,18 +330,13 @@ class Daemon:
         self.failed.set()
 
     def _start_pool(self, pool: WorkerPool, check: ImportCheck) -> dict[str, DatasetMeta]:
-        """``pool.start`` while the import check runs; a failed check wins, since its message names the module."""
+        """``pool.start``; if it fails, the import check runs and a failed check wins, since its message names the
+        module (the pool saw only its effect). A pool that started imported every module: no check runs."""
         try:
-            datasets = pool.start(self.startup_timeout, give_up=lambda: check.problem() or None)
+            return pool.start(self.startup_timeout)
         except PoolStartError:
-            check.raise_problem()  # the imports' fault (the pool saw only its effect): say so
+            check.raise_problem()  # the imports' fault: say so
             raise
-        try:
-            check.raise_problem()
-        except ConfigError:
-            pool.shutdown()
-            raise
-        return datasets
 
     def drain(self, timeout: float, abort: threading.Event) -> None:
         """The drain in the module docstring: returns when no stream is open, after ``timeout`` s, or on ``abort``."""
