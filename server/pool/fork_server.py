@@ -27,7 +27,7 @@ from loaderd.server.process.multiprocessing_private import (
 )
 from loaderd.server.worker import prebuilt
 
-# How often a starting pool asks whether to give up (the daemon's import check may fail meanwhile).
+# How often a starting pool re-checks its deadline (and, in WorkerPool.start, reads its workers' news).
 START_POLL_S = 0.05
 
 
@@ -55,11 +55,10 @@ class ForkServer:
         count: int,
         deadline: float,
         timeout: float,
-        give_up: Callable[[], str | None],
         shutdown: Callable[[], None],
     ) -> None:
-        """Start worker processes 0 to ``count - 1`` (``spawn(worker_id)``), giving up at ``deadline`` or
-        when ``give_up`` says so; PoolStartError, once ``shutdown`` ended what started, if they did not start.
+        """Start worker processes 0 to ``count - 1`` (``spawn(worker_id)``), giving up at ``deadline``;
+        PoolStartError, once ``shutdown`` ended what started, if they did not start.
 
         Starting the first process waits (without a timeout) for the fork server to
         finish its preloads: the config's modules, and with ``build: once`` building
@@ -107,10 +106,7 @@ class ForkServer:
                 thread.start()
                 while thread.is_alive() and not stopped:
                     thread.join(max(0.0, min(START_POLL_S, deadline - time.monotonic())))
-                    reason = give_up()
-                    if reason:
-                        stopped = f"pool start stopped: {reason}"
-                    elif time.monotonic() >= deadline and thread.is_alive():
+                    if time.monotonic() >= deadline and thread.is_alive():
                         what = f"build the datasets with build: once ({names})" if names else "import the config's modules"
                         stopped = f"the fork server did not {what} within {timeout:.0f}s"
             except BaseException:  # e.g. KeyboardInterrupt in a program that starts a pool itself

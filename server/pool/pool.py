@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -157,24 +157,16 @@ class WorkerPool:
         self._workers[worker_id] = worker
         return worker
 
-    def start(self, timeout: float, give_up: Callable[[], str | None] = lambda: None) -> dict[str, DatasetMeta]:
-        """Start every worker and wait until each has built its datasets (all within ``timeout``).
-
-        ``give_up`` is asked every few tens of milliseconds meanwhile; once it returns a
-        reason, the start stops (fork server and workers go) with a PoolStartError
-        saying it. The daemon passes its import check's verdict, which runs meanwhile.
-        """
+    def start(self, timeout: float) -> dict[str, DatasetMeta]:
+        """Start every worker and wait until each has built its datasets (all within ``timeout``); else
+        PoolStartError, the fork server and workers gone."""
         deadline = time.monotonic() + timeout
-        self._fork_server.start_workers(self._spawn, self.config.first_workers, deadline, timeout, give_up, self.shutdown)
+        self._fork_server.start_workers(self._spawn, self.config.first_workers, deadline, timeout, self.shutdown)
         while not all(w.ready for w in self._workers.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.shutdown()
                 raise PoolStartError(f"workers did not build their datasets within {timeout:.0f}s")
-            reason = give_up()
-            if reason:
-                self.shutdown()
-                raise PoolStartError(f"pool start stopped: {reason}")
             for event in self.poll(min(remaining, START_POLL_S)):
                 if isinstance(event, WorkerDied):
                     self.shutdown()

@@ -45,6 +45,10 @@ class DirectListener:
         """Binds ``path`` now (mode 0600); ``start`` begins accepting."""
         self.path = path
         self._timeout = handshake_timeout
+        # ``close`` writes a byte here to end the thread's select at once. Made first: nothing else to undo if it fails.
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._waker.setblocking(False)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(path)
@@ -52,16 +56,14 @@ class DirectListener:
             self._listener.listen(MAX_WAITING)
         except OSError:
             self._close_listener()
+            self._wake.close()
+            self._waker.close()
             raise
         self._listener.setblocking(False)
         self._lock = threading.Condition()
         self._reading: dict[socket.socket, tuple[float, bytearray]] = {}  # key not complete yet: arrived at, bytes
         self._ready: dict[bytes, tuple[float, socket.socket]] = {}  # key -> arrived at, connection
         self._stop = threading.Event()
-        # ``close`` writes a byte here to end the thread's select at once.
-        self._wake, self._waker = socket.socketpair()
-        self._wake.setblocking(False)
-        self._waker.setblocking(False)
         self._throttle = LogThrottle(log)
         self._thread = threading.Thread(target=self._run, name="loaderd-direct", daemon=True)
 

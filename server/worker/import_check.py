@@ -11,13 +11,12 @@ on to run the datasets anyway.
 The child (``ImportCheck``) is forked before the daemon starts any thread
 (``Daemon.start`` creates it first) and waits, importing nothing, while the daemon
 starts its pool, whose fork server imports the same modules. Only if the pool's start
-fails is the child told to check (a failed check wins over whatever the pool's start
-said, since its message names the module); a pool that started imported everything,
-and the child is killed unused. A start that succeeds so pays no second import of torch
-and the datasets' modules: ~1 CPU-second, and ~0.2 s of the start's wall time even on
-an idle 2-core host (the two imports competed), more on a busy or 1-core one. The child
-answers on a pipe and exits; it is killed if it takes longer than the timeout, and
-reaped either way.
+fails is the child told to check; a failed check wins over whatever the pool's start
+said, since its message names the module. A pool that started imported everything, and
+the child is killed unused: a start that succeeds imports torch and the datasets' modules
+once, not twice side by side (docs/pages/performance.md has the figure). The child
+answers on a pipe and exits; it ends with the daemon (EOF on the pipe it waits on), is
+killed if it takes longer than its time, and is reaped either way.
 """
 
 from __future__ import annotations
@@ -32,19 +31,22 @@ from loaderd.server.worker.user_code import apply_python_path, check_imports
 
 # After a kill, how long to wait for the child to be gone.
 _REAP_S = 5.0
+# The least time the check gets once told, whatever is left of the startup timeout: it imports torch first.
+CHECK_S = 10.0
 
 
-def _check_in_child(config: LoaderConfig, go: Connection, answer: Connection, timeout: float) -> None:
+def _check_in_child(config: LoaderConfig, go: Connection, answer: Connection, parents: tuple[Connection, ...], wait: float) -> None:
     """The child: once told to ``go``, the ConfigError's message, or "" if everything imports. Nothing if
-    the daemon closes ``go`` (or says nothing within ``timeout``)."""
+    the daemon closes ``go`` or ends (or says nothing within ``wait``)."""
     # Not the daemon's handlers (they set its drain and stop flags): Ctrl-C or SIGTERM ends the check.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for end in parents:  # the daemon's ends, inherited: holding its write end, ``go`` would never see EOF
+        end.close()
     try:
-        # Past the daemon's deadline (``timeout`` from just before the fork) its pool has given up already.
-        if not go.poll(timeout + _REAP_S) or not go.recv():
+        if not go.poll(wait) or not go.recv():
             return
-    except (EOFError, OSError):  # the daemon went on without a check
+    except (EOFError, OSError):  # the daemon went on without a check, or ended
         return
     try:
         check_imports(config)
@@ -60,24 +62,28 @@ class ImportCheck:
     """``check_imports`` in a child forked at construction, made only when ``raise_problem`` asks (the pool's
     start failed).
 
-    Rules: construct it before the process starts any thread (it forks). The check has
-    ``timeout`` seconds from construction: ``raise_problem`` tells the child to check and
-    waits for its verdict until then, raising ConfigError with the problem (a message for a
-    ConfigError, or that importing ended the child, or took past the deadline); past the
-    deadline already (the pool's start used it all) it checks nothing and returns, and the
-    caller's own error stands. ``close()`` (idempotent) kills the child if it still runs and
-    reaps it.
+    Rules: construct it before the process starts any thread (it forks). ``raise_problem``
+    tells the child to check and waits for its verdict until ``timeout`` from construction
+    is up, or ``CHECK_S`` at least (a pool may fail just before that deadline, and the check
+    then imports torch first); it raises ConfigError with the problem (a message for a
+    ConfigError, or that importing ended the child). It says nothing, and the caller's own
+    error stands, where it has no verdict: the deadline passed already (the pool's start
+    used it all, and says where it was), the child was gone before it was told (killed with
+    the process group, say), or it did not answer in time. ``close()`` (idempotent) kills
+    the child if it still runs and reaps it.
     """
 
     def __init__(self, config: LoaderConfig, timeout: float) -> None:
         apply_python_path(config.python_path)
-        self._timeout = timeout
         self._deadline = time.monotonic() + timeout
         self._answered = False
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         go, self._go = context.Pipe(duplex=False)
-        self._child = context.Process(target=_check_in_child, args=(config, go, send, timeout), name="loaderd-import-check", daemon=True)
+        parents = (self._receive, self._go)
+        self._child = context.Process(
+            target=_check_in_child, args=(config, go, send, parents, timeout + CHECK_S), name="loaderd-import-check", daemon=True
+        )
         try:
             self._child.start()
         except BaseException:
@@ -89,16 +95,16 @@ class ImportCheck:
             go.close()
 
     def raise_problem(self) -> None:
-        """Check now, waiting for the verdict until the deadline at most; ConfigError if the check failed."""
+        """Check now and wait for the verdict (see the class); ConfigError if the check failed."""
         left = self._deadline - time.monotonic()
-        if left <= 0 or self._answered:
+        if left <= 0 or self._answered or not self._child.is_alive():
             return
         try:
             self._go.send(True)  # the child has waited, importing nothing, until now
-        except OSError:  # it is gone: its EOF below says so
+        except OSError:  # it died just now: its EOF below says so
             pass
-        if not self._receive.poll(left):
-            raise ConfigError(f"importing the config's datasets took longer than {self._timeout:g}s (startup timeout)")
+        if not self._receive.poll(max(left, CHECK_S)):
+            return
         try:
             problem = self._receive.recv()
             self._answered = True
@@ -109,11 +115,13 @@ class ImportCheck:
             raise ConfigError(problem)
 
     def close(self) -> None:
+        """Kill the child if it still runs (one never told would return on the closed pipe, but need not be
+        waited for) and reap it. Idempotent."""
         self._receive.close()
-        self._go.close()  # an untold child returns at once
+        self._go.close()
         if self._child.pid is None:
             return
         self._child.join(_REAP_S if self._answered else 0.0)  # one that answered exits on its own
-        if self._child.is_alive():  # no answer in time, or stuck on its way out
+        if self._child.is_alive():
             self._child.kill()
             self._child.join(_REAP_S)

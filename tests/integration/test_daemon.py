@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -190,6 +191,58 @@ def test_a_module_that_never_finishes_importing_is_cut_at_the_startup_timeout(sh
     # The child (forked: the daemon's command line) was killed with the daemon's exit, not left waiting.
     assert not [pid for pid in psutil.pids() if str(path) in cmdline(pid)]
 
+
+# A constructor (run by each worker, forked by the fork server, forked by the daemon) that fails 7.6 s after the
+# daemon started, however slow the start was until then: with --startup-timeout 8, under a second before the pool's
+# deadline, less than the check needs to import the module (torch with it).
+_FAILS_JUST_BEFORE_THE_TIMEOUT = """
+import os, time
+import torch  # as a real dataset's module does: the check takes over a second
+
+
+def _daemon_age():
+    daemon = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])
+    started = int(open(f"/proc/{daemon}/stat").read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return float(open("/proc/uptime").read().split()[0]) - started
+
+class Odd:
+    def __init__(self):
+        time.sleep(max(0.0, 7.6 - _daemon_age()))
+        raise RuntimeError("storage not reachable")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_constructor_that_fails_just_before_the_timeout_is_the_pools_error_not_a_slow_import(short_tmp: Path) -> None:
+    """The import check starts only once the pool's start failed; told with little of the startup timeout left,
+    it still gets the time to import (and pass): the pool's own error stands, not "took longer" (exit 1)."""
+    path = _module_config(short_tmp, _FAILS_JUST_BEFORE_THE_TIMEOUT)
+    rc, _, stderr, _ = run_serve(path, "--startup-timeout", "8")
+    assert rc == 1, stderr
+    assert "storage not reachable" in stderr and "longer than" not in stderr, stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_import_check_child_ends_with_a_daemon_killed_while_its_pool_starts(short_tmp: Path) -> None:
+    """The check's child waits on a pipe from the daemon: a SIGKILLed daemon's EOF ends it (it holds none of the
+    daemon's ends), rather than leaving it, with the daemon's stdout and stderr, until the startup timeout."""
+    path = _module_config(short_tmp, "import time\nclass Odd:\n    def __init__(self):\n        time.sleep(60)\n")
+    daemon = popen_serve(path, short_tmp / "daemon.log")
+    below: list[psutil.Process] = []
+    try:
+        wait_for(lambda: [p for p in descendants(daemon.pid) if cmdline(p) == cmdline(daemon.pid)], 20.0, "the import check's child")
+        wait_for(lambda: any("forkserver" in cmdline(p) for p in descendants(daemon.pid)), 20.0, "the pool's start")
+        below = descendants(daemon.pid)
+        check = [p for p in below if cmdline(p) == cmdline(daemon.pid)]
+        daemon.kill()
+        daemon.wait(10)
+        wait_for(lambda: not still_running(check), 5.0, "the import check's child to end with its daemon")
+    finally:
+        daemon.kill()
+        daemon.wait(10)
+        for process in below:  # the workers, still in the constructor's sleep
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 # A dataset module that writes down each process that imports it.
 _COUNTS_ITS_IMPORTERS = """
