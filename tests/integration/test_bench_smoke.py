@@ -9,7 +9,9 @@ bench_soak.py runs as its own process, from its command line: it SIGKILLs client
 processes that come from a fork server of its own. bench_fuzz.py runs in this
 process on a few hundred fuzzed calls. bench_failover.py --quick runs as its own
 process too: it SIGKILLs and restarts real daemons, and its soak clients come from
-its own fork server. bench_segments.py and bench_travel.py run as their own processes on toy sizes too.
+its own fork server; it runs alone, since it asserts how long a failover takes. bench_soak.py,
+bench_startup.py, bench_ab.py, bench_travel.py and bench_segments.py (their own processes, on toy
+sizes) assert only what they count and report: they run side by side, started together.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,57 +69,56 @@ def test_tenancy_bench_runs_every_part(capsys: pytest.CaptureFixture[str]) -> No
     assert "ERROR" not in out and "n/a" not in out, out
 
 
-def run_bench(script: Path, args: list[str], timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess[str]:
-    """Run a bench script to completion in a session of its own; its exit code and output.
+class BenchRun:
+    """A bench script started in a session of its own, its output going to files (a pipe nobody reads while
+    it runs could fill and stall it); ``finish`` waits for it."""
 
-    If it overruns ``timeout``, SIGTERM lets it stop its daemons and clients (``grace`` s),
-    then the whole session is killed and the test fails with its output.
-    """
-    bench = subprocess.Popen(
-        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = bench.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)
+    def __init__(self, script: Path, args: list[str]) -> None:
+        self.script = script
+        self._out = tempfile.TemporaryFile("w+")
+        self._err = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), *args], stdout=self._out, stderr=self._err, text=True, start_new_session=True
+        )
+
+    def finish(self, timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess[str]:
+        """Its exit code and output, once it ends.
+
+        If it overruns ``timeout`` (from this call), SIGTERM lets it stop its daemons and clients
+        (``grace`` s), then the whole session is killed and the test fails with its output.
+        """
         try:
-            out, err = bench.communicate(timeout=grace)
-        finally:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        raise AssertionError(f"{script.name} did not finish within {timeout:g} s:\n{out}\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(bench.args, bench.returncode, out, err)
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill()
+            out, err = self._read()
+            raise AssertionError(f"{self.script.name} did not finish within {timeout:g} s:\n{out}\n{err[-4000:]}") from None
+        out, err = self._read()
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, out, err)
+
+    def kill(self) -> None:
+        """Kill its whole session (daemons and clients included) if it still runs. Idempotent."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def _read(self) -> tuple[str, str]:
+        for file in (self._out, self._err):
+            file.seek(0)
+        out, err = self._out.read(), self._err.read()
+        self._out.close()
+        self._err.close()
+        return out, err
 
 
-
-SOAK = Path(__file__).resolve().parents[1] / "bench" / "bench_soak.py"
-TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
-
-
-@pytest.mark.timeout(100)
-def test_soak_bench_runs_both_parts() -> None:
-    bench = run_bench(SOAK, TINY_SOAK, timeout=75)
-    out, err = bench.stdout, bench.stderr
-    # 2: no loader problem, but a metric grew beyond its tolerance (on toy sizes the numbers mean nothing).
-    assert bench.returncode in (0, 2), f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
-    for row in (
-        "### A. killed clients: 6 clients",
-        "### B. many streams: 8 streams",
-        "| start |",
-        "| 50% |",
-        "| end (settled) |",
-        "| daemon open fds |",
-        "| workers' open fds (sum) |",
-        "| map, shm, shuffle | same (32 batches) |",
-        "| map, grpc, shuffle | same (32 batches) |",
-        "| iterable, shm, 2 replicas | same (32 batches) |",
-        "No loader errors, hangs or wrong batches were seen.",
-    ):
-        assert row in out, out
-    killed = sum(int(n) for n in re.findall(r"killed (?:holding|reading): (\d+)", out))
-    assert killed == 6, out
-    assert "processes finished: 2" in out and "streams opened: 8" in out, out
+def run_bench(script: Path, args: list[str], timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """Run a bench script to completion (``BenchRun``); its exit code and output."""
+    return BenchRun(script, args).finish(timeout, grace)
 
 
 @pytest.mark.timeout(180)
@@ -169,24 +172,82 @@ def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
     assert len(soaks) == 2 and all(int(n) > 0 and n == same for n, same in soaks), out
 
 
+SOAK = Path(__file__).resolve().parents[1] / "bench" / "bench_soak.py"
 STARTUP = Path(__file__).resolve().parents[1] / "bench" / "bench_startup.py"
+AB = Path(__file__).resolve().parents[1] / "bench" / "bench_ab.py"
+TRAVEL = Path(__file__).resolve().parents[1] / "bench" / "bench_travel.py"
+SEGMENTS = Path(__file__).resolve().parents[1] / "bench" / "bench_segments.py"
+TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
+
+
+# The benches below assert only what they count and report, no figure that the machine's load moves: they run
+# side by side, started together once for the module (after the tests above, which run alone), and each test
+# waits for its own. One after another they took ~70 s of the suite on 2 cores.
+SIDE_BY_SIDE = {
+    "soak": (SOAK, TINY_SOAK),
+    "startup": (STARTUP, ["--quick"]),
+    "ab": (AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:grpc,first:shm", "--epoch-batches", "64"]),
+    "travel": (TRAVEL, ["--quick"]),
+    "segments": (SEGMENTS, ["--epochs", "2"]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SideBySide:
+    runs: dict[str, BenchRun]
+    shm_before: set[str]  # /dev/shm's entries before they started
+
+
+@pytest.fixture(scope="module")
+def side_by_side() -> Iterator[SideBySide]:
+    shm_before = set(os.listdir("/dev/shm"))
+    runs: dict[str, BenchRun] = {}
+    try:
+        for name, (script, args) in SIDE_BY_SIDE.items():
+            runs[name] = BenchRun(script, args)
+        yield SideBySide(runs, shm_before)
+    finally:
+        for run in runs.values():
+            run.kill()
 
 
 @pytest.mark.timeout(180)
-def test_startup_bench_times_starts_and_a_replaced_worker() -> None:
-    bench = run_bench(STARTUP, ["--quick"], timeout=150)
+def test_soak_bench_runs_both_parts(side_by_side: SideBySide) -> None:
+    bench = side_by_side.runs["soak"].finish(timeout=150)
+    out, err = bench.stdout, bench.stderr
+    # 2: no loader problem, but a metric grew beyond its tolerance (on toy sizes the numbers mean nothing).
+    assert bench.returncode in (0, 2), f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
+    for row in (
+        "### A. killed clients: 6 clients",
+        "### B. many streams: 8 streams",
+        "| start |",
+        "| 50% |",
+        "| end (settled) |",
+        "| daemon open fds |",
+        "| workers' open fds (sum) |",
+        "| map, shm, shuffle | same (32 batches) |",
+        "| map, grpc, shuffle | same (32 batches) |",
+        "| iterable, shm, 2 replicas | same (32 batches) |",
+        "No loader errors, hangs or wrong batches were seen.",
+    ):
+        assert row in out, out
+    killed = sum(int(n) for n in re.findall(r"killed (?:holding|reading): (\d+)", out))
+    assert killed == 6, out
+    assert "processes finished: 2" in out and "streams opened: 8" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_startup_bench_times_starts_and_a_replaced_worker(side_by_side: SideBySide) -> None:
+    bench = side_by_side.runs["startup"].finish(timeout=150)
     out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## Startup: 2 workers, 2 rounds" in out, out
     assert re.search(r"^\| this checkout \| \d+ ms \(\d+, \d+\) \| \d+ ms \(\d+, \d+\) \|$", out, re.M), out
 
 
-AB = Path(__file__).resolve().parents[1] / "bench" / "bench_ab.py"
-
-
 @pytest.mark.timeout(180)
-def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
-    bench = run_bench(AB, ["--baseline", "HEAD", "--quick", "--workloads", "tiny:grpc,first:shm", "--epoch-batches", "64"], timeout=150)
+def test_ab_bench_runs_this_checkout_against_a_commit(side_by_side: SideBySide) -> None:
+    bench = side_by_side.runs["ab"].finish(timeout=150)
     out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## A/B: this checkout vs baseline HEAD, epochs of 64 batches" in out, out
@@ -201,13 +262,10 @@ def test_ab_bench_runs_this_checkout_against_a_commit() -> None:
         assert re.search(rf"^- {workload}: this checkout faster in [01] of 1 rounds$", out, re.M), out
 
 
-TRAVEL = Path(__file__).resolve().parents[1] / "bench" / "bench_travel.py"
-
-
 @pytest.mark.timeout(180)
-def test_travel_bench_carries_batches_one_and_several_a_message() -> None:
-    before = set(os.listdir("/dev/shm"))
-    bench = run_bench(TRAVEL, ["--quick"], timeout=150)
+def test_travel_bench_carries_batches_one_and_several_a_message(side_by_side: SideBySide) -> None:
+    before = side_by_side.shm_before
+    bench = side_by_side.runs["travel"].finish(timeout=150)
     out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## bench_travel:" in out, out
@@ -220,12 +278,9 @@ def test_travel_bench_carries_batches_one_and_several_a_message() -> None:
     assert not [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("loaderd-bench-travel-")]
 
 
-SEGMENTS = Path(__file__).resolve().parents[1] / "bench" / "bench_segments.py"
-
-
 @pytest.mark.timeout(180)
-def test_segments_bench_counts_a_loaders_segments_with_and_without_plan_ahead() -> None:
-    bench = run_bench(SEGMENTS, ["--epochs", "2"], timeout=150)
+def test_segments_bench_counts_a_loaders_segments_with_and_without_plan_ahead(side_by_side: SideBySide) -> None:
+    bench = side_by_side.runs["segments"].finish(timeout=150)
     out, err = bench.stdout, bench.stderr
     assert bench.returncode == 0, f"exit {bench.returncode}\n{out}\n{err[-4000:]}"
     assert "## Segments in rotation: f32 (batch 256), 2 workers, 2 epochs" in out, out
