@@ -16,6 +16,7 @@ sizes) assert only what they count and report: they run side by side, started to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_tenancy
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+import bench_tenancy  # noqa: E402 - importable once BENCH_DIR is on sys.path (a script folder, not a package)
 
 TINY = bench_tenancy.Settings(
     parts=[],
@@ -102,8 +104,9 @@ class BenchRun:
         return subprocess.CompletedProcess(self.process.args, self.process.returncode, out, err)
 
     def kill(self) -> None:
-        """Kill its whole session (daemons and clients included) if it still runs. Idempotent."""
-        if self.process.poll() is None:
+        """Kill whatever of its session still runs (daemons and clients included, even once the script itself
+        ended). Idempotent."""
+        with contextlib.suppress(ProcessLookupError):  # nothing of it left
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
 
@@ -141,7 +144,7 @@ def test_fuzz_bench_runs_and_reports(capsys: pytest.CaptureFixture[str]) -> None
     assert "ERROR" not in out, out
 
 
-FAILOVER = Path(__file__).resolve().parents[1] / "bench" / "bench_failover.py"
+FAILOVER = BENCH_DIR / "bench_failover.py"
 
 
 @pytest.mark.timeout(420)
@@ -172,11 +175,11 @@ def test_failover_bench_runs_its_failover_and_soak_parts() -> None:
     assert len(soaks) == 2 and all(int(n) > 0 and n == same for n, same in soaks), out
 
 
-SOAK = Path(__file__).resolve().parents[1] / "bench" / "bench_soak.py"
-STARTUP = Path(__file__).resolve().parents[1] / "bench" / "bench_startup.py"
-AB = Path(__file__).resolve().parents[1] / "bench" / "bench_ab.py"
-TRAVEL = Path(__file__).resolve().parents[1] / "bench" / "bench_travel.py"
-SEGMENTS = Path(__file__).resolve().parents[1] / "bench" / "bench_segments.py"
+SOAK = BENCH_DIR / "bench_soak.py"
+STARTUP = BENCH_DIR / "bench_startup.py"
+AB = BENCH_DIR / "bench_ab.py"
+TRAVEL = BENCH_DIR / "bench_travel.py"
+SEGMENTS = BENCH_DIR / "bench_segments.py"
 TINY_SOAK = ["--kills", "6", "--streams-procs", "2", "--streams-per-proc", "4", "--at-once", "2", "--warmup", "2", "--quiesce", "0"]
 
 
